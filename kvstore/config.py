@@ -1,0 +1,215 @@
+"""Node configuration: one typed object, built once and passed down.
+
+One table of settings (:data:`SETTINGS`) drives the command-line flags, the
+TOML config file and the ``KVSTORED_*`` environment overrides, so the three
+never drift apart. Precedence: defaults < config file < environment < flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+from kvstore.units import parse_size
+
+DEVICES_HELP = "auto (a GPU when CuPy finds one, else cpu), cpu, or cuda:N"
+
+
+def parse_hostport(text: str, *, allow_zero_port: bool = True) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6]:port`` too); raises ValueError."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"bad address {text!r}: expected HOST:PORT")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    value = int(port)
+    if not (0 if allow_zero_port else 1) <= value <= 65535:
+        raise ValueError(f"bad port in {text!r}")
+    return host, value
+
+
+def parse_peers(value: str | list[str]) -> tuple[str, ...]:
+    """``host:port,host:port`` (or a TOML list) -> validated tuple."""
+    items = value if isinstance(value, list) else [p for p in value.split(",") if p.strip()]
+    peers = []
+    for item in items:
+        parse_hostport(item.strip(), allow_zero_port=False)
+        peers.append(item.strip())
+    if len(set(peers)) != len(peers):
+        raise ValueError(f"duplicate peer in {value!r}")
+    return tuple(peers)
+
+
+def parse_device(value: str) -> str:
+    if value in ("auto", "cpu") or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise ValueError(f"bad device {value!r}: {DEVICES_HELP}")
+
+
+def parse_bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean (true/false)")
+
+
+def parse_choice(*choices: str) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if value not in choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
+        return value
+    return parse
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceSpec:
+    """A namespace created at start-up (``--namespace NAME:PAGE_BYTES[:CAPACITY]``)."""
+
+    name: str
+    page_bytes: int
+    capacity: int = 0
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any]) -> "NamespaceSpec":
+        if isinstance(value, dict):
+            return cls(str(value["name"]), parse_size(value["page_bytes"]), parse_size(value.get("capacity", 0)))
+        parts = value.split(":")
+        if len(parts) not in (2, 3):
+            raise ValueError(f"bad namespace {value!r}: expected NAME:PAGE_BYTES[:CAPACITY]")
+        return cls(parts[0], parse_size(parts[1]), parse_size(parts[2]) if len(parts) == 3 else 0)
+
+
+def _parse_namespaces(value: Any) -> tuple[NamespaceSpec, ...]:
+    items = value if isinstance(value, list) else [value]
+    return tuple(NamespaceSpec.parse(v) for v in items)
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    metavar: str | None = None
+    repeat: bool = False  # flag may repeat; values accumulate
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("listen", str, "127.0.0.1:7400", "gRPC address HOST:PORT (port 0 picks a free one)", "HOST:PORT"),
+    Setting("node_id", str, "", "this node's id in the cluster (default: the listen address)", "ID"),
+    Setting("capacity", parse_size, parse_size("1GiB"), "bytes of page memory for all namespaces, e.g. 4GiB", "SIZE"),
+    Setting("device", parse_device, "auto", f"where pages live: {DEVICES_HELP}", "DEVICE"),
+    Setting("peers", parse_peers, (), "other nodes, HOST:PORT,HOST:PORT,... (used by the cluster layer)", "LIST"),
+    Setting("namespace", _parse_namespaces, (), "create a namespace at start-up, NAME:PAGE_BYTES[:CAPACITY]; repeatable",
+            "SPEC", repeat=True),
+    Setting("prefault", parse_bool, True, "touch host pool memory at namespace creation so first puts don't "
+            "page-fault (true/false)", "BOOL"),
+    Setting("data_port", int, 0, "port of the bulk data channel on the listen host (0: pick one, -1: off)", "PORT"),
+    Setting("metrics_port", int, -1, "Prometheus metrics port on the listen host (0: pick one, -1: off)", "PORT"),
+    Setting("log_level", parse_choice("debug", "info", "warning", "error"), "info", "logging level", "LEVEL"),
+    Setting("loop", parse_choice("auto", "uvloop", "asyncio"), "auto", "event loop: auto prefers uvloop", "LOOP"),
+    Setting("max_message_bytes", parse_size, parse_size("64MiB"), "largest gRPC message either way", "SIZE"),
+    Setting("max_batch_pages", int, 65536, "most pages in one Put/Get batch", "N"),
+    Setting("max_batch_bytes", parse_size, parse_size("1GiB"), "most page bytes in one Put/Get batch", "SIZE"),
+    Setting("max_pin_ttl", float, 3600.0, "longest lease a Pin may ask for, seconds", "SECONDS"),
+    Setting("grace", float, 5.0, "seconds in-flight calls get to finish on SIGTERM", "SECONDS"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """Everything a node needs to start; validated on construction."""
+
+    listen: str = "127.0.0.1:7400"
+    node_id: str = ""
+    capacity: int = 1 << 30
+    device: str = "auto"
+    peers: tuple[str, ...] = ()
+    namespace: tuple[NamespaceSpec, ...] = ()
+    prefault: bool = True
+    data_port: int = 0
+    metrics_port: int = -1
+    log_level: str = "info"
+    loop: str = "auto"
+    max_message_bytes: int = 64 << 20
+    max_batch_pages: int = 65536
+    max_batch_bytes: int = 1 << 30
+    max_pin_ttl: float = 3600.0
+    grace: float = 5.0
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        parse_hostport(self.listen)
+        parse_device(self.device)
+        if self.capacity <= 0:
+            raise ValueError("capacity must be > 0")
+        if self.max_message_bytes < 1 << 20:
+            raise ValueError("max_message_bytes must be >= 1 MiB")
+        if self.max_batch_pages <= 0 or self.max_batch_bytes <= 0:
+            raise ValueError("batch limits must be > 0")
+        if not 0 < self.max_pin_ttl <= 86400 * 7:
+            raise ValueError("max_pin_ttl must be in (0, 604800] seconds")
+        if self.grace < 0:
+            raise ValueError("grace must be >= 0")
+        for port_name in ("data_port", "metrics_port"):
+            if not -1 <= getattr(self, port_name) <= 65535:
+                raise ValueError(f"{port_name} must be -1..65535")
+
+    @property
+    def host(self) -> str:
+        return parse_hostport(self.listen)[0]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, plus ``--config``."""
+    parser.add_argument("--config", type=Path, metavar="FILE",
+                        help="TOML file with any of the settings below (keys as the flags, '-' or '_')")
+    for s in SETTINGS:
+        flag = "--" + s.name.replace("_", "-")
+        env = "KVSTORED_" + s.name.upper()
+        default_text = s.default if not isinstance(s.default, tuple) else ",".join(map(str, s.default)) or "none"
+        kwargs: dict[str, Any] = dict(dest=s.name, metavar=s.metavar, default=None,
+                                      help=f"{s.help} [default: {default_text}; env {env}]")
+        if s.repeat:
+            kwargs["action"] = "append"
+        parser.add_argument(flag, **kwargs)
+
+
+def _parse_value(setting: Setting, value: Any, origin: str) -> Any:
+    try:
+        if setting.repeat and isinstance(value, list):
+            return tuple(x for v in value for x in setting.parse(v))
+        return setting.parse(value)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{origin}: {setting.name}: {exc}") from None
+
+
+def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None) -> NodeConfig:
+    """Merge defaults, the config file, ``KVSTORED_*`` env and flags."""
+    environ = os.environ if environ is None else environ
+    by_name = {s.name: s for s in SETTINGS}
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        with open(args.config, "rb") as fh:
+            data = tomllib.load(fh)
+        for key, value in data.items():
+            name = key.replace("-", "_")
+            if name not in by_name:
+                raise ValueError(f"{args.config}: unknown setting {key!r}")
+            values[name] = _parse_value(by_name[name], value, str(args.config))
+    for s in SETTINGS:
+        env = environ.get("KVSTORED_" + s.name.upper())
+        if env is not None:
+            values[s.name] = _parse_value(s, env, "KVSTORED_" + s.name.upper())
+        flag = getattr(args, s.name, None)
+        if flag is not None:
+            values[s.name] = _parse_value(s, flag, "--" + s.name.replace("_", "-"))
+    known = {f.name for f in fields(NodeConfig)}
+    return NodeConfig(**{k: v for k, v in values.items() if k in known})

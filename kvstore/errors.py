@@ -1,0 +1,52 @@
+"""One typed error family, translated to a gRPC status at the boundary.
+
+Node logic raises these; the gRPC service and the data channel turn them into
+status codes with the message intact, so a client sees a code and a sentence,
+never a stack trace.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class KvError(Exception):
+    """Base of every error the node reports to a client."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(KvError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(KvError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(KvError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class ResourceExhausted(KvError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(KvError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class PoolExhausted(ResourceExhausted):
+    """No free or evictable slot: every page is pinned or being read."""
+
+
+_BY_VALUE = {cls.code.value[0]: cls for cls in (InvalidArgument, NotFound, AlreadyExists, ResourceExhausted, Unavailable)}
+
+
+def error_for_code(code: int, message: str) -> KvError:
+    """Rebuild a typed error from a numeric status code (data channel replies)."""
+    cls = _BY_VALUE.get(code, KvError)
+    err = cls(message)
+    if cls is KvError:
+        err.code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+    return err

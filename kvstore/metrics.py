@@ -1,0 +1,69 @@
+"""Prometheus metrics of one node (prometheus-client).
+
+Each node gets its own registry, so several nodes in one process (tests)
+don't collide; pool gauges are read at scrape time from the pools
+themselves rather than kept in step by hand.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from kvstore.node import Node
+
+_LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class _PoolCollector:
+    """Occupancy and eviction counts, read from the pools at scrape time."""
+
+    def __init__(self, node: "Node") -> None:
+        self._node = node
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        slots = GaugeMetricFamily("kvstore_pool_slots", "Page slots by state", labels=["namespace", "state"])
+        cap = GaugeMetricFamily("kvstore_pool_capacity_bytes", "Bytes reserved for a namespace", labels=["namespace"])
+        evictions = CounterMetricFamily("kvstore_evictions", "Pages evicted, by reason", labels=["namespace", "reason"])
+        for ns in self._node.namespaces.values():
+            pool = ns.pool
+            slots.add_metric([ns.name, "total"], pool.num_slots)
+            slots.add_metric([ns.name, "used"], pool.used_slots)
+            slots.add_metric([ns.name, "pinned"], pool.pinned_slots)
+            slots.add_metric([ns.name, "speculative"], pool.speculative_slots)
+            cap.add_metric([ns.name], ns.capacity)
+            for reason in ("speculative", "lru"):
+                evictions.add_metric([ns.name, reason], pool.evictions[reason])
+        yield slots
+        yield cap
+        yield evictions
+
+
+class NodeMetrics:
+    """Operation counters, byte counters and latency histograms."""
+
+    def __init__(self, node: "Node") -> None:
+        self.registry = CollectorRegistry()
+        self.ops = Counter("kvstore_operations", "Client operations by result code",
+                           ["op", "code"], registry=self.registry)
+        self.bytes = Counter("kvstore_page_bytes", "Page bytes moved for clients",
+                             ["op", "path"], registry=self.registry)
+        self.pages = Counter("kvstore_pages", "Pages by outcome (get: hit/miss; put: stored/present)",
+                             ["op", "outcome"], registry=self.registry)
+        self.latency = Histogram("kvstore_operation_latency_seconds", "Operation latency at the node",
+                                 ["op", "path"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_PoolCollector(node))
+
+    @contextmanager
+    def timed(self, op: str, path: str = "grpc") -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.latency.labels(op, path).observe(time.perf_counter() - start)

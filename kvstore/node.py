@@ -1,0 +1,273 @@
+"""A node's logic: namespaces, batched puts, reads, pins with leases.
+
+No gRPC and no sockets here: the gRPC service (``kvstore.server``) and the
+data channel (``kvstore.datapath``) both call these methods and translate the
+:class:`~kvstore.errors.KvError` they raise. Everything runs on the event
+loop thread, so no locks are needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.config import NodeConfig
+from kvstore.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from kvstore.ops.base import PageOps
+from kvstore.pool.layout import PageLayout, check_keys, check_namespace
+from kvstore.pool.pool import PageKind, PagePool, ReadHandle, Reservation
+
+
+@dataclass(slots=True)
+class NamespaceCounters:
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+
+
+@dataclass(slots=True)
+class Namespace:
+    name: str
+    layout: PageLayout
+    capacity: int
+    pool: PagePool
+    counters: NamespaceCounters = field(default_factory=NamespaceCounters)
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: str
+    namespace: str
+    keys: list[bytes]
+    expires_at: float
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    stored: int
+    already_present: int
+    evicted: int
+
+
+class PutBatch:
+    """One Put: chunks are reserved and filled as they come; keys become
+    visible only at :meth:`commit`. :meth:`abort` undoes every reservation."""
+
+    def __init__(self, node: "Node", ns: Namespace, kind: PageKind) -> None:
+        self._node = node
+        self.ns = ns
+        self.kind = kind
+        self._seen: set[bytes] = set()
+        self._parts: list[tuple[Reservation, list[bytes]]] = []
+        self._closed = False
+
+    @property
+    def pages(self) -> int:
+        return len(self._seen)
+
+    def _reserve(self, keys: Sequence[bytes]) -> tuple[list[int], Reservation]:
+        if self._closed:
+            raise RuntimeError("batch already committed or aborted")
+        check_keys(keys)
+        again = next((k for k in keys if k in self._seen), None)
+        if again is not None:
+            raise InvalidArgument(f"duplicate key {again.hex()} in one batch")
+        cfg, page_bytes = self._node.config, self.ns.layout.page_bytes
+        total = len(self._seen) + len(keys)
+        if total > cfg.max_batch_pages or total * page_bytes > cfg.max_batch_bytes:
+            raise ResourceExhausted(
+                f"batch of {total} pages ({total * page_bytes} bytes) is over the node's limit of "
+                f"{cfg.max_batch_pages} pages / {cfg.max_batch_bytes} bytes; split it"
+            )
+        pool = self.ns.pool
+        new = [i for i, k in enumerate(keys) if k not in pool]
+        res = pool.reserve(len(new))
+        self._seen.update(keys)
+        self._parts.append((res, [keys[i] for i in new]))
+        return new, res
+
+    def add(self, keys: Sequence[bytes], pages: Sequence[bytes]) -> None:
+        """Validate and copy one chunk of (key, page bytes)."""
+        if len(keys) != len(pages):
+            raise InvalidArgument(f"{len(keys)} keys but {len(pages)} pages")
+        page_bytes = self.ns.layout.page_bytes
+        for i, page in enumerate(pages):
+            if len(page) != page_bytes:
+                raise InvalidArgument(
+                    f"page #{i} has {len(page)} bytes; namespace {self.ns.name!r} pages are {page_bytes} bytes"
+                )
+        new, res = self._reserve(keys)
+        self.ns.pool.write(res.slots, [pages[i] for i in new])
+
+    def add_landing(self, keys: Sequence[bytes]) -> tuple[list[memoryview | None], Callable[[], None]]:
+        """Reserve slots for a chunk whose bytes arrive later (data channel).
+
+        Returns one buffer per key to receive into (``None`` for a key the
+        node already holds: its bytes are to be drained) and a finisher to
+        call once all bytes have arrived.
+        """
+        new, res = self._reserve(keys)
+        views, finish = self.ns.pool.landing(res.slots)
+        out: list[memoryview | None] = [None] * len(keys)
+        for i, view in zip(new, views):
+            out[i] = view
+        return out, finish
+
+    def commit(self) -> PutResult:
+        """Publish every reserved page; report what was new."""
+        self._closed = True
+        stored = evicted = 0
+        for res, keys in self._parts:
+            stored += self.ns.pool.commit(res, keys, self.kind)
+            evicted += len(res.evicted)
+        self.ns.counters.puts += stored
+        return PutResult(stored, len(self._seen) - stored, evicted)
+
+    def abort(self) -> None:
+        """Give back every reserved slot; safe after commit and twice."""
+        self._closed = True
+        for res, _ in self._parts:
+            self.ns.pool.abort(res)
+
+
+class Node:
+    """Namespaces of page pools on one device, with leases."""
+
+    def __init__(self, config: NodeConfig, ops: PageOps, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.ops = ops
+        self.node_id = config.node_id or config.listen
+        self.namespaces: dict[str, Namespace] = {}
+        self.leases: dict[str, Lease] = {}
+        self._clock = clock
+        self.started_at = clock()
+        self.address = config.listen  # replaced by the bound address once serving
+        for spec in config.namespace:
+            self.create_namespace(spec.name, PageLayout(spec.page_bytes), spec.capacity)
+
+    # ---- namespaces ----------------------------------------------------
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(ns.capacity for ns in self.namespaces.values())
+
+    def create_namespace(self, name: str, layout: PageLayout, capacity: int = 0,
+                         exist_ok: bool = False) -> Namespace:
+        check_namespace(name)
+        existing = self.namespaces.get(name)
+        if existing is not None:
+            if exist_ok and existing.layout == layout:
+                return existing
+            raise AlreadyExists(f"namespace {name!r} exists with layout {existing.layout}")
+        free = self.config.capacity - self.reserved_bytes
+        capacity = capacity or free
+        if capacity > free:
+            raise ResourceExhausted(f"namespace {name!r} asks for {capacity} bytes; {free} unreserved")
+        num_slots = capacity // layout.page_bytes
+        if num_slots == 0:
+            raise ResourceExhausted(
+                f"namespace {name!r}: capacity {capacity} bytes holds no page of {layout.page_bytes} bytes"
+            )
+        pool = PagePool(self.ops, num_slots, layout.page_bytes, prefault=self.config.prefault)
+        ns = Namespace(name, layout, num_slots * layout.page_bytes, pool)
+        self.namespaces[name] = ns
+        return ns
+
+    def namespace(self, name: str) -> Namespace:
+        ns = self.namespaces.get(name)
+        if ns is None:
+            raise NotFound(f"unknown namespace {name!r}")
+        return ns
+
+    def delete_namespace(self, name: str) -> None:
+        ns = self.namespace(name)
+        if ns.pool.pinned_slots:
+            raise InvalidArgument(f"namespace {name!r} has pinned pages; unpin them first")
+        for lease_id in [lid for lid, lease in self.leases.items() if lease.namespace == name]:
+            self._drop_lease(lease_id)
+        del self.namespaces[name]
+
+    # ---- pages ---------------------------------------------------------
+    def begin_put(self, name: str, kind: PageKind = PageKind.PRIMARY) -> PutBatch:
+        return PutBatch(self, self.namespace(name), kind)
+
+    def check_read_batch(self, ns: Namespace, keys: Sequence[bytes]) -> None:
+        check_keys(keys, allow_duplicates=True)
+        if len(keys) > self.config.max_batch_pages:
+            raise ResourceExhausted(f"batch of {len(keys)} keys is over the limit of {self.config.max_batch_pages}")
+
+    def acquire(self, name: str, keys: Sequence[bytes]) -> tuple[Namespace, ReadHandle]:
+        """Hold the found pages for reading; count hits and misses."""
+        ns = self.namespace(name)
+        self.check_read_batch(ns, keys)
+        handle = ns.pool.acquire(keys)
+        hits = len(handle.entries)
+        ns.counters.hits += hits
+        ns.counters.misses += len(keys) - hits
+        return ns, handle
+
+    def lookup(self, name: str, keys: Sequence[bytes]) -> int:
+        ns = self.namespace(name)
+        self.check_read_batch(ns, keys)
+        return ns.pool.prefix_length(keys)
+
+    def exists(self, name: str, keys: Sequence[bytes]) -> list[bool]:
+        ns = self.namespace(name)
+        self.check_read_batch(ns, keys)
+        return ns.pool.exists(keys)
+
+    def delete(self, name: str, keys: Sequence[bytes]) -> tuple[int, list[bytes], list[bytes]]:
+        ns = self.namespace(name)
+        self.check_read_batch(ns, keys)
+        return ns.pool.delete(keys)
+
+    # ---- leases --------------------------------------------------------
+    def pin(self, name: str, keys: Sequence[bytes], ttl: float) -> tuple[Lease, list[bytes]]:
+        """Pin the pages present for ``ttl`` seconds: (lease, missing keys)."""
+        ns = self.namespace(name)
+        self.check_read_batch(ns, keys)
+        if not (ttl > 0 and ttl <= self.config.max_pin_ttl):  # also rejects NaN
+            raise InvalidArgument(f"ttl_seconds must be in (0, {self.config.max_pin_ttl}], got {ttl}")
+        pinned, missing = ns.pool.pin(dict.fromkeys(keys))
+        lease = Lease(secrets.token_hex(8), name, pinned, self._clock() + ttl)
+        self.leases[lease.lease_id] = lease
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None  # pure-logic use (tests): expire_leases() does it
+        if loop is not None:
+            lease.timer = loop.call_later(ttl, self._drop_lease, lease.lease_id)
+        return lease, missing
+
+    def unpin(self, name: str, lease_id: str) -> int:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.namespace != name:
+            raise NotFound(f"no lease {lease_id!r} in namespace {name!r} (expired or released)")
+        return self._drop_lease(lease_id)
+
+    def expire_leases(self) -> int:
+        """Drop every lease past its expiry (the timers normally do this)."""
+        now = self._clock()
+        expired = [lid for lid, lease in self.leases.items() if lease.expires_at <= now]
+        for lease_id in expired:
+            self._drop_lease(lease_id)
+        return len(expired)
+
+    def _drop_lease(self, lease_id: str) -> int:
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return 0
+        if lease.timer is not None:
+            lease.timer.cancel()
+        ns = self.namespaces.get(lease.namespace)
+        return ns.pool.unpin(lease.keys) if ns else 0
+
+    def close(self) -> None:
+        for lease_id in list(self.leases):
+            self._drop_lease(lease_id)
+
+    def uptime(self) -> float:
+        return self._clock() - self.started_at

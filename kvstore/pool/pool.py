@@ -1,0 +1,332 @@
+"""The page pool: one contiguous buffer cut into fixed slots.
+
+Bookkeeping (free list, page table, pins, readers, eviction order) is plain
+Python and runs on the event loop thread; bytes live in one array that is
+CuPy device memory or numpy host memory, reached through a
+:class:`~kvstore.ops.base.PageOps`.
+
+Eviction order: speculative replicas first (oldest first), then the least
+recently used primary/replica page. A page that is pinned (a lease holds it)
+or being read (a transfer holds it) is never evicted; it leaves the eviction
+queues while held and returns to the recent end when released.
+
+Writes are two-phase: :meth:`PagePool.reserve` takes slots (evicting only
+after checking that enough can be freed), the caller fills them, then
+:meth:`PagePool.commit` publishes the keys or :meth:`PagePool.abort` returns
+the slots. A key is never visible before its bytes are complete.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvstore.errors import PoolExhausted
+from kvstore.ops.base import PageOps
+
+
+class PageKind(enum.IntEnum):
+    """Mirrors ``kvstore.v1.PageKind``."""
+
+    PRIMARY = 1
+    REPLICA = 2
+    SPECULATIVE = 3
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    key: bytes
+    slot: int
+    kind: PageKind
+    pins: int = 0  # leases holding the page
+    readers: int = 0  # in-flight reads holding the page
+    deleted: bool = False  # deleted while held; slot freed on last release
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Slots taken for a write, not yet visible under any key."""
+
+    slots: list[int]
+    evicted: list[bytes] = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass(slots=True)
+class ReadHandle:
+    """Pages held against eviction while their bytes are read."""
+
+    entries: list[Entry]
+    found: list[bool]
+    released: bool = False
+
+    @property
+    def slots(self) -> list[int]:
+        return [e.slot for e in self.entries]
+
+
+class PagePool:
+    """Slots of ``page_bytes`` in one buffer, with a key -> slot table."""
+
+    def __init__(self, ops: PageOps, num_slots: int, page_bytes: int,
+                 on_evict: Callable[[list[bytes]], None] | None = None, prefault: bool = False) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"a pool needs at least one slot (capacity < page_bytes={page_bytes})")
+        self.ops = ops
+        self.num_slots = num_slots
+        self.page_bytes = page_bytes
+        self.buffer = ops.empty_pool(num_slots, page_bytes)
+        if prefault and ops.host_visible:
+            # Touch every page now: first-touch faults on fresh anonymous
+            # memory otherwise land on the put path (measured: put p99 of a
+            # 4 MiB page 8 ms before, vs 1.5 ms p50).
+            self.buffer.fill(0)
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._table: dict[bytes, Entry] = {}
+        # Eviction queues hold only pages that are neither pinned nor read.
+        self._spec: OrderedDict[bytes, Entry] = OrderedDict()
+        self._lru: OrderedDict[bytes, Entry] = OrderedDict()
+        self._held = 0  # entries out of the queues (pinned or read)
+        self.evictions: Counter[str] = Counter()
+        self._on_evict = on_evict
+
+    # ---- queries -------------------------------------------------------
+    @property
+    def used_slots(self) -> int:
+        return self.num_slots - len(self._free)
+
+    @property
+    def speculative_slots(self) -> int:
+        return sum(1 for e in self._table.values() if e.kind is PageKind.SPECULATIVE)
+
+    @property
+    def pinned_slots(self) -> int:
+        return sum(1 for e in self._table.values() if e.pins)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._table
+
+    def exists(self, keys: Iterable[bytes]) -> list[bool]:
+        return [k in self._table for k in keys]
+
+    def prefix_length(self, chain: Sequence[bytes]) -> int:
+        """Length of the longest leading run of ``chain`` held here."""
+        n = 0
+        for key in chain:
+            if key not in self._table:
+                break
+            n += 1
+        return n
+
+    def evictable(self) -> int:
+        return len(self._spec) + len(self._lru)
+
+    def kind_of(self, key: bytes) -> PageKind | None:
+        entry = self._table.get(key)
+        return entry.kind if entry else None
+
+    # ---- writes --------------------------------------------------------
+    def reserve(self, n: int) -> Reservation:
+        """Take ``n`` slots, evicting if needed; all or nothing."""
+        if n > len(self._free) + self.evictable():
+            raise PoolExhausted(
+                f"need {n} slots but only {len(self._free)} free and {self.evictable()} evictable "
+                f"of {self.num_slots} ({self.pinned_slots} pinned)"
+            )
+        evicted: list[bytes] = []
+        while len(self._free) < n:
+            evicted.append(self._evict_one())
+        slots = [self._free.pop() for _ in range(n)]
+        if evicted and self._on_evict:
+            self._on_evict(evicted)
+        return Reservation(slots, evicted)
+
+    def commit(self, res: Reservation, keys: Sequence[bytes], kind: PageKind = PageKind.PRIMARY) -> int:
+        """Publish ``keys[i]`` at ``res.slots[i]``; returns how many were new.
+
+        A key that appeared meanwhile keeps its existing page; the spare slot
+        goes back to the free list.
+        """
+        if res.done:
+            raise RuntimeError("reservation already committed or aborted")
+        if len(keys) != len(res.slots):
+            raise ValueError(f"{len(keys)} keys for {len(res.slots)} reserved slots")
+        res.done = True
+        stored = 0
+        for key, slot in zip(keys, res.slots):
+            if key in self._table:
+                self._free.append(slot)
+                continue
+            entry = Entry(key, slot, kind)
+            self._table[key] = entry
+            self._queue_of(entry)[key] = entry
+            stored += 1
+        return stored
+
+    def abort(self, res: Reservation) -> None:
+        """Return reserved slots unused (safe to call twice)."""
+        if not res.done:
+            res.done = True
+            self._free.extend(res.slots)
+
+    def delete(self, keys: Iterable[bytes]) -> tuple[int, list[bytes], list[bytes]]:
+        """Remove unpinned pages: (deleted, not_found, pinned)."""
+        deleted, not_found, pinned = 0, [], []
+        for key in keys:
+            entry = self._table.get(key)
+            if entry is None:
+                not_found.append(key)
+            elif entry.pins:
+                pinned.append(key)
+            else:
+                self._remove(entry)
+                deleted += 1
+        return deleted, not_found, pinned
+
+    # ---- reads ---------------------------------------------------------
+    def acquire(self, keys: Sequence[bytes], touch: bool = True) -> ReadHandle:
+        """Hold the found pages against eviction until :meth:`release`."""
+        entries, found = [], []
+        for key in keys:
+            entry = self._table.get(key)
+            found.append(entry is not None)
+            if entry is None:
+                continue
+            if entry.readers == 0 and entry.pins == 0:
+                self._dequeue(entry)
+            entry.readers += 1
+            entries.append(entry)
+        return ReadHandle(entries, found)
+
+    def release(self, handle: ReadHandle) -> None:
+        """End a read (safe to call twice); frees pages deleted meanwhile."""
+        if handle.released:
+            return
+        handle.released = True
+        for entry in handle.entries:
+            entry.readers -= 1
+            self._maybe_requeue(entry)
+
+    # ---- pins ----------------------------------------------------------
+    def pin(self, keys: Iterable[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """Pin the pages present: (pinned, missing)."""
+        pinned, missing = [], []
+        for key in keys:
+            entry = self._table.get(key)
+            if entry is None:
+                missing.append(key)
+                continue
+            if entry.readers == 0 and entry.pins == 0:
+                self._dequeue(entry)
+            entry.pins += 1
+            pinned.append(key)
+        return pinned, missing
+
+    def unpin(self, keys: Iterable[bytes]) -> int:
+        """Drop one pin from each key that still holds one."""
+        released = 0
+        for key in keys:
+            entry = self._table.get(key)
+            if entry is None or entry.pins == 0:
+                continue
+            entry.pins -= 1
+            released += 1
+            self._maybe_requeue(entry)
+        return released
+
+    # ---- bytes ---------------------------------------------------------
+    def write(self, slots: Sequence[int], pages: Sequence[bytes | memoryview | np.ndarray]) -> None:
+        """Copy host pages into reserved slots (one batched upload on a GPU)."""
+        if not slots:
+            return
+        if self.ops.host_visible:
+            for slot, page in zip(slots, pages):
+                self.buffer[slot] = np.frombuffer(page, dtype=np.uint8)
+            return
+        staging = np.empty((len(slots), self.page_bytes), dtype=np.uint8)
+        for row, page in zip(staging, pages):
+            row[:] = np.frombuffer(page, dtype=np.uint8)
+        self.ops.unpack(self.ops.from_host(staging), slots, self.buffer)
+
+    def landing(self, slots: Sequence[int]) -> tuple[list[memoryview], Callable[[], None]]:
+        """Host buffers to receive the pages of ``slots`` into, and a finisher.
+
+        On a host pool these are the slots themselves (zero copy); on a device
+        pool they are rows of a host staging buffer that the finisher uploads
+        and scatters with the unpack kernel.
+        """
+        if self.ops.host_visible:
+            return [memoryview(self.buffer[s]) for s in slots], lambda: None
+        staging = np.empty((len(slots), self.page_bytes), dtype=np.uint8)
+
+        def finish() -> None:
+            self.ops.unpack(self.ops.from_host(staging), list(slots), self.buffer)
+
+        return [memoryview(row) for row in staging], finish
+
+    def source(self, slots: Sequence[int]) -> list[memoryview]:
+        """Host views of the pages at ``slots`` for sending (hold a read!).
+
+        Zero copy on a host pool; on a device pool, one pack kernel and one
+        download into a staging buffer.
+        """
+        if self.ops.host_visible:
+            return [memoryview(self.buffer[s]) for s in slots]
+        staging = self.ops.to_host(self.ops.pack(self.buffer, list(slots)))
+        return [memoryview(row) for row in staging]
+
+    # ---- internals -----------------------------------------------------
+    def _queue_of(self, entry: Entry) -> OrderedDict[bytes, Entry]:
+        return self._spec if entry.kind is PageKind.SPECULATIVE else self._lru
+
+    def _dequeue(self, entry: Entry) -> None:
+        del self._queue_of(entry)[entry.key]
+
+    def _maybe_requeue(self, entry: Entry) -> None:
+        if entry.readers or entry.pins:
+            return
+        if entry.deleted:
+            self._free.append(entry.slot)
+        else:
+            self._queue_of(entry)[entry.key] = entry
+
+    def _remove(self, entry: Entry) -> None:
+        del self._table[entry.key]
+        if entry.readers:
+            entry.deleted = True  # the last reader frees the slot
+            return
+        self._dequeue(entry)
+        self._free.append(entry.slot)
+
+    def _evict_one(self) -> bytes:
+        queue, reason = (self._spec, "speculative") if self._spec else (self._lru, "lru")
+        key, entry = queue.popitem(last=False)
+        del self._table[key]
+        self._free.append(entry.slot)
+        self.evictions[reason] += 1
+        return key
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark pages as just used (moves them to the recent end)."""
+        for key in keys:
+            entry = self._table.get(key)
+            if entry is not None and not entry.readers and not entry.pins:
+                self._queue_of(entry).move_to_end(key)
+
+    def check_invariants(self) -> None:
+        """Every slot is free, held by one entry, or reserved (tests)."""
+        live = [e.slot for e in self._table.values()]
+        assert len(set(live)) == len(live), "two keys share a slot"
+        assert not set(live) & set(self._free), "a live slot is on the free list"
+        assert len(set(self._free)) == len(self._free), "free list repeats a slot"
+        queued = set(self._spec) | set(self._lru)
+        for key, entry in self._table.items():
+            held = bool(entry.pins or entry.readers)
+            assert (key in queued) != held, f"queue state wrong for {key.hex()}"
