@@ -1,0 +1,141 @@
+"""What the sync and asyncio clients share: page buffers, results, errors,
+chunking of gRPC messages and data-channel frames. No I/O here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from kvstore.datapath.wire import decode_header, decode_prefix, encode_header
+from kvstore.errors import KvError, Unavailable, error_for_code
+from kvstore.v1 import kvstore_pb2 as pb
+
+PageData = np.ndarray | Sequence[bytes | bytearray | memoryview | np.ndarray]
+# Room for protobuf framing around the pages of one message.
+MESSAGE_OVERHEAD = 64 << 10
+DEFAULT_MAX_MESSAGE = 64 << 20
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 1 << 30),
+    ("grpc.max_send_message_length", 1 << 30),
+]
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    stored: int
+    already_present: int
+    evicted: int
+
+
+@dataclass(slots=True)
+class GetResult:
+    """Pages for the requested keys, in request order.
+
+    ``pages[i]`` holds key ``i`` when ``found[i]``; rows of missing keys are
+    left as they were (uninitialised when the client allocated ``pages``).
+    A partial result is data: recompute the missing pages.
+    """
+
+    keys: list[bytes]
+    found: np.ndarray
+    pages: np.ndarray
+
+    @property
+    def missing(self) -> list[bytes]:
+        return [k for k, hit in zip(self.keys, self.found) if not hit]
+
+    @property
+    def hits(self) -> int:
+        return int(self.found.sum())
+
+    def page(self, key: bytes) -> np.ndarray | None:
+        """The page of ``key`` (a view), or None if it was missing."""
+        i = self.keys.index(key)
+        return self.pages[i] if self.found[i] else None
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: str
+    pinned: list[bytes]
+    missing: list[bytes]
+    ttl: float
+
+
+def page_views(pages: PageData, count: int, page_bytes: int | None = None) -> list[memoryview]:
+    """One flat byte view per page, without copying."""
+    if isinstance(pages, np.ndarray):
+        if pages.shape[0] != count:
+            raise ValueError(f"{count} keys but {pages.shape[0]} pages")
+        rows = np.ascontiguousarray(pages).reshape(count, -1).view(np.uint8) if count else pages
+        return [memoryview(row).cast("B") for row in rows]
+    if len(pages) != count:
+        raise ValueError(f"{count} keys but {len(pages)} pages")
+    out = []
+    for page in pages:
+        view = memoryview(np.ascontiguousarray(page) if isinstance(page, np.ndarray) else page)
+        out.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+    return out
+
+
+def as_out(out: np.ndarray | None, count: int, page_bytes: int) -> np.ndarray:
+    """The array Get writes into: ``out`` checked, or a new one."""
+    if out is None:
+        return np.empty((count, page_bytes), dtype=np.uint8)
+    if out.dtype != np.uint8 or out.shape != (count, page_bytes) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous uint8 array of shape ({count}, {page_bytes})")
+    return out
+
+
+def put_messages(namespace: str, keys: Sequence[bytes], views: Sequence[memoryview], kind: int,
+                 max_message: int) -> Iterator[pb.PutRequest]:
+    """Cut a batch into Put stream messages under ``max_message`` bytes."""
+    limit = max(1, max_message - MESSAGE_OVERHEAD)
+    start, size = 0, 0
+    for i, view in enumerate(views):
+        if i > start and size + view.nbytes > limit:
+            yield pb.PutRequest(namespace=namespace, keys=keys[start:i],
+                                pages=[bytes(v) for v in views[start:i]], kind=kind)
+            start, size = i, 0
+        size += view.nbytes
+    if start < len(keys) or not keys:
+        yield pb.PutRequest(namespace=namespace, keys=keys[start:], pages=[bytes(v) for v in views[start:]],
+                            kind=kind)
+
+
+def translate(exc: grpc.RpcError) -> KvError:
+    """A gRPC failure as the matching typed error."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        err: KvError = Unavailable(f"{code.name}: {details}")
+        err.code = code
+        return err
+    return error_for_code(code.value[0], details or code.name)
+
+
+# ---- data channel frames --------------------------------------------------
+
+def put_frame(namespace: str, keys: Sequence[bytes], page_bytes: int, kind: int) -> bytes:
+    header = pb.DataHeader(op=pb.DataHeader.PUT, namespace=namespace, keys=keys, page_bytes=page_bytes, kind=kind)
+    return encode_header(header, len(keys) * page_bytes)
+
+
+def get_frame(namespace: str, keys: Sequence[bytes]) -> bytes:
+    return encode_header(pb.DataHeader(op=pb.DataHeader.GET, namespace=namespace, keys=keys), 0)
+
+
+def parse_result(header_bytes: bytes | bytearray) -> pb.DataHeader:
+    header = decode_header(header_bytes)
+    if header.op != pb.DataHeader.RESULT:
+        raise Unavailable(f"data channel: expected RESULT, got op {header.op}")
+    if header.code:
+        raise error_for_code(header.code, header.message)
+    return header
+
+
+__all__ = ["GetResult", "Lease", "PutResult", "decode_prefix", "page_views", "as_out", "put_messages",
+           "translate", "put_frame", "get_frame", "parse_result"]

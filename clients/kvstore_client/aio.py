@@ -1,0 +1,243 @@
+"""asyncio client: ``async with AsyncKvClient(addr) as kv: await kv.put(...)``.
+
+Same calls, results and errors as :class:`kvstore_client.KvClient`; the data
+channel uses the loop's ``sock_sendall``/``sock_recv_into`` on a
+non-blocking socket (no stream buffering, no extra copies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.datapath.wire import PREFIX, decode_prefix
+from kvstore.errors import InvalidArgument, KvError, Unavailable
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore_client._common import (
+    GRPC_OPTIONS, GetResult, Lease, PageData, PutResult, as_out, get_frame, page_views, parse_result,
+    put_frame, put_messages, translate,
+)
+
+
+class _AsyncDataConn:
+    """One non-blocking connection to a node's data channel."""
+
+    def __init__(self, host: str, port: int, timeout: float | None) -> None:
+        self._addr = (host, port)
+        self._timeout = timeout
+        self._sock: socket.socket | None = None
+        self._lock = asyncio.Lock()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    async def _socket(self) -> socket.socket:
+        if self._sock is None:
+            loop = asyncio.get_running_loop()
+            sock = socket.socket(socket.AF_INET6 if ":" in self._addr[0] else socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, self._addr)
+            except BaseException:
+                sock.close()
+                raise
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+        return self._sock
+
+    async def _recv_exact(self, view: memoryview) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while view.nbytes:
+            n = await loop.sock_recv_into(self._sock, view)
+            if n == 0:
+                raise ConnectionError("node closed the data channel")
+            view = view[n:]
+
+    async def _result(self) -> tuple[pb.DataHeader, int]:
+        prefix = bytearray(PREFIX.size)
+        await self._recv_exact(memoryview(prefix))
+        header_len, payload_len = decode_prefix(prefix)
+        body = bytearray(header_len)
+        await self._recv_exact(memoryview(body))
+        return parse_result(body), payload_len
+
+    async def _exchange(self, frame: bytes, views: Sequence[memoryview], out: np.ndarray | None):  # type: ignore[no-untyped-def]
+        loop = asyncio.get_running_loop()
+        sock = await self._socket()
+        await loop.sock_sendall(sock, frame)
+        for view in views:
+            await loop.sock_sendall(sock, view)
+        header, payload_len = await self._result()
+        if out is None:
+            return header
+        found = np.array(header.found, dtype=bool)
+        page_bytes = out.shape[1]
+        if len(found) != out.shape[0] or header.page_bytes != page_bytes \
+                or payload_len != int(found.sum()) * page_bytes:
+            raise ConnectionError("reply does not match the request (namespace changed?)")
+        for i in np.flatnonzero(found):
+            await self._recv_exact(memoryview(out[i]))
+        return found
+
+    async def request(self, frame: bytes, views: Sequence[memoryview], out: np.ndarray | None = None):  # type: ignore[no-untyped-def]
+        async with self._lock:
+            try:
+                return await asyncio.wait_for(self._exchange(frame, views, out), self._timeout)
+            except KvError:
+                raise
+            except (OSError, ValueError, asyncio.TimeoutError) as exc:
+                self.close()
+                raise Unavailable(f"data channel to {self._addr[0]}:{self._addr[1]} failed: {exc!r}") from None
+            except asyncio.CancelledError:
+                self.close()  # a half-done frame leaves the channel out of step
+                raise
+
+
+class AsyncKvClient:
+    """asyncio kvstore client for one node."""
+
+    def __init__(self, address: str, *, data_path: str = "auto", timeout: float | None = 60.0) -> None:
+        if data_path not in ("auto", "grpc", "tcp"):
+            raise ValueError("data_path must be auto, grpc or tcp")
+        self.address = address
+        self.timeout = timeout
+        self._data_path = data_path
+        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.KvStoreStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._info: pb.NodeInfoResponse | None = None
+        self._page_bytes: dict[str, int] = {}
+        self._data: _AsyncDataConn | None = None
+        self._data_checked = False
+
+    async def close(self) -> None:
+        if self._data is not None:
+            self._data.close()
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncKvClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, method, request):  # type: ignore[no-untyped-def]
+        try:
+            return await method(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+
+    async def wait_ready(self, timeout: float = 30.0) -> str:
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout,
+                                             wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def node_info(self) -> pb.NodeInfoResponse:
+        if self._info is None:
+            self._info = await self._call(self._stub.NodeInfo, pb.NodeInfoRequest())
+        return self._info
+
+    async def create_namespace(self, namespace: str, page_bytes: int, *, capacity: int = 0,
+                               exist_ok: bool = False) -> pb.NamespaceInfo:
+        info = await self._call(self._stub.CreateNamespace, pb.CreateNamespaceRequest(
+            namespace=namespace, layout=pb.PageLayout(page_bytes=page_bytes), capacity_bytes=capacity,
+            exist_ok=exist_ok))
+        self._page_bytes[namespace] = info.layout.page_bytes
+        return info
+
+    async def page_bytes(self, namespace: str) -> int:
+        if namespace not in self._page_bytes:
+            info = await self._call(self._stub.DescribeNamespace, pb.DescribeNamespaceRequest(namespace=namespace))
+            self._page_bytes[namespace] = info.layout.page_bytes
+        return self._page_bytes[namespace]
+
+    async def _data_conn(self) -> _AsyncDataConn | None:
+        if self._data_path == "grpc":
+            return None
+        if not self._data_checked:
+            endpoints = [e for e in (await self.node_info()).data_endpoints if e.protocol == "kvs-tcp"]
+            if endpoints:
+                host = self.address.rpartition(":")[0].strip("[]") or endpoints[0].host
+                self._data = _AsyncDataConn(host, endpoints[0].port, self.timeout)
+            elif self._data_path == "tcp":
+                raise Unavailable(f"node {self.address} offers no data channel")
+            self._data_checked = True
+        return self._data
+
+    async def put(self, namespace: str, keys: Sequence[bytes], pages: PageData, *,
+                  kind: int = pb.PRIMARY) -> PutResult:
+        keys = list(keys)
+        try:
+            views = page_views(pages, len(keys))
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        conn = await self._data_conn()
+        if conn is not None and keys:
+            page_bytes = views[0].nbytes
+            if any(v.nbytes != page_bytes for v in views):
+                raise InvalidArgument("pages of one batch must all have the same size")
+            reply = (await conn.request(put_frame(namespace, keys, page_bytes, kind), views)).put
+            return PutResult(reply.stored, reply.already_present, reply.evicted)
+        limit = (await self.node_info()).max_message_bytes
+        try:
+            reply = await self._stub.Put(put_messages(namespace, keys, views, kind, limit), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+        return PutResult(reply.stored, reply.already_present, reply.evicted)
+
+    async def get(self, namespace: str, keys: Sequence[bytes], *, out: np.ndarray | None = None) -> GetResult:
+        keys = list(keys)
+        out = as_out(out, len(keys), await self.page_bytes(namespace))
+        conn = await self._data_conn()
+        if conn is not None:
+            found = await conn.request(get_frame(namespace, keys), (), out)
+            return GetResult(keys, found, out)
+        found = np.zeros(len(keys), dtype=bool)
+        index: dict[bytes, list[int]] = {}
+        for i, key in enumerate(keys):
+            index.setdefault(key, []).append(i)
+        try:
+            async for msg in self._stub.Get(pb.GetRequest(namespace=namespace, keys=keys), timeout=self.timeout):
+                for key, page in zip(msg.keys, msg.pages):
+                    i = next(j for j in index[key] if not found[j])
+                    out[i] = np.frombuffer(page, dtype=np.uint8)
+                    found[i] = True
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+        return GetResult(keys, found, out)
+
+    async def lookup(self, namespace: str, keys: Sequence[bytes]) -> int:
+        reply = await self._call(self._stub.Lookup, pb.LookupRequest(namespace=namespace, keys=list(keys)))
+        return reply.prefix_length
+
+    async def exists(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
+        reply = await self._call(self._stub.Exists, pb.KeysRequest(namespace=namespace, keys=list(keys)))
+        return list(reply.exists)
+
+    async def delete(self, namespace: str, keys: Sequence[bytes]) -> pb.DeleteResponse:
+        return await self._call(self._stub.Delete, pb.KeysRequest(namespace=namespace, keys=list(keys)))
+
+    async def pin(self, namespace: str, keys: Sequence[bytes], ttl: float) -> Lease:
+        reply = await self._call(self._stub.Pin, pb.PinRequest(namespace=namespace, keys=list(keys),
+                                                               ttl_seconds=ttl))
+        return Lease(reply.lease_id, list(reply.pinned_keys), list(reply.missing_keys), reply.expires_in_seconds)
+
+    async def unpin(self, namespace: str, lease: Lease | str) -> int:
+        lease_id = lease.lease_id if isinstance(lease, Lease) else lease
+        reply = await self._call(self._stub.Unpin, pb.UnpinRequest(namespace=namespace, lease_id=lease_id))
+        return reply.released
+
+    async def stats(self, namespace: str = "") -> pb.StatsResponse:
+        return await self._call(self._stub.Stats, pb.StatsRequest(namespace=namespace))

@@ -1,0 +1,271 @@
+"""Blocking client: ``with KvClient("127.0.0.1:7400") as kv: kv.put(...)``.
+
+Control calls go over gRPC. Put/Get bytes go over the node's data channel
+when it advertises one (``data_path="auto"``), else over gRPC streams; both
+give the same results and errors.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.datapath.wire import PREFIX, decode_prefix
+from kvstore.errors import InvalidArgument, KvError, Unavailable
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore_client._common import (
+    GRPC_OPTIONS, GetResult, Lease, PageData, PutResult, as_out, get_frame, page_views, parse_result,
+    put_frame, put_messages, translate,
+)
+
+
+class _DataConn:
+    """One blocking connection to a node's data channel (reconnects lazily)."""
+
+    def __init__(self, host: str, port: int, timeout: float | None) -> None:
+        self._addr = (host, port)
+        self._timeout = timeout
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _socket(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.create_connection(self._addr, timeout=self._timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+        return self._sock
+
+    def _recv_exact(self, view: memoryview) -> None:
+        assert self._sock is not None
+        while view.nbytes:
+            n = self._sock.recv_into(view)
+            if n == 0:
+                raise ConnectionError("node closed the data channel")
+            view = view[n:]
+
+    def _result(self) -> tuple[pb.DataHeader, int]:
+        prefix = bytearray(PREFIX.size)
+        self._recv_exact(memoryview(prefix))
+        header_len, payload_len = decode_prefix(prefix)
+        body = bytearray(header_len)
+        self._recv_exact(memoryview(body))
+        try:
+            return parse_result(body), payload_len
+        except KvError:
+            if payload_len:
+                raise Unavailable("data channel: error frame with a payload")
+            raise
+
+    def put(self, frame: bytes, views: Sequence[memoryview], whole: memoryview | None) -> pb.DataHeader:
+        with self._lock:
+            try:
+                sock = self._socket()
+                sock.sendall(frame)
+                if whole is not None:
+                    sock.sendall(whole)
+                else:
+                    for view in views:
+                        sock.sendall(view)
+                return self._result()[0]
+            except KvError:
+                raise
+            except (OSError, ValueError) as exc:
+                self.close()
+                raise Unavailable(f"data channel to {self._addr[0]}:{self._addr[1]} failed: {exc}") from None
+
+    def get(self, frame: bytes, out: np.ndarray) -> np.ndarray:
+        with self._lock:
+            try:
+                self._socket().sendall(frame)
+                header, payload_len = self._result()
+                found = np.array(header.found, dtype=bool)
+                page_bytes = out.shape[1]
+                if len(found) != out.shape[0] or header.page_bytes != page_bytes \
+                        or payload_len != int(found.sum()) * page_bytes:
+                    self.close()
+                    raise Unavailable("data channel: reply does not match the request (namespace changed?)")
+                for i in np.flatnonzero(found):
+                    self._recv_exact(memoryview(out[i]))
+                return found
+            except KvError:
+                raise
+            except (OSError, ValueError) as exc:
+                self.close()
+                raise Unavailable(f"data channel to {self._addr[0]}:{self._addr[1]} failed: {exc}") from None
+
+
+class KvClient:
+    """Blocking kvstore client for one node."""
+
+    def __init__(self, address: str, *, data_path: str = "auto", timeout: float | None = 60.0) -> None:
+        if data_path not in ("auto", "grpc", "tcp"):
+            raise ValueError("data_path must be auto, grpc or tcp")
+        self.address = address
+        self.timeout = timeout
+        self._data_path = data_path
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.KvStoreStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._info: pb.NodeInfoResponse | None = None
+        self._page_bytes: dict[str, int] = {}
+        self._data: _DataConn | None = None
+        self._data_checked = False
+
+    # ---- lifecycle -------------------------------------------------------
+    def close(self) -> None:
+        if self._data is not None:
+            self._data.close()
+        self._channel.close()
+
+    def __enter__(self) -> "KvClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method, request, **kwargs):  # type: ignore[no-untyped-def]
+        try:
+            return method(request, timeout=kwargs.pop("timeout", self.timeout), **kwargs)
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+
+    def wait_ready(self, timeout: float = 30.0) -> str:
+        """Block until the node answers its health check; returns the status."""
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout,
+                                       wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def health(self, service: str = "") -> str:
+        reply = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def node_info(self) -> pb.NodeInfoResponse:
+        if self._info is None:
+            self._info = self._call(self._stub.NodeInfo, pb.NodeInfoRequest())
+        return self._info
+
+    # ---- namespaces --------------------------------------------------------
+    def create_namespace(self, namespace: str, page_bytes: int, *, capacity: int = 0, exist_ok: bool = False,
+                         block_tokens: int = 0, num_layers: int = 0, kv_heads: int = 0, head_dim: int = 0,
+                         dtype: int = 0) -> pb.NamespaceInfo:
+        layout = pb.PageLayout(page_bytes=page_bytes, block_tokens=block_tokens, num_layers=num_layers,
+                               kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+        info = self._call(self._stub.CreateNamespace, pb.CreateNamespaceRequest(
+            namespace=namespace, layout=layout, capacity_bytes=capacity, exist_ok=exist_ok))
+        self._page_bytes[namespace] = info.layout.page_bytes
+        return info
+
+    def describe_namespace(self, namespace: str) -> pb.NamespaceInfo:
+        info = self._call(self._stub.DescribeNamespace, pb.DescribeNamespaceRequest(namespace=namespace))
+        self._page_bytes[namespace] = info.layout.page_bytes
+        return info
+
+    def list_namespaces(self) -> list[pb.NamespaceInfo]:
+        return list(self._call(self._stub.ListNamespaces, pb.ListNamespacesRequest()).namespaces)
+
+    def delete_namespace(self, namespace: str) -> None:
+        self._call(self._stub.DeleteNamespace, pb.DeleteNamespaceRequest(namespace=namespace))
+        self._page_bytes.pop(namespace, None)
+
+    def page_bytes(self, namespace: str) -> int:
+        if namespace not in self._page_bytes:
+            self.describe_namespace(namespace)
+        return self._page_bytes[namespace]
+
+    # ---- pages -------------------------------------------------------------
+    def _data_conn(self) -> _DataConn | None:
+        if self._data_path == "grpc":
+            return None
+        if not self._data_checked:
+            endpoints = [e for e in self.node_info().data_endpoints if e.protocol == "kvs-tcp"]
+            if endpoints:
+                host = self.address.rpartition(":")[0].strip("[]") or endpoints[0].host
+                self._data = _DataConn(host, endpoints[0].port, self.timeout)
+            elif self._data_path == "tcp":
+                raise Unavailable(f"node {self.address} offers no data channel")
+            self._data_checked = True
+        return self._data
+
+    def put(self, namespace: str, keys: Sequence[bytes], pages: PageData, *, kind: int = pb.PRIMARY) -> PutResult:
+        """Store pages (one batch: all stored, or none and an error)."""
+        keys = list(keys)
+        try:
+            views = page_views(pages, len(keys))
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        conn = self._data_conn()
+        if conn is not None and keys:
+            page_bytes = views[0].nbytes
+            if any(v.nbytes != page_bytes for v in views):
+                raise InvalidArgument("pages of one batch must all have the same size")
+            whole = None
+            if isinstance(pages, np.ndarray) and pages.flags.c_contiguous:
+                whole = memoryview(pages).cast("B")
+            reply = conn.put(put_frame(namespace, keys, page_bytes, kind), views, whole).put
+            return PutResult(reply.stored, reply.already_present, reply.evicted)
+        limit = self.node_info().max_message_bytes
+        try:
+            reply = self._stub.Put(put_messages(namespace, keys, views, kind, limit), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+        return PutResult(reply.stored, reply.already_present, reply.evicted)
+
+    def get(self, namespace: str, keys: Sequence[bytes], *, out: np.ndarray | None = None) -> GetResult:
+        """Fetch pages; missing keys are reported in the result, not raised."""
+        keys = list(keys)
+        out = as_out(out, len(keys), self.page_bytes(namespace))
+        conn = self._data_conn()
+        if conn is not None:
+            found = conn.get(get_frame(namespace, keys), out)
+            return GetResult(keys, found, out)
+        found = np.zeros(len(keys), dtype=bool)
+        index: dict[bytes, list[int]] = {}
+        for i, key in enumerate(keys):
+            index.setdefault(key, []).append(i)
+        try:
+            for msg in self._stub.Get(pb.GetRequest(namespace=namespace, keys=keys), timeout=self.timeout):
+                for key, page in zip(msg.keys, msg.pages):
+                    i = next(j for j in index[key] if not found[j])
+                    out[i] = np.frombuffer(page, dtype=np.uint8)
+                    found[i] = True
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+        return GetResult(keys, found, out)
+
+    def lookup(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """Length of the longest cached prefix of the key chain."""
+        return self.lookup_nodes(namespace, keys).prefix_length
+
+    def lookup_nodes(self, namespace: str, keys: Sequence[bytes]) -> pb.LookupResponse:
+        return self._call(self._stub.Lookup, pb.LookupRequest(namespace=namespace, keys=list(keys)))
+
+    def exists(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
+        return list(self._call(self._stub.Exists, pb.KeysRequest(namespace=namespace, keys=list(keys))).exists)
+
+    def delete(self, namespace: str, keys: Sequence[bytes]) -> pb.DeleteResponse:
+        return self._call(self._stub.Delete, pb.KeysRequest(namespace=namespace, keys=list(keys)))
+
+    def pin(self, namespace: str, keys: Sequence[bytes], ttl: float) -> Lease:
+        reply = self._call(self._stub.Pin, pb.PinRequest(namespace=namespace, keys=list(keys), ttl_seconds=ttl))
+        return Lease(reply.lease_id, list(reply.pinned_keys), list(reply.missing_keys), reply.expires_in_seconds)
+
+    def unpin(self, namespace: str, lease: Lease | str) -> int:
+        lease_id = lease.lease_id if isinstance(lease, Lease) else lease
+        return self._call(self._stub.Unpin, pb.UnpinRequest(namespace=namespace, lease_id=lease_id)).released
+
+    def stats(self, namespace: str = "") -> pb.StatsResponse:
+        return self._call(self._stub.Stats, pb.StatsRequest(namespace=namespace))

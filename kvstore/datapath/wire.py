@@ -1,0 +1,67 @@
+"""Frame format of the data channel.
+
+A frame is a fixed 20-byte prefix, a ``kvstore.v1.DataHeader`` protobuf of
+``header_len`` bytes, then ``payload_len`` bytes of pages (in key order)::
+
+    magic  b"KVSD"   4 bytes
+    version          uint16 LE   (WIRE_VERSION)
+    flags            uint16 LE   (0; reserved)
+    header_len       uint32 LE   (<= MAX_HEADER_BYTES)
+    payload_len      uint64 LE
+
+A request is a PUT (payload: the pages) or a GET (no payload); the node
+answers each with one RESULT (payload: the found pages of a GET). Requests on
+one connection are answered in order.
+
+Version history:
+    1  first version (PUT, GET, RESULT).
+"""
+
+from __future__ import annotations
+
+import struct
+
+from kvstore.v1 import kvstore_pb2 as pb
+
+MAGIC = b"KVSD"
+WIRE_VERSION = 1
+PREFIX = struct.Struct("<4sHHIQ")
+MAX_HEADER_BYTES = 16 << 20
+
+
+class WireError(Exception):
+    """The peer sent something that is not a valid frame; close the channel."""
+
+
+class ChannelClosed(Exception):
+    """The connection ended (EOF or reset) in the middle of a frame."""
+
+
+def encode_prefix(header: bytes, payload_len: int) -> bytes:
+    return PREFIX.pack(MAGIC, WIRE_VERSION, 0, len(header), payload_len)
+
+
+def decode_prefix(data: bytes | memoryview) -> tuple[int, int]:
+    """Check a prefix; returns (header_len, payload_len)."""
+    magic, version, _flags, header_len, payload_len = PREFIX.unpack(data)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {bytes(magic)!r}: not a kvstore data channel frame")
+    if version != WIRE_VERSION:
+        raise WireError(f"wire version {version} not supported (this node speaks {WIRE_VERSION})")
+    if header_len > MAX_HEADER_BYTES:
+        raise WireError(f"header of {header_len} bytes is over {MAX_HEADER_BYTES}")
+    return header_len, payload_len
+
+
+def encode_header(header: pb.DataHeader, payload_len: int) -> bytes:
+    body = header.SerializeToString()
+    return encode_prefix(body, payload_len) + body
+
+
+def decode_header(body: bytes | memoryview) -> pb.DataHeader:
+    header = pb.DataHeader()
+    try:
+        header.ParseFromString(bytes(body))
+    except Exception as exc:  # protobuf raises DecodeError; any failure is a bad frame
+        raise WireError(f"undecodable header: {exc}") from None
+    return header

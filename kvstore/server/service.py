@@ -1,0 +1,203 @@
+"""The ``kvstore.v1.KvStore`` gRPC service: thin translation to :class:`Node`.
+
+Every handler parses the request, calls the node, builds the response, and
+turns a :class:`KvError` into the matching status code with its message.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+import kvstore
+from kvstore.datapath.wire import WIRE_VERSION
+from kvstore.errors import InvalidArgument, KvError
+from kvstore.metrics import NodeMetrics
+from kvstore.node import Namespace, Node
+from kvstore.pool.layout import PageLayout
+from kvstore.pool.pool import PageKind
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+# Room for protobuf framing around the pages of one message.
+_MESSAGE_OVERHEAD = 64 << 10
+
+
+def _handler(op: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
+    """Count, time and translate errors for a unary(-response) handler."""
+
+    def wrap(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+        @functools.wraps(fn)
+        async def handler(self: "KvStoreService", request: Any, context: grpc.aio.ServicerContext) -> T:
+            start = time.perf_counter()
+            code = "OK"
+            try:
+                return await fn(self, request, context)
+            except KvError as exc:
+                code = exc.code.name
+                await context.abort(exc.code, str(exc))
+                raise AssertionError("unreachable")  # abort raises
+            finally:
+                self.metrics.ops.labels(op, code).inc()
+                self.metrics.latency.labels(op, "grpc").observe(time.perf_counter() - start)
+
+        return handler
+
+    return wrap
+
+
+def namespace_info(ns: Namespace, device: str) -> pb.NamespaceInfo:
+    layout = ns.layout
+    return pb.NamespaceInfo(
+        namespace=ns.name,
+        layout=pb.PageLayout(page_bytes=layout.page_bytes, block_tokens=layout.block_tokens,
+                             num_layers=layout.num_layers, kv_heads=layout.kv_heads,
+                             head_dim=layout.head_dim, dtype=layout.dtype),
+        capacity_bytes=ns.capacity, num_slots=ns.pool.num_slots, used_slots=ns.pool.used_slots,
+        pinned_slots=ns.pool.pinned_slots, device=device,
+    )
+
+
+class KvStoreService(pb_grpc.KvStoreServicer):
+    def __init__(self, node: Node, metrics: NodeMetrics, data_port: Callable[[], int | None]) -> None:
+        self.node = node
+        self.metrics = metrics
+        self._data_port = data_port
+
+    # ---- namespaces ----------------------------------------------------
+    @_handler("create_namespace")
+    async def CreateNamespace(self, request: pb.CreateNamespaceRequest, context: Any) -> pb.NamespaceInfo:
+        lay = request.layout
+        layout = PageLayout(lay.page_bytes, lay.block_tokens, lay.num_layers, lay.kv_heads, lay.head_dim, lay.dtype)
+        ns = self.node.create_namespace(request.namespace, layout, request.capacity_bytes, request.exist_ok)
+        return namespace_info(ns, self.node.ops.device)
+
+    @_handler("describe_namespace")
+    async def DescribeNamespace(self, request: pb.DescribeNamespaceRequest, context: Any) -> pb.NamespaceInfo:
+        return namespace_info(self.node.namespace(request.namespace), self.node.ops.device)
+
+    @_handler("list_namespaces")
+    async def ListNamespaces(self, request: pb.ListNamespacesRequest, context: Any) -> pb.ListNamespacesResponse:
+        return pb.ListNamespacesResponse(
+            namespaces=[namespace_info(ns, self.node.ops.device) for ns in self.node.namespaces.values()])
+
+    @_handler("delete_namespace")
+    async def DeleteNamespace(self, request: pb.DeleteNamespaceRequest, context: Any) -> pb.DeleteNamespaceResponse:
+        self.node.delete_namespace(request.namespace)
+        return pb.DeleteNamespaceResponse()
+
+    # ---- pages ---------------------------------------------------------
+    @_handler("put")
+    async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context: Any) -> pb.PutResponse:
+        batch = None
+        nbytes = 0
+        try:
+            async for chunk in request_iterator:
+                if batch is None:
+                    batch = self.node.begin_put(chunk.namespace, PageKind(chunk.kind or PageKind.PRIMARY))
+                elif chunk.namespace and chunk.namespace != batch.ns.name:
+                    raise InvalidArgument(f"one Put stream names two namespaces: {batch.ns.name!r}, {chunk.namespace!r}")
+                batch.add(chunk.keys, chunk.pages)
+                nbytes += len(chunk.pages) * batch.ns.layout.page_bytes
+            if batch is None:
+                raise InvalidArgument("empty Put stream: the first message must name a namespace")
+            result = batch.commit()
+        finally:
+            if batch is not None:
+                batch.abort()
+        self.metrics.bytes.labels("put", "grpc").inc(nbytes)
+        self.metrics.pages.labels("put", "stored").inc(result.stored)
+        self.metrics.pages.labels("put", "present").inc(result.already_present)
+        return pb.PutResponse(stored=result.stored, already_present=result.already_present, evicted=result.evicted)
+
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
+        start = time.perf_counter()
+        try:
+            ns, handle = self.node.acquire(request.namespace, list(request.keys))
+        except KvError as exc:
+            self.metrics.ops.labels("get", exc.code.name).inc()
+            await context.abort(exc.code, str(exc))
+            return
+        try:
+            limit = self.node.config.max_message_bytes - _MESSAGE_OVERHEAD
+            if request.max_chunk_bytes:
+                limit = min(limit, request.max_chunk_bytes)
+            page_bytes = ns.layout.page_bytes
+            per_msg = max(1, limit // page_bytes)
+            found_keys = [e.key for e in handle.entries]
+            views = ns.pool.source(handle.slots)
+            for i in range(0, len(views), per_msg):
+                yield pb.GetResponse(keys=found_keys[i:i + per_msg],
+                                     pages=[v.tobytes() for v in views[i:i + per_msg]])
+            missing = [k for k, hit in zip(request.keys, handle.found) if not hit]
+            yield pb.GetResponse(missing_keys=missing)
+        finally:
+            ns.pool.release(handle)
+        hits = len(handle.entries)
+        self.metrics.ops.labels("get", "OK").inc()
+        self.metrics.pages.labels("get", "hit").inc(hits)
+        self.metrics.pages.labels("get", "miss").inc(len(handle.found) - hits)
+        self.metrics.bytes.labels("get", "grpc").inc(hits * page_bytes)
+        self.metrics.latency.labels("get", "grpc").observe(time.perf_counter() - start)
+
+    @_handler("lookup")
+    async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+        n = self.node.lookup(request.namespace, list(request.keys))
+        return pb.LookupResponse(prefix_length=n, nodes=[
+            pb.NodePrefix(node_id=self.node.node_id, address=self.node.address, prefix_length=n)])
+
+    @_handler("exists")
+    async def Exists(self, request: pb.KeysRequest, context: Any) -> pb.ExistsResponse:
+        return pb.ExistsResponse(exists=self.node.exists(request.namespace, list(request.keys)))
+
+    @_handler("delete")
+    async def Delete(self, request: pb.KeysRequest, context: Any) -> pb.DeleteResponse:
+        deleted, not_found, pinned = self.node.delete(request.namespace, list(request.keys))
+        return pb.DeleteResponse(deleted=deleted, not_found=not_found, pinned=pinned)
+
+    @_handler("pin")
+    async def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinResponse:
+        lease, missing = self.node.pin(request.namespace, list(request.keys), request.ttl_seconds)
+        return pb.PinResponse(lease_id=lease.lease_id, pinned_keys=lease.keys, missing_keys=missing,
+                              expires_in_seconds=request.ttl_seconds)
+
+    @_handler("unpin")
+    async def Unpin(self, request: pb.UnpinRequest, context: Any) -> pb.UnpinResponse:
+        return pb.UnpinResponse(released=self.node.unpin(request.namespace, request.lease_id))
+
+    # ---- node ----------------------------------------------------------
+    @_handler("stats")
+    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        node = self.node
+        names = [request.namespace] if request.namespace else list(node.namespaces)
+        out = []
+        for name in names:
+            ns = node.namespace(name)
+            pool = ns.pool
+            out.append(pb.NamespaceStats(
+                namespace=name, page_bytes=ns.layout.page_bytes, capacity_bytes=ns.capacity,
+                used_bytes=pool.used_slots * ns.layout.page_bytes, num_slots=pool.num_slots,
+                used_slots=pool.used_slots, pinned_slots=pool.pinned_slots,
+                speculative_slots=pool.speculative_slots, hits=ns.counters.hits, misses=ns.counters.misses,
+                puts=ns.counters.puts, evictions={r: pool.evictions[r] for r in ("speculative", "lru")},
+                active_leases=sum(1 for lease in node.leases.values() if lease.namespace == name)))
+        return pb.StatsResponse(node_id=node.node_id, uptime_seconds=node.uptime(),
+                                capacity_bytes=node.config.capacity, reserved_bytes=node.reserved_bytes,
+                                namespaces=out, device=node.ops.device)
+
+    @_handler("node_info")
+    async def NodeInfo(self, request: pb.NodeInfoRequest, context: Any) -> pb.NodeInfoResponse:
+        cfg = self.node.config
+        endpoints = []
+        port = self._data_port()
+        if port is not None:
+            endpoints.append(pb.DataEndpoint(protocol="kvs-tcp", host=cfg.host, port=port, version=WIRE_VERSION))
+        return pb.NodeInfoResponse(
+            node_id=self.node.node_id, version=kvstore.__version__, device=self.node.ops.device,
+            max_message_bytes=cfg.max_message_bytes, max_batch_pages=cfg.max_batch_pages,
+            max_batch_bytes=cfg.max_batch_bytes, max_pin_ttl_seconds=cfg.max_pin_ttl, data_endpoints=endpoints)
