@@ -1,0 +1,220 @@
+"""Data-path microbenchmark: one kvstored node vs raw memcpy and raw TCP.
+
+Everything is measured in the same run on the same machine, so the ratios
+mean something on a shared, noisy host:
+
+* ``memcpy``: numpy copy of a 64 MiB buffer (the ceiling of any copy).
+* ``raw tcp``: two processes, blocking ``sendall`` -> ``recv_into`` into a
+  preallocated buffer (the ceiling of any loopback transfer).
+* ``kvstore``: a real ``kvstored --device cpu`` process and the Python
+  client, put and get, one page per call, for each page size, over the bulk
+  data channel (``tcp``) and over gRPC streams (``grpc``).
+
+All numbers are measured; none are modelled. Writes ``micro.json``,
+``micro.md`` and ``micro.png`` to ``--out``.
+
+    python bench/micro.py --out bench/out          (or: make bench)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
+
+
+def memcpy_gbps(nbytes: int = 64 << 20, repeat: int = 20) -> float:
+    src = np.random.randint(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeat))
+    return nbytes / best / 1e9
+
+
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _tcp_receiver(port_q: "mp.Queue[int]", total: int, chunk: int) -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    left = total
+    while left:
+        n = conn.recv_into(view[: min(chunk, left)])
+        if n == 0:
+            break
+        left -= n
+    conn.sendall(b"k")
+    conn.close()
+    srv.close()
+
+
+def raw_tcp_gbps(total: int = 512 << 20, chunk: int = 4 << 20, repeat: int = 3) -> float:
+    """Blocking sockets between two processes: best of ``repeat``."""
+    ctx = mp.get_context("spawn")
+    best = 0.0
+    payload = memoryview(np.random.randint(0, 255, chunk, dtype=np.uint8))
+    for _ in range(repeat):
+        q: "mp.Queue[int]" = ctx.Queue()
+        proc = ctx.Process(target=_tcp_receiver, args=(q, total, chunk))
+        proc.start()
+        sock = socket.create_connection(("127.0.0.1", q.get(timeout=30)))
+        start = time.perf_counter()
+        for _ in range(total // chunk):
+            sock.sendall(payload)
+        sock.recv(1)
+        best = max(best, total / (time.perf_counter() - start) / 1e9)
+        sock.close()
+        proc.join(10)
+    return best
+
+
+def start_node(capacity: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.cli.kvstored", "--listen", "127.0.0.1:0", "--device", "cpu",
+         "--capacity", capacity, "--log-level", "warning"],
+        stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("kvstored ready"):
+        proc.kill()
+        raise RuntimeError(f"kvstored did not start: {line!r}")
+    fields = dict(part.split("=", 1) for part in line.split()[2:])
+    return proc, fields["grpc"]
+
+
+def bench_store(address: str, path: str, page_bytes: int, total: int, bar: tqdm) -> dict[str, float]:
+    """Put then get ``total`` bytes, one page per call; latency per call."""
+    from kvstore_client import KvClient
+
+    ns = f"bench-{path}-{page_bytes}"
+    count = max(8, total // page_bytes)
+    with KvClient(address, data_path=path) as kv:
+        kv.create_namespace(ns, page_bytes, capacity=(count + 1) * page_bytes)
+        pages = np.random.randint(0, 255, (count, page_bytes), dtype=np.uint8)
+        keys = [i.to_bytes(8, "little") for i in range(count)]
+        out = np.empty((1, page_bytes), dtype=np.uint8)
+        kv.put(ns, [b"warm"], pages[:1])
+        kv.get(ns, [b"warm"], out=out)
+        put_lat, get_lat = [], []
+        for i in range(count):
+            put_lat.append(_timed(lambda: kv.put(ns, keys[i:i + 1], pages[i:i + 1])))
+            bar.update(page_bytes)
+        for i in range(count):
+            get_lat.append(_timed(lambda: kv.get(ns, keys[i:i + 1], out=out)))
+            assert np.array_equal(out[0], pages[i]), "get returned wrong bytes"
+            bar.update(page_bytes)
+        kv.delete_namespace(ns)
+    return {
+        "put_gbps": count * page_bytes / sum(put_lat) / 1e9,
+        "get_gbps": count * page_bytes / sum(get_lat) / 1e9,
+        "put_p50_ms": statistics.median(put_lat) * 1e3,
+        "put_p99_ms": float(np.percentile(put_lat, 99)) * 1e3,
+        "get_p50_ms": statistics.median(get_lat) * 1e3,
+        "get_p99_ms": float(np.percentile(get_lat, 99)) * 1e3,
+        "pages": count,
+    }
+
+
+def render(results: dict) -> str:  # type: ignore[type-arg]
+    tcp, mem = results["raw_tcp_gbps"], results["memcpy_gbps"]
+    lines = [
+        f"Measured on {results['machine']} ({results['cpus']} CPUs), {results['date']}. All numbers measured.",
+        "",
+        f"raw memcpy (64 MiB): **{mem:.2f} GB/s**; raw blocking TCP between two processes: **{tcp:.2f} GB/s**",
+        "",
+        "| path | page | put GB/s | get GB/s | put/raw tcp | get/raw tcp | put p50/p99 ms | get p50/p99 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        lines.append(
+            f"| {row['path']} | {row['page']} | {row['put_gbps']:.2f} | {row['get_gbps']:.2f} | "
+            f"{row['put_gbps'] / tcp:.2f}x | {row['get_gbps'] / tcp:.2f}x | "
+            f"{row['put_p50_ms']:.2f} / {row['put_p99_ms']:.2f} | {row['get_p50_ms']:.2f} / {row['get_p99_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:  # type: ignore[type-arg]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = results["rows"]
+    labels = [f"{r['path']}\n{r['page']}" for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.bar(x - 0.2, [r["put_gbps"] for r in rows], 0.4, label="put")
+    ax.bar(x + 0.2, [r["get_gbps"] for r in rows], 0.4, label="get")
+    ax.axhline(results["raw_tcp_gbps"], color="k", ls="--", label="raw TCP (2 processes)")
+    ax.axhline(results["raw_tcp_gbps"] * 0.5, color="grey", ls=":", label="0.5x raw TCP (target)")
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("GB/s (one page per call)")
+    ax.set_title("kvstored data path on loopback, measured")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/out"), help="folder for micro.{json,md,png}")
+    parser.add_argument("--total", type=str, default="256MiB", help="bytes moved per (path, page size, op)")
+    parser.add_argument("--paths", default="tcp,grpc", help="client data paths to measure")
+    parser.add_argument("--sizes", default=",".join(SIZES), help="page sizes: " + ",".join(SIZES))
+    args = parser.parse_args(argv)
+    from kvstore.units import parse_size
+
+    total = parse_size(args.total)
+    paths = [p for p in args.paths.split(",") if p]
+    sizes = [s for s in args.sizes.split(",") if s]
+    results = {"machine": platform.machine(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"),
+               "total_bytes": total, "rows": []}
+    print("measuring raw memcpy and raw TCP ...", flush=True)
+    results["memcpy_gbps"] = memcpy_gbps()
+    results["raw_tcp_gbps"] = raw_tcp_gbps()
+    proc, address = start_node(f"{2 * total + (64 << 20)}")
+    try:
+        with tqdm(total=2 * total * len(paths) * len(sizes), unit="B", unit_scale=True, desc="kvstore") as bar:
+            for path in paths:
+                for size in sizes:
+                    row = bench_store(address, path, SIZES[size], total, bar)
+                    results["rows"].append({"path": path, "page": size, **row})
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    # raw TCP again after, so drift over the run shows up
+    results["raw_tcp_gbps_after"] = raw_tcp_gbps()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "micro.json").write_text(json.dumps(results, indent=2))
+    table = render(results)
+    (args.out / "micro.md").write_text(table)
+    plot(results, args.out / "micro.png")
+    print(table)
+    print(f"raw TCP after the kvstore runs: {results['raw_tcp_gbps_after']:.2f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

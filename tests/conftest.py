@@ -1,0 +1,177 @@
+"""Shared fixtures: real in-process nodes on 127.0.0.1:0, real kvstored
+processes, and the implementation matrix (event loop x pool memory x data
+path) that the same tests run over."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kvstore.config import NodeConfig
+from kvstore.loops import loop_factory
+from kvstore.ops.base import PageOps
+from kvstore.ops.numpy_ops import NumpyPageOps
+from kvstore.server.app import NodeServer
+
+
+class StagedNumpyOps(NumpyPageOps):
+    """numpy memory driven like a device pool: every byte goes through the
+    staging buffer and the pack/unpack kernels, as on a GPU."""
+
+    host_visible = False
+
+
+OPS = {"numpy": NumpyPageOps, "staged": StagedNumpyOps}
+
+
+class ServerThread:
+    """A NodeServer on its own event loop in a background thread."""
+
+    def __init__(self, config: NodeConfig, ops: PageOps | None = None, loop: str = "auto") -> None:
+        self.server = NodeServer(config, ops)
+        self._loop_name = loop
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with asyncio.Runner(loop_factory=loop_factory(self._loop_name)) as runner:
+            try:
+                runner.run(self._main())
+            except BaseException as exc:  # surfaced by start()
+                self._error = exc
+                self._ready.set()
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        await self.server.start()
+        self._ready.set()
+        await self._stop.wait()
+        await self.server.stop(grace=1.0)
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def call(self, fn, timeout: float = 10.0):  # type: ignore[no-untyped-def]
+        """Run ``fn()`` on the server's loop thread and return its result."""
+        assert self.loop is not None
+
+        async def run():  # type: ignore[no-untyped-def]
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.loop is not None and self._stop is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(15)
+        assert not self._thread.is_alive(), "server thread did not stop"
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def node(self):  # type: ignore[no-untyped-def]
+        return self.server.node
+
+
+BASE_CONFIG = NodeConfig(listen="127.0.0.1:0", capacity=64 << 20, device="cpu", prefault=False, grace=1.0)
+
+
+@pytest.fixture
+def make_server() -> Iterator:  # type: ignore[type-arg]
+    started: list[ServerThread] = []
+
+    def make(ops: str = "numpy", loop: str = "auto", **overrides) -> ServerThread:  # type: ignore[no-untyped-def]
+        srv = ServerThread(replace(BASE_CONFIG, **overrides), OPS[ops](), loop).start()
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.stop()
+
+
+def check_pools_sound(srv: ServerThread) -> None:
+    """No leaked slot, read hold or pin once every client is done."""
+
+    def check() -> None:
+        for ns in srv.node.namespaces.values():
+            ns.pool.check_invariants()
+            assert all(e.readers == 0 for e in ns.pool._table.values()), "a read hold leaked"
+            assert ns.pool.used_slots == len(ns.pool), "a reserved slot leaked"
+
+    srv.call(check)
+
+
+@pytest.fixture(params=[("numpy", "auto", "tcp"), ("numpy", "asyncio", "grpc"), ("staged", "asyncio", "tcp"),
+                        ("staged", "auto", "grpc")],
+                ids=["host-uvloop-tcp", "host-asyncio-grpc", "staged-asyncio-tcp", "staged-uvloop-grpc"])
+def node(request, make_server) -> Iterator[tuple[ServerThread, str]]:  # type: ignore[no-untyped-def]
+    """A node over each pool memory x event loop, with the client data path
+    to use; checks after the test that nothing leaked."""
+    ops, loop, path = request.param
+    srv = make_server(ops=ops, loop=loop)
+    yield srv, path
+    check_pools_sound(srv)
+
+
+def random_pages(n: int, page_bytes: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, page_bytes), dtype=np.uint8)
+
+
+def keys_for(n: int, tag: bytes = b"k") -> list[bytes]:
+    return [tag + i.to_bytes(4, "little") for i in range(n)]
+
+
+class Daemon:
+    """A real ``kvstored`` process on 127.0.0.1:0, ready when it prints so."""
+
+    def __init__(self, *args: str) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.cli.kvstored", "--listen", "127.0.0.1:0", "--device", "cpu",
+             "--capacity", "64MiB", "--log-level", "warning", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("kvstored ready"):
+            self.proc.kill()
+            raise RuntimeError(f"kvstored did not start: {line!r} {self.proc.stderr.read() if self.proc.stderr else ''}")
+        self.fields = dict(part.split("=", 1) for part in line.split()[2:])
+        self.address = self.fields["grpc"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def daemon() -> Iterator:  # type: ignore[type-arg]
+    started: list[Daemon] = []
+
+    def start(*args: str) -> Daemon:
+        d = Daemon(*args)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
