@@ -15,6 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.config import NodeConfig
+
+# Room for protobuf framing around the pages of one gRPC message.
+MESSAGE_OVERHEAD = 64 << 10
 from kvstore.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.ops.base import PageOps
 from kvstore.pool.layout import PageLayout, check_keys, check_namespace
@@ -157,12 +160,18 @@ class Node:
     def create_namespace(self, name: str, layout: PageLayout, capacity: int = 0,
                          exist_ok: bool = False) -> Namespace:
         check_namespace(name)
+        page_limit = self.config.max_message_bytes - MESSAGE_OVERHEAD
+        if layout.page_bytes > page_limit:
+            raise InvalidArgument(f"page_bytes {layout.page_bytes} is over {page_limit}: a page must fit one gRPC "
+                                  f"message (raise --max-message-bytes)")
         existing = self.namespaces.get(name)
         if existing is not None:
             if exist_ok and existing.layout == layout:
                 return existing
             raise AlreadyExists(f"namespace {name!r} exists with layout {existing.layout}")
         free = self.config.capacity - self.reserved_bytes
+        if not capacity and free <= 0:
+            raise ResourceExhausted(f"namespace {name!r}: the node's capacity is all reserved by other namespaces")
         capacity = capacity or free
         if capacity > free:
             raise ResourceExhausted(f"namespace {name!r} asks for {capacity} bytes; {free} unreserved")

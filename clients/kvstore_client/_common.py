@@ -10,12 +10,11 @@ import grpc
 import numpy as np
 
 from kvstore.datapath.wire import decode_header, decode_prefix, encode_header
+from kvstore.node import MESSAGE_OVERHEAD
 from kvstore.errors import KvError, Unavailable, error_for_code
 from kvstore.v1 import kvstore_pb2 as pb
 
 PageData = np.ndarray | Sequence[bytes | bytearray | memoryview | np.ndarray]
-# Room for protobuf framing around the pages of one message.
-MESSAGE_OVERHEAD = 64 << 10
 DEFAULT_MAX_MESSAGE = 64 << 20
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 1 << 30),

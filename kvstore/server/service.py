@@ -17,15 +17,13 @@ import kvstore
 from kvstore.datapath.wire import WIRE_VERSION
 from kvstore.errors import InvalidArgument, KvError
 from kvstore.metrics import NodeMetrics
-from kvstore.node import Namespace, Node
+from kvstore.node import MESSAGE_OVERHEAD, Namespace, Node
 from kvstore.pool.layout import PageLayout
 from kvstore.pool.pool import PageKind
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
-# Room for protobuf framing around the pages of one message.
-_MESSAGE_OVERHEAD = 64 << 10
 
 
 def _handler(op: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
@@ -124,7 +122,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
             await context.abort(exc.code, str(exc))
             return
         try:
-            limit = self.node.config.max_message_bytes - _MESSAGE_OVERHEAD
+            limit = self.node.config.max_message_bytes - MESSAGE_OVERHEAD
             if request.max_chunk_bytes:
                 limit = min(limit, request.max_chunk_bytes)
             page_bytes = ns.layout.page_bytes

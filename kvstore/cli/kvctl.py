@@ -1,0 +1,110 @@
+"""``kvctl``: admin CLI for kvstore nodes (stats, health, namespaces, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import runpy
+import sys
+from pathlib import Path
+
+from google.protobuf.json_format import MessageToDict
+
+from kvstore.errors import KvError
+from kvstore.units import format_size, parse_size
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _client(addr: str):  # type: ignore[no-untyped-def]
+    from kvstore_client import KvClient
+
+    return KvClient(addr, timeout=10.0)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with _client(args.addr) as kv:
+        stats = kv.stats(args.namespace)
+    if args.json:
+        print(json.dumps(MessageToDict(stats, preserving_proto_field_name=True), indent=2))
+        return 0
+    print(f"node {stats.node_id}  device {stats.device}  up {stats.uptime_seconds:.0f}s  "
+          f"capacity {format_size(stats.capacity_bytes)} ({format_size(stats.reserved_bytes)} reserved)")
+    header = f"{'namespace':<20} {'page':>9} {'used':>17} {'pinned':>7} {'spec':>6} {'hits':>9} {'misses':>9} " \
+             f"{'hit%':>6} {'puts':>9} {'evict lru/spec':>15}"
+    print(header)
+    for ns in stats.namespaces:
+        lookups = ns.hits + ns.misses
+        rate = f"{100 * ns.hits / lookups:.1f}" if lookups else "-"
+        print(f"{ns.namespace:<20} {format_size(ns.page_bytes):>9} "
+              f"{ns.used_slots:>8}/{ns.num_slots:<8} {ns.pinned_slots:>7} {ns.speculative_slots:>6} {ns.hits:>9} "
+              f"{ns.misses:>9} {rate:>6} {ns.puts:>9} "
+              f"{ns.evictions.get('lru', 0):>7}/{ns.evictions.get('speculative', 0):<7}")
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    with _client(args.addr) as kv:
+        status = kv.health()
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def cmd_create_namespace(args: argparse.Namespace) -> int:
+    with _client(args.addr) as kv:
+        info = kv.create_namespace(args.name, parse_size(args.page_bytes), capacity=parse_size(args.capacity),
+                                   exist_ok=args.exist_ok)
+    print(f"{info.namespace}: {info.num_slots} slots of {format_size(info.layout.page_bytes)} on {info.device}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    script = ROOT / "bench" / f"{args.which}.py"
+    if not script.exists():
+        print(f"kvctl: no benchmark {script}", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvctl", description="Admin CLI for kvstore nodes.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("stats", help="print a node's pool and hit statistics")
+    p.add_argument("--addr", required=True, help="node gRPC address HOST:PORT")
+    p.add_argument("--namespace", default="", help="one namespace (default: all)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(fn=cmd_stats)
+
+    p = sub.add_parser("health", help="print the node's health status; exit 1 unless SERVING")
+    p.add_argument("--addr", required=True)
+    p.set_defaults(fn=cmd_health)
+
+    p = sub.add_parser("create-namespace", help="create a namespace on a node")
+    p.add_argument("--addr", required=True)
+    p.add_argument("name")
+    p.add_argument("--page-bytes", required=True, help="bytes per page, e.g. 1MiB")
+    p.add_argument("--capacity", default="0", help="bytes reserved (default: all unreserved)")
+    p.add_argument("--exist-ok", action="store_true")
+    p.set_defaults(fn=cmd_create_namespace)
+
+    p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. kvctl bench micro --total 64MiB)")
+    p.add_argument("which", choices=["micro"])
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    p.set_defaults(fn=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KvError as exc:
+        print(f"kvctl: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The asyncio client gives the same results as the blocking one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from conftest import keys_for, random_pages
+from kvstore_client import AsyncKvClient, InvalidArgument, NotFound
+
+
+@pytest.mark.parametrize("path", ["tcp", "grpc"])
+def test_async_round_trip(node, path: str) -> None:  # type: ignore[no-untyped-def]
+    srv, _ = node
+
+    async def scenario() -> None:
+        async with AsyncKvClient(srv.address, data_path=path) as kv:
+            assert await kv.wait_ready() == "SERVING"
+            await kv.create_namespace("a", 4096)
+            pages = random_pages(20, 4096)
+            res = await kv.put("a", keys_for(20), pages)
+            assert res.stored == 20
+            # concurrent gets share one data connection without mixing frames
+            results = await asyncio.gather(*(kv.get("a", keys_for(20)[i::4]) for i in range(4)))
+            for i, got in enumerate(results):
+                assert got.found.all() and np.array_equal(got.pages, pages[i::4])
+            assert await kv.lookup("a", keys_for(20) + [b"x"]) == 20
+            assert await kv.exists("a", [b"x", keys_for(1)[0]]) == [False, True]
+            lease = await kv.pin("a", keys_for(2), ttl=5)
+            assert (await kv.stats("a")).namespaces[0].pinned_slots == 2
+            assert await kv.unpin("a", lease) == 2
+            assert (await kv.delete("a", keys_for(1))).deleted == 1
+            with pytest.raises(InvalidArgument):
+                await kv.put("a", [b"k"], random_pages(1, 100))
+            with pytest.raises(NotFound):
+                await kv.lookup("zz", [b"k"])
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
