@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 
 from kvstore.datapath.wire import decode_header, decode_prefix, encode_header
+from kvstore.hostmem import populated_empty
 from kvstore.node import MESSAGE_OVERHEAD
 from kvstore.errors import KvError, Unavailable, error_for_code
 from kvstore.v1 import kvstore_pb2 as pb
@@ -83,7 +84,7 @@ def page_views(pages: PageData, count: int, page_bytes: int | None = None) -> li
 def as_out(out: np.ndarray | None, count: int, page_bytes: int) -> np.ndarray:
     """The array Get writes into: ``out`` checked, or a new one."""
     if out is None:
-        return np.empty((count, page_bytes), dtype=np.uint8)
+        return populated_empty(count, page_bytes)  # see kvstore.hostmem: fresh memory faults slowly
     if out.dtype != np.uint8 or out.shape != (count, page_bytes) or not out.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous uint8 array of shape ({count}, {page_bytes})")
     return out
