@@ -21,10 +21,15 @@ DEVICES_HELP = "auto (a GPU when CuPy finds one, else cpu), cpu, or cuda:N"
 
 def parse_hostport(text: str, *, allow_zero_port: bool = True) -> tuple[str, int]:
     """Split ``host:port`` (``[v6]:port`` too); raises ValueError."""
+    if not isinstance(text, str):
+        raise ValueError(f"bad address {text!r}: expected a string HOST:PORT")
     host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"bad address {text!r}: write IPv6 hosts in brackets, [::1]:PORT")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"bad address {text!r}: expected HOST:PORT")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     value = int(port)
     if not (0 if allow_zero_port else 1) <= value <= 65535:
         raise ValueError(f"bad port in {text!r}")
@@ -33,9 +38,13 @@ def parse_hostport(text: str, *, allow_zero_port: bool = True) -> tuple[str, int
 
 def parse_peers(value: str | list[str]) -> tuple[str, ...]:
     """``host:port,host:port`` (or a TOML list) -> validated tuple."""
+    if not isinstance(value, (str, list)):
+        raise ValueError(f"expected a string or list of HOST:PORT, got {value!r}")
     items = value if isinstance(value, list) else [p for p in value.split(",") if p.strip()]
     peers = []
     for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"peer {item!r} is not a HOST:PORT string")
         parse_hostport(item.strip(), allow_zero_port=False)
         peers.append(item.strip())
     if len(set(peers)) != len(peers):
@@ -44,6 +53,8 @@ def parse_peers(value: str | list[str]) -> tuple[str, ...]:
 
 
 def parse_device(value: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"bad device {value!r}: {DEVICES_HELP}")
     if value in ("auto", "cpu") or (value.startswith("cuda:") and value[5:].isdigit()):
         return value
     raise ValueError(f"bad device {value!r}: {DEVICES_HELP}")
@@ -80,6 +91,8 @@ class NamespaceSpec:
     def parse(cls, value: str | dict[str, Any]) -> "NamespaceSpec":
         if isinstance(value, dict):
             return cls(str(value["name"]), parse_size(value["page_bytes"]), parse_size(value.get("capacity", 0)))
+        if not isinstance(value, str):
+            raise ValueError(f"bad namespace {value!r}: expected NAME:PAGE_BYTES[:CAPACITY] or a table")
         parts = value.split(":")
         if len(parts) not in (2, 3):
             raise ValueError(f"bad namespace {value!r}: expected NAME:PAGE_BYTES[:CAPACITY]")
@@ -146,17 +159,22 @@ class NodeConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        parse_hostport(self.listen)
+        try:
+            parse_hostport(self.listen)
+        except ValueError as exc:
+            raise ValueError(f"listen: {exc}") from None
         parse_device(self.device)
         if self.capacity <= 0:
             raise ValueError("capacity must be > 0")
         if self.max_message_bytes < 1 << 20:
             raise ValueError("max_message_bytes must be >= 1 MiB")
-        if self.max_batch_pages <= 0 or self.max_batch_bytes <= 0:
-            raise ValueError("batch limits must be > 0")
+        if self.max_batch_pages <= 0:
+            raise ValueError("max_batch_pages must be > 0")
+        if self.max_batch_bytes <= 0:
+            raise ValueError("max_batch_bytes must be > 0")
         if not 0 < self.max_pin_ttl <= 86400 * 7:
             raise ValueError("max_pin_ttl must be in (0, 604800] seconds")
-        if self.grace < 0:
+        if not self.grace >= 0:  # also rejects NaN
             raise ValueError("grace must be >= 0")
         for port_name in ("data_port", "metrics_port"):
             if not -1 <= getattr(self, port_name) <= 65535:
@@ -187,7 +205,7 @@ def _parse_value(setting: Setting, value: Any, origin: str) -> Any:
         if setting.repeat and isinstance(value, list):
             return tuple(x for v in value for x in setting.parse(v))
         return setting.parse(value)
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise ValueError(f"{origin}: {setting.name}: {exc}") from None
 
 

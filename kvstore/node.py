@@ -88,7 +88,13 @@ class PutBatch:
             )
         pool = self.ns.pool
         new = [i for i, k in enumerate(keys) if k not in pool]
-        res = pool.reserve(len(new))
+        # Hold the keys already stored while reserving, so this batch cannot
+        # evict its own pages; the release marks them recently used.
+        present = pool.acquire([k for k in keys if k in pool])
+        try:
+            res = pool.reserve(len(new))
+        finally:
+            pool.release(present)
         self._seen.update(keys)
         self._parts.append((res, [keys[i] for i in new]))
         return new, res

@@ -35,9 +35,16 @@ def chain_keys(token_ids: Sequence[int] | np.ndarray, block_tokens: int, *, salt
     """
     if block_tokens <= 0:
         raise ValueError("block_tokens must be > 0")
-    tokens = np.asarray(token_ids)
+    try:
+        tokens = np.asarray(token_ids)
+        if tokens.dtype == object:
+            tokens = tokens.astype(np.int64)
+    except (OverflowError, TypeError, ValueError):
+        raise ValueError("token ids must be integers that fit in uint32") from None
     if tokens.ndim != 1:
         raise ValueError("token_ids must be 1-D")
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got {tokens.dtype}")
     if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
         raise ValueError("token ids must fit in uint32")
     data = tokens.astype("<u4", copy=False).tobytes()

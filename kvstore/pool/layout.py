@@ -32,9 +32,11 @@ class PageLayout:
     def __post_init__(self) -> None:
         if self.page_bytes <= 0:
             raise InvalidArgument("layout.page_bytes must be > 0")
+        if any(v < 0 for v in (self.block_tokens, self.num_layers, self.kv_heads, self.head_dim)):
+            raise InvalidArgument("layout: shape fields must be >= 0")
         shape = (self.block_tokens, self.num_layers, self.kv_heads, self.head_dim)
         if any(shape) or self.dtype:
-            if not all(shape) or self.dtype not in DTYPES:
+            if not all(v > 0 for v in shape) or self.dtype not in DTYPES:
                 raise InvalidArgument(
                     "layout: give all of block_tokens, num_layers, kv_heads, head_dim and dtype, or none of them"
                 )
@@ -54,7 +56,7 @@ class PageLayout:
 
 def check_namespace(name: str) -> str:
     """A namespace name: 1-128 of letters, digits and ``._:/@+-``."""
-    if not _NAMESPACE.match(name or ""):
+    if not _NAMESPACE.fullmatch(name or ""):
         raise InvalidArgument(f"bad namespace name {name!r}: 1-128 chars of letters, digits, '._:/@+-'")
     return name
 

@@ -43,6 +43,7 @@ class Entry:
     key: bytes
     slot: int
     kind: PageKind
+    checksum: int = 0  # xxh3_64 of the bytes, computed when stored (0 = none)
     pins: int = 0  # leases holding the page
     readers: int = 0  # in-flight reads holding the page
     deleted: bool = False  # deleted while held; slot freed on last release
@@ -74,7 +75,8 @@ class PagePool:
     """Slots of ``page_bytes`` in one buffer, with a key -> slot table."""
 
     def __init__(self, ops: PageOps, num_slots: int, page_bytes: int,
-                 on_evict: Callable[[list[bytes]], None] | None = None, prefault: bool = False) -> None:
+                 on_change: Callable[[list[bytes], list[bytes]], None] | None = None,
+                 prefault: bool = False) -> None:
         if num_slots <= 0:
             raise ValueError(f"a pool needs at least one slot (capacity < page_bytes={page_bytes})")
         self.ops = ops
@@ -94,7 +96,8 @@ class PagePool:
         self._lru: OrderedDict[bytes, Entry] = OrderedDict()
         self._held = 0  # entries out of the queues (pinned or read)
         self.evictions: Counter[str] = Counter()
-        self._on_evict = on_evict
+        # on_change(added, removed): the directory outbox listens here.
+        self._on_change = on_change
 
     # ---- queries -------------------------------------------------------
     @property
@@ -130,6 +133,16 @@ class PagePool:
     def evictable(self) -> int:
         return len(self._spec) + len(self._lru)
 
+    def entry(self, key: bytes) -> Entry | None:
+        return self._table.get(key)
+
+    def keys(self) -> list[bytes]:
+        return list(self._table)
+
+    @property
+    def replica_slots(self) -> int:
+        return sum(1 for e in self._table.values() if e.kind is PageKind.REPLICA)
+
     def kind_of(self, key: bytes) -> PageKind | None:
         entry = self._table.get(key)
         return entry.kind if entry else None
@@ -146,11 +159,12 @@ class PagePool:
         while len(self._free) < n:
             evicted.append(self._evict_one())
         slots = [self._free.pop() for _ in range(n)]
-        if evicted and self._on_evict:
-            self._on_evict(evicted)
+        if evicted and self._on_change:
+            self._on_change([], evicted)
         return Reservation(slots, evicted)
 
-    def commit(self, res: Reservation, keys: Sequence[bytes], kind: PageKind = PageKind.PRIMARY) -> int:
+    def commit(self, res: Reservation, keys: Sequence[bytes], kind: PageKind = PageKind.PRIMARY,
+               checksums: Sequence[int] | None = None) -> int:
         """Publish ``keys[i]`` at ``res.slots[i]``; returns how many were new.
 
         A key that appeared meanwhile keeps its existing page; the spare slot
@@ -161,16 +175,18 @@ class PagePool:
         if len(keys) != len(res.slots):
             raise ValueError(f"{len(keys)} keys for {len(res.slots)} reserved slots")
         res.done = True
-        stored = 0
-        for key, slot in zip(keys, res.slots):
+        added = []
+        for i, (key, slot) in enumerate(zip(keys, res.slots)):
             if key in self._table:
                 self._free.append(slot)
                 continue
-            entry = Entry(key, slot, kind)
+            entry = Entry(key, slot, kind, checksums[i] if checksums is not None else 0)
             self._table[key] = entry
             self._queue_of(entry)[key] = entry
-            stored += 1
-        return stored
+            added.append(key)
+        if added and self._on_change:
+            self._on_change(added, [])
+        return len(added)
 
     def abort(self, res: Reservation) -> None:
         """Return reserved slots unused (safe to call twice)."""
@@ -190,10 +206,13 @@ class PagePool:
             else:
                 self._remove(entry)
                 deleted += 1
+        if deleted and self._on_change:
+            gone = [k for k in keys if k not in self._table and k not in not_found]
+            self._on_change([], gone)
         return deleted, not_found, pinned
 
     # ---- reads ---------------------------------------------------------
-    def acquire(self, keys: Sequence[bytes], touch: bool = True) -> ReadHandle:
+    def acquire(self, keys: Sequence[bytes]) -> ReadHandle:
         """Hold the found pages against eviction until :meth:`release`."""
         entries, found = [], []
         for key in keys:
