@@ -128,14 +128,16 @@ class PutResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ..., evicted: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "max_chunk_bytes")
+    __slots__ = ("namespace", "keys", "max_chunk_bytes", "local_only")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     max_chunk_bytes: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    local_only: bool
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., max_chunk_bytes: _Optional[int] = ..., local_only: _Optional[bool] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("keys", "pages", "missing_keys")
@@ -240,7 +242,7 @@ class StatsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace", "page_bytes", "capacity_bytes", "used_bytes", "num_slots", "used_slots", "pinned_slots", "speculative_slots", "hits", "misses", "puts", "evictions", "active_leases")
+    __slots__ = ("namespace", "page_bytes", "capacity_bytes", "used_bytes", "num_slots", "used_slots", "pinned_slots", "speculative_slots", "hits", "misses", "puts", "evictions", "active_leases", "remote_hits", "replica_slots")
     class EvictionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +263,8 @@ class NamespaceStats(_message.Message):
     PUTS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_HITS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     page_bytes: int
     capacity_bytes: int
@@ -274,23 +278,29 @@ class NamespaceStats(_message.Message):
     puts: int
     evictions: _containers.ScalarMap[str, int]
     active_leases: int
-    def __init__(self, namespace: _Optional[str] = ..., page_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., speculative_slots: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., active_leases: _Optional[int] = ...) -> None: ...
+    remote_hits: int
+    replica_slots: int
+    def __init__(self, namespace: _Optional[str] = ..., page_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., speculative_slots: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., active_leases: _Optional[int] = ..., remote_hits: _Optional[int] = ..., replica_slots: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "uptime_seconds", "capacity_bytes", "reserved_bytes", "namespaces", "device")
+    __slots__ = ("node_id", "uptime_seconds", "capacity_bytes", "reserved_bytes", "namespaces", "device", "coordinator", "members")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     uptime_seconds: float
     capacity_bytes: int
     reserved_bytes: int
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     device: str
-    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., device: _Optional[str] = ...) -> None: ...
+    coordinator: str
+    members: _containers.RepeatedCompositeFieldContainer[MemberInfo]
+    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., device: _Optional[str] = ..., coordinator: _Optional[str] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ...) -> None: ...
 
 class NodeInfoRequest(_message.Message):
     __slots__ = ()
@@ -329,7 +339,7 @@ class NodeInfoResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., max_batch_pages: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_pin_ttl_seconds: _Optional[float] = ..., data_endpoints: _Optional[_Iterable[_Union[DataEndpoint, _Mapping]]] = ...) -> None: ...
 
 class DataHeader(_message.Message):
-    __slots__ = ("op", "namespace", "keys", "page_bytes", "kind", "code", "message", "found", "put")
+    __slots__ = ("op", "namespace", "keys", "page_bytes", "kind", "code", "message", "found", "put", "checksums", "local_only", "deadline_ms")
     class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OP_UNSPECIFIED: _ClassVar[DataHeader.Op]
@@ -349,6 +359,9 @@ class DataHeader(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
     PUT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     op: DataHeader.Op
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -358,4 +371,141 @@ class DataHeader(_message.Message):
     message: str
     found: _containers.RepeatedScalarFieldContainer[bool]
     put: PutResponse
-    def __init__(self, op: _Optional[_Union[DataHeader.Op, str]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., kind: _Optional[_Union[PageKind, str]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., found: _Optional[_Iterable[bool]] = ..., put: _Optional[_Union[PutResponse, _Mapping]] = ...) -> None: ...
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    local_only: bool
+    deadline_ms: int
+    def __init__(self, op: _Optional[_Union[DataHeader.Op, str]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., kind: _Optional[_Union[PageKind, str]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., found: _Optional[_Iterable[bool]] = ..., put: _Optional[_Union[PutResponse, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ..., local_only: _Optional[bool] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+
+class TransportEndpoint(_message.Message):
+    __slots__ = ("kind", "host", "port")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    host: str
+    port: int
+    def __init__(self, kind: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class MemberInfo(_message.Message):
+    __slots__ = ("node_id", "address", "incarnation", "endpoints", "capacity_bytes", "used_bytes", "hits", "misses", "remote_hits", "role", "last_seen_seconds_ago", "alive")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_HITS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    incarnation: str
+    endpoints: _containers.RepeatedCompositeFieldContainer[TransportEndpoint]
+    capacity_bytes: int
+    used_bytes: int
+    hits: int
+    misses: int
+    remote_hits: int
+    role: str
+    last_seen_seconds_ago: float
+    alive: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[TransportEndpoint, _Mapping]]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., remote_hits: _Optional[int] = ..., role: _Optional[str] = ..., last_seen_seconds_ago: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
+
+class DirectoryBatch(_message.Message):
+    __slots__ = ("namespace", "adds", "removes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ADDS_FIELD_NUMBER: _ClassVar[int]
+    REMOVES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    adds: _containers.RepeatedScalarFieldContainer[bytes]
+    removes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., adds: _Optional[_Iterable[bytes]] = ..., removes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("sender", "known", "has_directory", "seq", "full", "directory")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    HAS_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    sender: MemberInfo
+    known: _containers.RepeatedCompositeFieldContainer[MemberInfo]
+    has_directory: bool
+    seq: int
+    full: bool
+    directory: _containers.RepeatedCompositeFieldContainer[DirectoryBatch]
+    def __init__(self, sender: _Optional[_Union[MemberInfo, _Mapping]] = ..., known: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., has_directory: _Optional[bool] = ..., seq: _Optional[int] = ..., full: _Optional[bool] = ..., directory: _Optional[_Iterable[_Union[DirectoryBatch, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("receiver", "known", "need_full", "accepted_seq")
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    NEED_FULL_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    receiver: MemberInfo
+    known: _containers.RepeatedCompositeFieldContainer[MemberInfo]
+    need_full: bool
+    accepted_seq: int
+    def __init__(self, receiver: _Optional[_Union[MemberInfo, _Mapping]] = ..., known: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., need_full: _Optional[bool] = ..., accepted_seq: _Optional[int] = ...) -> None: ...
+
+class LocateRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KeyHolders(_message.Message):
+    __slots__ = ("node_ids",)
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LocateResponse(_message.Message):
+    __slots__ = ("holders", "members")
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    holders: _containers.RepeatedCompositeFieldContainer[KeyHolders]
+    members: _containers.RepeatedCompositeFieldContainer[MemberInfo]
+    def __init__(self, holders: _Optional[_Iterable[_Union[KeyHolders, _Mapping]]] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ...) -> None: ...
+
+class ClusterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterStatusResponse(_message.Message):
+    __slots__ = ("node_id", "coordinator", "members")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    coordinator: str
+    members: _containers.RepeatedCompositeFieldContainer[MemberInfo]
+    def __init__(self, node_id: _Optional[str] = ..., coordinator: _Optional[str] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ...) -> None: ...
+
+class ReplicateRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "source_node_id", "kind")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    source_node_id: str
+    kind: PageKind
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., source_node_id: _Optional[str] = ..., kind: _Optional[_Union[PageKind, str]] = ...) -> None: ...
+
+class ReplicateResponse(_message.Message):
+    __slots__ = ("copied", "already_present", "missing")
+    COPIED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    copied: int
+    already_present: int
+    missing: int
+    def __init__(self, copied: _Optional[int] = ..., already_present: _Optional[int] = ..., missing: _Optional[int] = ...) -> None: ...

@@ -611,3 +611,251 @@ class KvStore:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ClusterStub:
+    """Node-to-node calls. Clients use KvStore; these are for peers and admins.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Heartbeat = channel.unary_unary(
+                '/kvstore.v1.Cluster/Heartbeat',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
+        self.Locate = channel.unary_unary(
+                '/kvstore.v1.Cluster/Locate',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.LocateRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LocateResponse.FromString,
+                _registered_method=True)
+        self.ClusterLookup = channel.unary_unary(
+                '/kvstore.v1.Cluster/ClusterLookup',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/kvstore.v1.Cluster/Status',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ClusterStatusRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ClusterStatusResponse.FromString,
+                _registered_method=True)
+        self.Replicate = channel.unary_unary(
+                '/kvstore.v1.Cluster/Replicate',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
+
+
+class ClusterServicer:
+    """Node-to-node calls. Clients use KvStore; these are for peers and admins.
+    """
+
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Locate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClusterLookup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Replicate(self, request, context):
+        """Make this node pull pages from a source node (replicate primitive).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ClusterServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.HeartbeatRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LocateRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.LocateResponse.SerializeToString,
+            ),
+            'ClusterLookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClusterLookup,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.LookupResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ClusterStatusRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ClusterStatusResponse.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReplicateRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReplicateResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvstore.v1.Cluster', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvstore.v1.Cluster', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Cluster:
+    """Node-to-node calls. Clients use KvStore; these are for peers and admins.
+    """
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Cluster/Heartbeat',
+            kvstore_dot_v1_dot_kvstore__pb2.HeartbeatRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Cluster/Locate',
+            kvstore_dot_v1_dot_kvstore__pb2.LocateRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.LocateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClusterLookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Cluster/ClusterLookup',
+            kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Cluster/Status',
+            kvstore_dot_v1_dot_kvstore__pb2.ClusterStatusRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.ClusterStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Cluster/Replicate',
+            kvstore_dot_v1_dot_kvstore__pb2.ReplicateRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.ReplicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
