@@ -1,0 +1,148 @@
+"""Which node holds which page: the coordinator's soft state, pure logic.
+
+Nodes report page adds and removes in numbered batches (``Outbox``); the
+coordinator applies them (``Directory.report``). A batch out of sequence, an
+unknown node or a new incarnation makes the coordinator ask for a full
+snapshot, so a new coordinator rebuilds the whole directory from the nodes'
+next reports without any hand-over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.v1 import kvstore_pb2 as pb
+
+
+@dataclass(slots=True)
+class _NodeState:
+    incarnation: str
+    seq: int
+    keys: dict[str, set[bytes]] = field(default_factory=dict)  # namespace -> keys
+
+
+class Directory:
+    """namespace -> key -> node ids, plus each node's key sets for drops."""
+
+    def __init__(self) -> None:
+        self._holders: dict[str, dict[bytes, set[str]]] = {}
+        self._nodes: dict[str, _NodeState] = {}
+
+    def __len__(self) -> int:
+        return sum(len(keys) for keys in self._holders.values())
+
+    def nodes(self) -> list[str]:
+        return sorted(self._nodes)
+
+    def report(self, node_id: str, incarnation: str, seq: int, full: bool,
+               batches: Iterable[pb.DirectoryBatch]) -> bool:
+        """Apply one report; returns True when a full snapshot is needed."""
+        state = self._nodes.get(node_id)
+        if full:
+            self.drop(node_id)
+            state = self._nodes[node_id] = _NodeState(incarnation, seq)
+        elif state is None or state.incarnation != incarnation or seq != state.seq + 1:
+            return True
+        else:
+            state.seq = seq
+        for batch in batches:
+            self._apply(node_id, state, batch.namespace, batch.adds, batch.removes)
+        return False
+
+    def _apply(self, node_id: str, state: _NodeState, namespace: str, adds: Sequence[bytes],
+               removes: Sequence[bytes]) -> None:
+        holders = self._holders.setdefault(namespace, {})
+        mine = state.keys.setdefault(namespace, set())
+        for key in removes:
+            if key in mine:
+                mine.discard(key)
+                nodes = holders.get(key)
+                if nodes is not None:
+                    nodes.discard(node_id)
+                    if not nodes:
+                        del holders[key]
+        for key in adds:
+            if key not in mine:
+                mine.add(key)
+                holders.setdefault(key, set()).add(node_id)
+
+    def drop(self, node_id: str) -> int:
+        """Forget everything a node held (it died or restarted)."""
+        state = self._nodes.pop(node_id, None)
+        if state is None:
+            return 0
+        dropped = 0
+        for namespace, keys in state.keys.items():
+            holders = self._holders.get(namespace, {})
+            for key in keys:
+                nodes = holders.get(key)
+                if nodes is not None:
+                    nodes.discard(node_id)
+                    dropped += 1
+                    if not nodes:
+                        del holders[key]
+        return dropped
+
+    def holders(self, namespace: str, key: bytes) -> set[str]:
+        return set(self._holders.get(namespace, {}).get(key, ()))
+
+    def locate(self, namespace: str, keys: Sequence[bytes]) -> list[set[str]]:
+        table = self._holders.get(namespace, {})
+        return [set(table.get(key, ())) for key in keys]
+
+    def prefixes(self, namespace: str, chain: Sequence[bytes]) -> dict[str, int]:
+        """Per node, the length of the longest leading run of ``chain`` it holds."""
+        table = self._holders.get(namespace, {})
+        if not chain:
+            return {}
+        active = set(table.get(chain[0], ()))
+        lengths: dict[str, int] = {}
+        for i, key in enumerate(chain[1:], start=1):
+            if not active:
+                break
+            nodes = table.get(key, set())
+            for node in active - nodes:
+                lengths[node] = i
+            active &= nodes
+        for node in active:
+            lengths[node] = len(chain)
+        return lengths
+
+
+class Outbox:
+    """A node's page adds/removes not yet accepted by the coordinator."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, dict[bytes, bool]] = {}  # namespace -> key -> added?
+        self.seq = 0
+        self.need_full = True  # the first report is always a snapshot
+
+    def record(self, namespace: str, added: Iterable[bytes] = (), removed: Iterable[bytes] = ()) -> None:
+        pending = self._pending.setdefault(namespace, {})
+        for key in removed:
+            pending[key] = False
+        for key in added:
+            pending[key] = True
+
+    def pending(self) -> int:
+        return sum(len(p) for p in self._pending.values())
+
+    def take(self) -> tuple[int, list[pb.DirectoryBatch]]:
+        """The next incremental batch (seq, batches); clears the pending set."""
+        batches = []
+        for namespace, pending in self._pending.items():
+            if pending:
+                batches.append(pb.DirectoryBatch(
+                    namespace=namespace, adds=[k for k, a in pending.items() if a],
+                    removes=[k for k, a in pending.items() if not a]))
+        self._pending.clear()
+        self.seq += 1
+        return self.seq, batches
+
+    def take_full(self, snapshot: dict[str, Iterable[bytes]]) -> tuple[int, list[pb.DirectoryBatch]]:
+        """A full snapshot report replacing everything sent before."""
+        self._pending.clear()
+        self.seq += 1
+        self.need_full = False
+        return self.seq, [pb.DirectoryBatch(namespace=ns, adds=list(keys)) for ns, keys in snapshot.items()]

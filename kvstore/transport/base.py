@@ -1,0 +1,83 @@
+"""The peer transport interface: a pull of pages from a peer.
+
+One exchange: the puller sends a request header (``kvstore.v1.DataHeader``,
+op GET, ``local_only``), the server answers with a RESULT header (``found``,
+``checksums``, ``page_bytes``) and then, as ONE message, the found pages
+packed contiguously (``pack_pages`` on the server; the puller scatters them
+with ``unpack_pages``). Pages may be device arrays (CuPy) so UCX can move
+them with RDMA/NVLink/CUDA IPC where present.
+
+The serving side never talks to the pool directly: the node hands a
+``serve`` callback to :meth:`Transport.start` that returns a
+:class:`Served` (reply header, packed payload, release callback).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.errors import Unavailable
+from kvstore.v1 import kvstore_pb2 as pb
+
+
+class TransportError(Unavailable):
+    """A peer transfer failed (peer died, reset, bad frame, timeout).
+
+    Callers treat the pages of the failed transfer as misses.
+    """
+
+
+@dataclass(slots=True)
+class Served:
+    """What a node answers to a pull: header, packed pages, and a release.
+
+    ``payload`` is a contiguous uint8 array ``[n_found, page_bytes]`` (host
+    or device) or None when nothing was found; ``release`` must be called
+    once the payload has been sent (it drops read holds and staging).
+    """
+
+    header: pb.DataHeader
+    payload: Any
+    release: Callable[[], None]
+
+
+# serve(request) -> Served; runs on the event loop thread.
+ServeFn = Callable[[pb.DataHeader], Served]
+# alloc(n_pages, page_bytes) -> a contiguous uint8 array to receive into.
+AllocFn = Callable[[int, int], Any]
+
+
+class Transport(abc.ABC):
+    """A backend that serves pulls and pulls pages from peers."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def start(self, host: str, port: int, serve: ServeFn) -> pb.TransportEndpoint:
+        """Listen on ``host:port`` (0 = any free port); returns the endpoint
+        to advertise. A second call returns the same endpoint."""
+
+    @abc.abstractmethod
+    async def fetch(self, endpoint: pb.TransportEndpoint, request: pb.DataHeader,
+                    alloc: AllocFn) -> tuple[pb.DataHeader, Any]:
+        """Send ``request`` to the peer at ``endpoint``; returns its RESULT
+        header and the payload received into ``alloc(n_found, page_bytes)``
+        (None when nothing was found). Raises :class:`TransportError` on any
+        failure and leaves no half-used connection behind. Cancelling it
+        (deadline) is safe: the connection used is closed."""
+
+    @abc.abstractmethod
+    def forget(self, endpoint: pb.TransportEndpoint) -> None:
+        """Drop cached connections to a peer (it died or restarted)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop listening and close every connection; safe to call twice."""
+
+    def connections(self) -> int:
+        """Open outgoing connections (tests check for leaks)."""
+        return 0
+

@@ -1,0 +1,186 @@
+"""Peer transport over plain asyncio TCP, framed like the data channel.
+
+For machines without UCX. Uses ``sock_recv_into``/``sock_sendall`` on raw
+non-blocking sockets (no stream buffering); the payload of a pull is one
+contiguous host buffer, received in place. Connections are pooled per peer
+so concurrent pulls from one peer run side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+import numpy as np
+
+from kvstore.datapath.server import recv_exact
+from kvstore.datapath.wire import PREFIX, ChannelClosed, WireError, decode_header, decode_prefix, encode_header
+from kvstore.transport.base import AllocFn, ServeFn, Transport, TransportError
+from kvstore.v1 import kvstore_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+async def _read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[pb.DataHeader, int]:
+    prefix = bytearray(PREFIX.size)
+    await recv_exact(loop, sock, memoryview(prefix))
+    header_len, payload_len = decode_prefix(prefix)
+    body = bytearray(header_len)
+    await recv_exact(loop, sock, memoryview(body))
+    return decode_header(body), payload_len
+
+
+class TcpTransport(Transport):
+    """Pulls over pooled TCP connections; serves pulls on one listener."""
+
+    name = "tcp"
+    device_buffers = False  # payloads travel through host memory
+
+    def __init__(self, max_idle_per_peer: int = 4) -> None:
+        self._listener: socket.socket | None = None
+        self._endpoint: pb.TransportEndpoint | None = None
+        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self._busy: set[socket.socket] = set()
+        self._served: set[socket.socket] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._max_idle = max_idle_per_peer
+
+    # ---- serving ---------------------------------------------------------
+    async def start(self, host: str, port: int, serve: ServeFn) -> pb.TransportEndpoint:
+        if self._endpoint is not None:
+            return self._endpoint
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self._listener = sock
+        self._endpoint = pb.TransportEndpoint(kind="tcp", host=host, port=sock.getsockname()[1])
+        self._spawn(self._accept(serve))
+        return self._endpoint
+
+    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self, serve: ServeFn) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError:
+                return
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._served.add(conn)
+            self._spawn(self._serve(conn, serve))
+
+    async def _serve(self, conn: socket.socket, serve: ServeFn) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    request, payload_len = await _read_frame(loop, conn)
+                except ChannelClosed:
+                    return
+                if request.op != pb.DataHeader.GET or payload_len:
+                    raise WireError(f"peer sent op {request.op} with {payload_len} payload bytes")
+                served = serve(request)
+                try:
+                    payload = served.payload
+                    nbytes = 0 if payload is None else payload.nbytes
+                    await loop.sock_sendall(conn, encode_header(served.header, nbytes))
+                    if nbytes:
+                        await loop.sock_sendall(conn, memoryview(_host(payload)).cast("B"))
+                finally:
+                    served.release()
+        except (WireError, ChannelClosed, OSError) as exc:
+            log.debug("tcp transport: closing served connection: %s", exc)
+        finally:
+            self._served.discard(conn)
+            conn.close()
+
+    # ---- pulling ---------------------------------------------------------
+    async def _connect(self, addr: tuple[str, int]) -> socket.socket:
+        idle = self._idle.get(addr)
+        if idle:
+            return idle.pop()
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, addr)
+        except BaseException:
+            sock.close()
+            raise
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    async def fetch(self, endpoint: pb.TransportEndpoint, request: pb.DataHeader,
+                    alloc: AllocFn) -> tuple[pb.DataHeader, Any]:
+        loop = asyncio.get_running_loop()
+        addr = (endpoint.host, endpoint.port)
+        sock: socket.socket | None = None
+        try:
+            sock = await self._connect(addr)
+            self._busy.add(sock)
+            await loop.sock_sendall(sock, encode_header(request, 0))
+            reply, payload_len = await _read_frame(loop, sock)
+            found = sum(reply.found)
+            if payload_len != found * reply.page_bytes or reply.op != pb.DataHeader.RESULT:
+                raise WireError(f"reply of {payload_len} bytes for {found} pages of {reply.page_bytes}")
+            payload = None
+            if found:
+                payload = alloc(found, reply.page_bytes)
+                await recv_exact(loop, sock, memoryview(payload).cast("B"))
+        except (OSError, WireError, ChannelClosed) as exc:
+            self._drop(sock)
+            raise TransportError(f"tcp pull from {addr[0]}:{addr[1]} failed: {exc}") from None
+        except BaseException:  # cancelled mid-frame: the connection is out of step
+            self._drop(sock)
+            raise
+        self._busy.discard(sock)
+        idle = self._idle.setdefault(addr, [])
+        if len(idle) < self._max_idle:
+            idle.append(sock)
+        else:
+            sock.close()
+        return reply, payload
+
+    def _drop(self, sock: socket.socket | None) -> None:
+        if sock is not None:
+            self._busy.discard(sock)
+            sock.close()
+
+    def forget(self, endpoint: pb.TransportEndpoint) -> None:
+        for sock in self._idle.pop((endpoint.host, endpoint.port), []):
+            sock.close()
+
+    def connections(self) -> int:
+        return len(self._busy) + sum(len(v) for v in self._idle.values())
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for conns in self._idle.values():
+            for sock in conns:
+                sock.close()
+        self._idle.clear()
+        for sock in list(self._busy) + list(self._served):
+            sock.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _host(payload: Any) -> np.ndarray:
+    """A host view of a payload (downloads a device array)."""
+    if isinstance(payload, np.ndarray):
+        return payload
+    return payload.get()  # CuPy
