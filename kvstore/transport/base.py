@@ -35,8 +35,10 @@ class Served:
     """What a node answers to a pull: header, packed pages, and a release.
 
     ``payload`` is a contiguous uint8 array ``[n_found, page_bytes]`` (host
-    or device) or None when nothing was found; ``release`` must be called
-    once the payload has been sent (it drops read holds and staging).
+    or device), or -- for a transport with ``scatter`` -- a list of host
+    page views (the pool slots themselves: no pack copy), or None when
+    nothing was found; ``release`` must be called once the payload has been
+    sent (it drops read holds and returns staging).
     """
 
     header: pb.DataHeader
@@ -46,14 +48,18 @@ class Served:
 
 # serve(request) -> Served; runs on the event loop thread.
 ServeFn = Callable[[pb.DataHeader], Served]
-# alloc(n_pages, page_bytes) -> a contiguous uint8 array to receive into.
-AllocFn = Callable[[int, int], Any]
+# alloc(n_pages, page_bytes, reply) -> where to receive the payload: a
+# contiguous uint8 array [n_pages, page_bytes], or -- for a transport with
+# ``scatter`` -- a list of n_pages host page views (e.g. reserved pool slots).
+AllocFn = Callable[[int, int, pb.DataHeader], Any]
 
 
 class Transport(abc.ABC):
     """A backend that serves pulls and pulls pages from peers."""
 
     name: str
+    device_buffers: bool = False  # payloads may be device (CuPy) arrays
+    scatter: bool = False  # payloads may be lists of host page views
 
     @abc.abstractmethod
     async def start(self, host: str, port: int, serve: ServeFn) -> pb.TransportEndpoint:

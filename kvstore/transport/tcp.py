@@ -37,6 +37,7 @@ class TcpTransport(Transport):
 
     name = "tcp"
     device_buffers = False  # payloads travel through host memory
+    scatter = True  # send from / receive into page views in place (no pack, no unpack)
 
     def __init__(self, max_idle_per_peer: int = 4) -> None:
         self._listener: socket.socket | None = None
@@ -92,11 +93,10 @@ class TcpTransport(Transport):
                     raise WireError(f"peer sent op {request.op} with {payload_len} payload bytes")
                 served = serve(request)
                 try:
-                    payload = served.payload
-                    nbytes = 0 if payload is None else payload.nbytes
-                    await loop.sock_sendall(conn, encode_header(served.header, nbytes))
-                    if nbytes:
-                        await loop.sock_sendall(conn, memoryview(_host(payload)).cast("B"))
+                    views = _views(served.payload)
+                    await loop.sock_sendall(conn, encode_header(served.header, sum(v.nbytes for v in views)))
+                    for view in views:
+                        await loop.sock_sendall(conn, view)
                 finally:
                     served.release()
         except (WireError, ChannelClosed, OSError) as exc:
@@ -136,8 +136,9 @@ class TcpTransport(Transport):
                 raise WireError(f"reply of {payload_len} bytes for {found} pages of {reply.page_bytes}")
             payload = None
             if found:
-                payload = alloc(found, reply.page_bytes)
-                await recv_exact(loop, sock, memoryview(payload).cast("B"))
+                payload = alloc(found, reply.page_bytes, reply)
+                for view in _views(payload):
+                    await recv_exact(loop, sock, view)
         except (OSError, WireError, ChannelClosed) as exc:
             self._drop(sock)
             raise TransportError(f"tcp pull from {addr[0]}:{addr[1]} failed: {exc}") from None
@@ -179,8 +180,13 @@ class TcpTransport(Transport):
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def _host(payload: Any) -> np.ndarray:
-    """A host view of a payload (downloads a device array)."""
-    if isinstance(payload, np.ndarray):
-        return payload
-    return payload.get()  # CuPy
+def _views(payload: Any) -> list[memoryview]:
+    """Flat byte views of a payload: an array (downloaded if on a device)
+    or a list of page views."""
+    if payload is None:
+        return []
+    if isinstance(payload, list):
+        return [memoryview(v).cast("B") if memoryview(v).format != "B" or memoryview(v).ndim != 1
+                else memoryview(v) for v in payload]
+    host = payload if isinstance(payload, np.ndarray) else payload.get()  # CuPy
+    return [memoryview(np.ascontiguousarray(host)).cast("B")]
