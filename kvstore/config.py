@@ -124,7 +124,23 @@ SETTINGS: tuple[Setting, ...] = (
             "SPEC", repeat=True),
     Setting("prefault", parse_bool, True, "touch host pool memory at namespace creation so first puts don't "
             "page-fault (true/false)", "BOOL"),
+    Setting("checksum", parse_bool, True, "xxh3 checksum of every page at put, verified on peer transfers",
+            "BOOL"),
     Setting("data_port", int, 0, "port of the bulk data channel on the listen host (0: pick one, -1: off)", "PORT"),
+    Setting("heartbeat_interval", float, 0.5, "seconds between heartbeats to each peer", "SECONDS"),
+    Setting("heartbeat_timeout", float, 2.0, "a peer silent this long is dead: its directory entries are dropped",
+            "SECONDS"),
+    Setting("transport", parse_choice("auto", "ucx", "tcp"), "auto",
+            "peer page transport: auto prefers UCX (ucxx) when it imports, else TCP", "NAME"),
+    Setting("transport_port", int, 0, "port of the peer transport listener (0: pick one)", "PORT"),
+    Setting("replication", parse_choice("none", "reactive"), "reactive",
+            "none: a Get serves local pages only; reactive: a Get pulls missing pages from the peers that hold "
+            "them", "POLICY"),
+    Setting("keep_fetched", parse_bool, True, "keep pages a Get pulled from a peer as local replicas", "BOOL"),
+    Setting("fetch_timeout", float, 5.0, "longest a Get waits for remote pages when the client gives no deadline; "
+            "what has not arrived by then is reported missing", "SECONDS"),
+    Setting("max_pull_bytes", parse_size, parse_size("64MiB"), "largest single peer transfer; bigger pulls are "
+            "chunked so a deadline keeps what arrived", "SIZE"),
     Setting("metrics_port", int, -1, "Prometheus metrics port on the listen host (0: pick one, -1: off)", "PORT"),
     Setting("log_level", parse_choice("debug", "info", "warning", "error"), "info", "logging level", "LEVEL"),
     Setting("loop", parse_choice("auto", "uvloop", "asyncio"), "auto", "event loop: auto prefers uvloop", "LOOP"),
@@ -147,7 +163,16 @@ class NodeConfig:
     peers: tuple[str, ...] = ()
     namespace: tuple[NamespaceSpec, ...] = ()
     prefault: bool = True
+    checksum: bool = True
     data_port: int = 0
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 2.0
+    transport: str = "auto"
+    transport_port: int = 0
+    replication: str = "reactive"
+    keep_fetched: bool = True
+    fetch_timeout: float = 5.0
+    max_pull_bytes: int = 64 << 20
     metrics_port: int = -1
     log_level: str = "info"
     loop: str = "auto"
@@ -176,6 +201,14 @@ class NodeConfig:
             raise ValueError("max_pin_ttl must be in (0, 604800] seconds")
         if not self.grace >= 0:  # also rejects NaN
             raise ValueError("grace must be >= 0")
+        if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
+            raise ValueError("need 0 < heartbeat_interval < heartbeat_timeout")
+        if not self.fetch_timeout >= 0:
+            raise ValueError("fetch_timeout must be >= 0")
+        if self.max_pull_bytes < 1 << 20:
+            raise ValueError("max_pull_bytes must be >= 1 MiB")
+        if not 0 <= self.transport_port <= 65535:
+            raise ValueError("transport_port must be 0..65535")
         for port_name in ("data_port", "metrics_port"):
             if not -1 <= getattr(self, port_name) <= 65535:
                 raise ValueError(f"{port_name} must be -1..65535")

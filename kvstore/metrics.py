@@ -58,6 +58,12 @@ class NodeMetrics:
                              ["op", "outcome"], registry=self.registry)
         self.latency = Histogram("kvstore_operation_latency_seconds", "Operation latency at the node",
                                  ["op", "path"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.remote_fetch = Histogram("kvstore_remote_fetch_seconds", "Time a Get spent pulling pages from peers",
+                                      buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.peer_bytes = Counter("kvstore_peer_bytes", "Page bytes moved between nodes", ["direction"],
+                                  registry=self.registry)
+        self.checksum_failures = Counter("kvstore_checksum_failures", "Pulled pages that failed their checksum",
+                                         registry=self.registry)
         self.registry.register(_PoolCollector(node))
 
     @contextmanager

@@ -13,6 +13,10 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
 
 from kvstore.config import NodeConfig
 
@@ -26,9 +30,10 @@ from kvstore.pool.pool import PageKind, PagePool, ReadHandle, Reservation
 
 @dataclass(slots=True)
 class NamespaceCounters:
-    hits: int = 0
+    hits: int = 0  # pages a Get found, locally or after a remote fetch
     misses: int = 0
     puts: int = 0
+    remote_hits: int = 0  # of the hits, pages fetched from a peer for that Get
 
 
 @dataclass(slots=True)
@@ -49,6 +54,18 @@ class Lease:
     timer: asyncio.TimerHandle | None = None
 
 
+@dataclass(slots=True)
+class _Part:
+    res: Reservation
+    keys: list[bytes]  # the new keys, in slot order
+    checksums: list[int] | None = None
+
+
+def page_checksum(page: Any) -> int:
+    """xxh3_64 of a page's bytes: computed when stored, verified by peers."""
+    return xxhash.xxh3_64_intdigest(page)
+
+
 @dataclass(frozen=True, slots=True)
 class PutResult:
     stored: int
@@ -65,7 +82,7 @@ class PutBatch:
         self.ns = ns
         self.kind = kind
         self._seen: set[bytes] = set()
-        self._parts: list[tuple[Reservation, list[bytes]]] = []
+        self._parts: list[_Part] = []
         self._closed = False
 
     @property
@@ -96,7 +113,7 @@ class PutBatch:
         finally:
             pool.release(present)
         self._seen.update(keys)
-        self._parts.append((res, [keys[i] for i in new]))
+        self._parts.append(_Part(res, [keys[i] for i in new]))
         return new, res
 
     def add(self, keys: Sequence[bytes], pages: Sequence[bytes]) -> None:
@@ -110,7 +127,10 @@ class PutBatch:
                     f"page #{i} has {len(page)} bytes; namespace {self.ns.name!r} pages are {page_bytes} bytes"
                 )
         new, res = self._reserve(keys)
-        self.ns.pool.write(res.slots, [pages[i] for i in new])
+        fresh = [pages[i] for i in new]
+        self.ns.pool.write(res.slots, fresh)
+        if self._node.config.checksum:
+            self._parts[-1].checksums = [page_checksum(p) for p in fresh]
 
     def add_landing(self, keys: Sequence[bytes]) -> tuple[list[memoryview | None], Callable[[], None]]:
         """Reserve slots for a chunk whose bytes arrive later (data channel).
@@ -120,27 +140,70 @@ class PutBatch:
         call once all bytes have arrived.
         """
         new, res = self._reserve(keys)
-        views, finish = self.ns.pool.landing(res.slots)
+        views, upload = self.ns.pool.landing(res.slots)
+        part = self._parts[-1]
         out: list[memoryview | None] = [None] * len(keys)
         for i, view in zip(new, views):
             out[i] = view
+
+        def finish() -> None:
+            if self._node.config.checksum:
+                part.checksums = [page_checksum(v) for v in views]
+            upload()
+
         return out, finish
+
+    def add_packed(self, keys: Sequence[bytes], staging: Any, checksums: Sequence[int]) -> None:
+        """Store pages that arrive packed in one staging array (a peer pull):
+        ``staging[i]`` holds ``keys[i]``, already checksum-verified."""
+        new, res = self._reserve(keys)
+        if new:
+            rows = staging if len(new) == len(keys) else staging[new]
+            ops = self.ns.pool.ops
+            if not ops.host_visible and isinstance(rows, np.ndarray):
+                rows = ops.from_host(np.ascontiguousarray(rows))
+            elif ops.host_visible and not isinstance(rows, np.ndarray):
+                rows = ops.to_host(rows)
+            ops.unpack(rows, res.slots, self.ns.pool.buffer)
+        self._parts[-1].checksums = [checksums[i] for i in new]
+
+    def discard(self, keys: set[bytes]) -> int:
+        """Drop ``keys`` from the batch before commit (e.g. a failed
+        checksum): their reserved slots go back to the pool."""
+        dropped = 0
+        for part in self._parts:
+            keep = [i for i, k in enumerate(part.keys) if k not in keys]
+            if len(keep) == len(part.keys):
+                continue
+            gone = [part.res.slots[i] for i in range(len(part.keys)) if i not in set(keep)]
+            self.ns.pool.unreserve(part.res, gone)
+            part.keys = [part.keys[i] for i in keep]
+            if part.checksums is not None:
+                part.checksums = [part.checksums[i] for i in keep]
+            dropped += len(gone)
+        self._seen -= keys
+        return dropped
+
+    def checksums(self) -> dict[bytes, int]:
+        """Checksums computed so far for the new keys of this batch."""
+        return {k: c for part in self._parts if part.checksums is not None
+                for k, c in zip(part.keys, part.checksums)}
 
     def commit(self) -> PutResult:
         """Publish every reserved page; report what was new."""
         self._closed = True
         stored = evicted = 0
-        for res, keys in self._parts:
-            stored += self.ns.pool.commit(res, keys, self.kind)
-            evicted += len(res.evicted)
+        for part in self._parts:
+            stored += self.ns.pool.commit(part.res, part.keys, self.kind, part.checksums)
+            evicted += len(part.res.evicted)
         self.ns.counters.puts += stored
         return PutResult(stored, len(self._seen) - stored, evicted)
 
     def abort(self) -> None:
         """Give back every reserved slot; safe after commit and twice."""
         self._closed = True
-        for res, _ in self._parts:
-            self.ns.pool.abort(res)
+        for part in self._parts:
+            self.ns.pool.abort(part.res)
 
 
 class Node:
@@ -152,6 +215,8 @@ class Node:
         self.node_id = config.node_id or config.listen
         self.namespaces: dict[str, Namespace] = {}
         self.leases: dict[str, Lease] = {}
+        # listener(namespace, added_keys, removed_keys): the cluster directory outbox
+        self.listeners: list[Callable[[str, list[bytes], list[bytes]], None]] = []
         self._clock = clock
         self.started_at = clock()
         self.address = config.listen  # replaced by the bound address once serving
@@ -186,7 +251,8 @@ class Node:
             raise ResourceExhausted(
                 f"namespace {name!r}: capacity {capacity} bytes holds no page of {layout.page_bytes} bytes"
             )
-        pool = PagePool(self.ops, num_slots, layout.page_bytes, prefault=self.config.prefault)
+        pool = PagePool(self.ops, num_slots, layout.page_bytes, prefault=self.config.prefault,
+                        on_change=lambda added, removed: self._changed(name, added, removed))
         ns = Namespace(name, layout, num_slots * layout.page_bytes, pool)
         self.namespaces[name] = ns
         return ns
@@ -204,6 +270,11 @@ class Node:
         for lease_id in [lid for lid, lease in self.leases.items() if lease.namespace == name]:
             self._drop_lease(lease_id)
         del self.namespaces[name]
+        self._changed(name, [], ns.pool.keys())
+
+    def _changed(self, namespace: str, added: list[bytes], removed: list[bytes]) -> None:
+        for listener in self.listeners:
+            listener(namespace, added, removed)
 
     # ---- pages ---------------------------------------------------------
     def begin_put(self, name: str, kind: PageKind = PageKind.PRIMARY) -> PutBatch:

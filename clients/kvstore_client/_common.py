@@ -124,8 +124,10 @@ def put_frame(namespace: str, keys: Sequence[bytes], page_bytes: int, kind: int)
     return encode_header(header, len(keys) * page_bytes)
 
 
-def get_frame(namespace: str, keys: Sequence[bytes]) -> bytes:
-    return encode_header(pb.DataHeader(op=pb.DataHeader.GET, namespace=namespace, keys=keys), 0)
+def get_frame(namespace: str, keys: Sequence[bytes], timeout: float | None = None, local_only: bool = False) -> bytes:
+    deadline_ms = max(1, int(timeout * 1000)) if timeout else 0
+    return encode_header(pb.DataHeader(op=pb.DataHeader.GET, namespace=namespace, keys=keys,
+                                       deadline_ms=deadline_ms, local_only=local_only), 0)
 
 
 def parse_result(header_bytes: bytes | bytearray) -> pb.DataHeader:

@@ -197,19 +197,21 @@ class AsyncKvClient:
             raise translate(exc) from None
         return PutResult(reply.stored, reply.already_present, reply.evicted)
 
-    async def get(self, namespace: str, keys: Sequence[bytes], *, out: np.ndarray | None = None) -> GetResult:
+    async def get(self, namespace: str, keys: Sequence[bytes], *, out: np.ndarray | None = None,
+                  timeout: float | None = None, local_only: bool = False) -> GetResult:
         keys = list(keys)
         out = as_out(out, len(keys), await self.page_bytes(namespace))
         conn = await self._data_conn()
         if conn is not None:
-            found = await conn.request(get_frame(namespace, keys), (), out)
+            found = await conn.request(get_frame(namespace, keys, timeout, local_only), (), out)
             return GetResult(keys, found, out)
         found = np.zeros(len(keys), dtype=bool)
         index: dict[bytes, list[int]] = {}
         for i, key in enumerate(keys):
             index.setdefault(key, []).append(i)
         try:
-            async for msg in self._stub.Get(pb.GetRequest(namespace=namespace, keys=keys), timeout=self.timeout):
+            request = pb.GetRequest(namespace=namespace, keys=keys, local_only=local_only)
+            async for msg in self._stub.Get(request, timeout=timeout or self.timeout):
                 for key, page in zip(msg.keys, msg.pages):
                     i = next(j for j in index[key] if not found[j])
                     out[i] = np.frombuffer(page, dtype=np.uint8)

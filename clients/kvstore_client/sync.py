@@ -224,20 +224,28 @@ class KvClient:
             raise translate(exc) from None
         return PutResult(reply.stored, reply.already_present, reply.evicted)
 
-    def get(self, namespace: str, keys: Sequence[bytes], *, out: np.ndarray | None = None) -> GetResult:
-        """Fetch pages; missing keys are reported in the result, not raised."""
+    def get(self, namespace: str, keys: Sequence[bytes], *, out: np.ndarray | None = None,
+            timeout: float | None = None, local_only: bool = False) -> GetResult:
+        """Fetch pages; missing keys are reported in the result, not raised.
+
+        Pages this node lacks are pulled from peers that hold them (unless
+        ``local_only``). With ``timeout``, the node stops waiting for peers
+        in time to answer with what it has, so the caller can recompute the
+        rest instead of waiting.
+        """
         keys = list(keys)
         out = as_out(out, len(keys), self.page_bytes(namespace))
         conn = self._data_conn()
         if conn is not None:
-            found = conn.get(get_frame(namespace, keys), out)
+            found = conn.get(get_frame(namespace, keys, timeout, local_only), out)
             return GetResult(keys, found, out)
         found = np.zeros(len(keys), dtype=bool)
         index: dict[bytes, list[int]] = {}
         for i, key in enumerate(keys):
             index.setdefault(key, []).append(i)
         try:
-            for msg in self._stub.Get(pb.GetRequest(namespace=namespace, keys=keys), timeout=self.timeout):
+            request = pb.GetRequest(namespace=namespace, keys=keys, local_only=local_only)
+            for msg in self._stub.Get(request, timeout=timeout or self.timeout):
                 for key, page in zip(msg.keys, msg.pages):
                     i = next(j for j in index[key] if not found[j])
                     out[i] = np.frombuffer(page, dtype=np.uint8)

@@ -43,6 +43,33 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cluster_status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvstore.v1 import kvstore_pb2 as pb
+    from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(args.addr) as channel:
+        try:
+            status = pb_grpc.ClusterStub(channel).Status(pb.ClusterStatusRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            print(f"kvctl: {args.addr}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(MessageToDict(status, preserving_proto_field_name=True), indent=2))
+        return 0
+    print(f"view of {status.node_id}: {len(status.members)} live members, coordinator {status.coordinator}")
+    print(f"{'node':<16} {'role':<12} {'address':<22} {'transport':<22} {'capacity':>10} {'used':>10} "
+          f"{'hit%':>6} {'remote':>8} {'seen':>6}")
+    for m in status.members:
+        lookups = m.hits + m.misses
+        rate = f"{100 * m.hits / lookups:.1f}" if lookups else "-"
+        transport = ",".join(f"{e.kind}:{e.port}" for e in m.endpoints)
+        print(f"{m.node_id:<16} {m.role:<12} {m.address:<22} {transport:<22} {format_size(m.capacity_bytes):>10} "
+              f"{format_size(m.used_bytes):>10} {rate:>6} {m.remote_hits:>8} {m.last_seen_seconds_ago:>5.1f}s")
+    return 0
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     with _client(args.addr) as kv:
         status = kv.health()
@@ -77,6 +104,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="", help="one namespace (default: all)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(fn=cmd_stats)
+
+    p = sub.add_parser("cluster", help="cluster commands: kvctl cluster status --addr HOST:PORT")
+    p.add_argument("action", choices=["status"])
+    p.add_argument("--addr", required=True, help="any node's gRPC address")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_cluster_status)
 
     p = sub.add_parser("health", help="print the node's health status; exit 1 unless SERVING")
     p.add_argument("--addr", required=True)

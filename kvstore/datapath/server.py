@@ -16,6 +16,7 @@ import time
 
 import grpc
 
+from kvstore.cluster.agent import ClusterAgent
 from kvstore.datapath.wire import (
     PREFIX, ChannelClosed, WireError, decode_header, decode_prefix, encode_header,
 )
@@ -44,8 +45,9 @@ async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, view:
 class DataServer:
     """Accepts data-channel connections and serves frames in order."""
 
-    def __init__(self, node: Node, metrics: NodeMetrics, host: str, port: int) -> None:
+    def __init__(self, node: Node, metrics: NodeMetrics, agent: ClusterAgent, host: str, port: int) -> None:
         self._node = node
+        self._agent = agent
         self._metrics = metrics
         self._host, self._port = host, port
         self._sock: socket.socket | None = None
@@ -171,8 +173,11 @@ class DataServer:
 
     async def _get(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, header: pb.DataHeader) -> None:
         start = time.perf_counter()
+        # leave a fifth of the caller's deadline to send what we have
+        timeout = 0.8 * header.deadline_ms / 1000 if header.deadline_ms else None
         try:
-            ns, handle = self._node.acquire(header.namespace, list(header.keys))
+            ns, handle, fetched = await self._agent.read(header.namespace, list(header.keys), timeout,
+                                                         header.local_only)
         except KvError as exc:
             self._metrics.ops.labels("get", exc.code.name).inc()
             await self._reply_error(loop, conn, exc.code, str(exc))
@@ -185,7 +190,7 @@ class DataServer:
             for view in views:
                 await loop.sock_sendall(conn, view)
         finally:
-            ns.pool.release(handle)
+            self._agent.end_read(ns, handle, fetched)
         hits = len(handle.entries)
         self._metrics.ops.labels("get", "OK").inc()
         self._metrics.pages.labels("get", "hit").inc(hits)

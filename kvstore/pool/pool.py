@@ -188,6 +188,14 @@ class PagePool:
             self._on_change(added, [])
         return len(added)
 
+    def unreserve(self, res: Reservation, slots: Sequence[int]) -> None:
+        """Give back some of a reservation's slots before it is committed."""
+        if res.done:
+            raise RuntimeError("reservation already committed or aborted")
+        gone = set(slots)
+        res.slots = [s for s in res.slots if s not in gone]
+        self._free.extend(gone)
+
     def abort(self, res: Reservation) -> None:
         """Return reserved slots unused (safe to call twice)."""
         if not res.done:

@@ -16,6 +16,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from kvstore.cluster.agent import ClusterAgent
+from kvstore.cluster.service import ClusterService
 from kvstore.config import NodeConfig, parse_hostport
 from kvstore.datapath.server import DataServer
 from kvstore.metrics import NodeMetrics
@@ -23,6 +25,7 @@ from kvstore.node import Node
 from kvstore.ops.auto import select as select_ops
 from kvstore.ops.base import PageOps
 from kvstore.server.service import KvStoreService
+from kvstore.transport.auto import make_transport
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,7 @@ class NodeServer:
         self._ops = ops
         self.node: Node | None = None
         self.metrics: NodeMetrics | None = None
+        self.agent: ClusterAgent | None = None
         self.health = health_aio.HealthServicer()
         self._grpc: grpc.aio.Server | None = None
         self._data: DataServer | None = None
@@ -62,13 +66,16 @@ class NodeServer:
         ops = self._ops or select_ops("auto", self.config.device)
         self.node = node = Node(self.config, ops)
         self.metrics = NodeMetrics(node)
+        self.agent = agent = ClusterAgent(node, self.config, make_transport(self.config.transport), self.metrics)
         limit = self.config.max_message_bytes
         server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0),
         ])
-        pb_grpc.add_KvStoreServicer_to_server(KvStoreService(node, self.metrics, lambda: self.data_port), server)
+        pb_grpc.add_KvStoreServicer_to_server(KvStoreService(node, self.metrics, agent, lambda: self.data_port),
+                                              server)
+        pb_grpc.add_ClusterServicer_to_server(ClusterService(agent), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         host, port = parse_hostport(self.config.listen)
         self.port = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
@@ -77,11 +84,13 @@ class NodeServer:
         node.address = self.address
         if not self.config.node_id:
             node.node_id = self.address
+        agent.self_info.node_id, agent.self_info.address = node.node_id, node.address
         await server.start()
         self._grpc = server
         if self.config.data_port >= 0:
-            self._data = DataServer(node, self.metrics, host, self.config.data_port)
+            self._data = DataServer(node, self.metrics, agent, host, self.config.data_port)
             await self._data.start()
+        await agent.start()
         if self.config.metrics_port >= 0:
             from prometheus_client import start_http_server
 
@@ -105,6 +114,8 @@ class NodeServer:
         if self._data is not None:
             await self._data.stop()
         await self._grpc.stop(grace)
+        if self.agent is not None:
+            await self.agent.stop()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()

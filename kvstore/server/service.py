@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import grpc
 
 import kvstore
+from kvstore.cluster.agent import ClusterAgent
 from kvstore.datapath.wire import WIRE_VERSION
 from kvstore.errors import InvalidArgument, KvError
 from kvstore.metrics import NodeMetrics
@@ -62,9 +63,11 @@ def namespace_info(ns: Namespace, device: str) -> pb.NamespaceInfo:
 
 
 class KvStoreService(pb_grpc.KvStoreServicer):
-    def __init__(self, node: Node, metrics: NodeMetrics, data_port: Callable[[], int | None]) -> None:
+    def __init__(self, node: Node, metrics: NodeMetrics, agent: ClusterAgent,
+                 data_port: Callable[[], int | None]) -> None:
         self.node = node
         self.metrics = metrics
+        self.agent = agent
         self._data_port = data_port
 
     # ---- namespaces ----------------------------------------------------
@@ -116,7 +119,10 @@ class KvStoreService(pb_grpc.KvStoreServicer):
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
         start = time.perf_counter()
         try:
-            ns, handle = self.node.acquire(request.namespace, list(request.keys))
+            remaining = context.time_remaining()  # leave a fifth of the deadline to send what we have
+            ns, handle, fetched = await self.agent.read(request.namespace, list(request.keys),
+                                                        None if remaining is None else 0.8 * remaining,
+                                                        request.local_only)
         except KvError as exc:
             self.metrics.ops.labels("get", exc.code.name).inc()
             await context.abort(exc.code, str(exc))
@@ -135,7 +141,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
             missing = [k for k, hit in zip(request.keys, handle.found) if not hit]
             yield pb.GetResponse(missing_keys=missing)
         finally:
-            ns.pool.release(handle)
+            self.agent.end_read(ns, handle, fetched)
         hits = len(handle.entries)
         self.metrics.ops.labels("get", "OK").inc()
         self.metrics.pages.labels("get", "hit").inc(hits)
@@ -145,9 +151,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
 
     @_handler("lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
-        n = self.node.lookup(request.namespace, list(request.keys))
-        return pb.LookupResponse(prefix_length=n, nodes=[
-            pb.NodePrefix(node_id=self.node.node_id, address=self.node.address, prefix_length=n)])
+        return await self.agent.lookup(request.namespace, list(request.keys))
 
     @_handler("exists")
     async def Exists(self, request: pb.KeysRequest, context: Any) -> pb.ExistsResponse:
@@ -183,10 +187,13 @@ class KvStoreService(pb_grpc.KvStoreServicer):
                 used_slots=pool.used_slots, pinned_slots=pool.pinned_slots,
                 speculative_slots=pool.speculative_slots, hits=ns.counters.hits, misses=ns.counters.misses,
                 puts=ns.counters.puts, evictions={r: pool.evictions[r] for r in ("speculative", "lru")},
-                active_leases=sum(1 for lease in node.leases.values() if lease.namespace == name)))
+                active_leases=sum(1 for lease in node.leases.values() if lease.namespace == name),
+                remote_hits=ns.counters.remote_hits, replica_slots=pool.replica_slots))
+        view = self.agent.status()
         return pb.StatsResponse(node_id=node.node_id, uptime_seconds=node.uptime(),
                                 capacity_bytes=node.config.capacity, reserved_bytes=node.reserved_bytes,
-                                namespaces=out, device=node.ops.device)
+                                namespaces=out, device=node.ops.device, coordinator=view.coordinator,
+                                members=view.members)
 
     @_handler("node_info")
     async def NodeInfo(self, request: pb.NodeInfoRequest, context: Any) -> pb.NodeInfoResponse:
