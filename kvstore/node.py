@@ -184,6 +184,11 @@ class PutBatch:
         self._seen -= keys
         return dropped
 
+    @property
+    def last_slots(self) -> list[int]:
+        """Slots reserved by the last chunk, in the order of its new keys."""
+        return self._parts[-1].res.slots if self._parts else []
+
     def checksums(self) -> dict[bytes, int]:
         """Checksums computed so far for the new keys of this batch."""
         return {k: c for part in self._parts if part.checksums is not None

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -31,7 +30,7 @@ from kvstore.errors import KvError, ResourceExhausted
 from kvstore.hostmem import populated_empty
 from kvstore.metrics import NodeMetrics
 from kvstore.node import Namespace, Node, page_checksum
-from kvstore.pool.pool import PageKind, ReadHandle
+from kvstore.pool.pool import PageKind, ReadHandle, contiguous_run
 from kvstore.transport.base import Served, Transport, TransportError
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -348,14 +347,11 @@ class ClusterAgent:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         self._fetches.difference_update(tasks)
-        fetched: set[bytes] = set()
-        for task in tasks:
-            if task.cancelled():
-                continue
-            if task.exception() is None:
-                fetched.update(task.result())
-            else:
+        for task in done:
+            if task.exception() is not None:
                 log.warning("pull from %s failed: %s", tasks[task], task.exception())
+        # what arrived, including chunks of transfers cut off by the deadline
+        fetched = {k for k in missing if k in pool}
         self.metrics.remote_fetch.observe(time.perf_counter() - start)
         return fetched
 
@@ -377,14 +373,10 @@ class ClusterAgent:
         tasks = [asyncio.ensure_future(one(c)) for c in chunks]
         try:
             done = await asyncio.gather(*tasks)
-        except BaseException:
+        except BaseException:  # chunks already stored stay stored
             for task in tasks:
                 task.cancel()
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-            if any(isinstance(r, list) for r in results):  # keep what arrived
-                got = [k for r in results if isinstance(r, list) for k in r]
-                if got and not isinstance(sys.exc_info()[1], asyncio.CancelledError):
-                    return got
+            await asyncio.gather(*tasks, return_exceptions=True)
             raise
         return [k for part in done for k in part]
 
@@ -419,22 +411,30 @@ class ClusterAgent:
 
     async def _pull_into_slots(self, source: str, endpoint: pb.TransportEndpoint, namespace: str,
                                 keys: Sequence[bytes], kind: PageKind, retry: bool) -> list[bytes]:
-        """A pull whose bytes land in reserved slots as they arrive (a
-        scatter transport): no staging copy, no unpack on a host pool.
-        Checksums are checked before the keys are published."""
+        """A pull whose bytes land in reserved slots (host pages): in place
+        with a scatter transport (TCP); with a one-message transport (UCX)
+        in place when the reserved slots form one run, else through a
+        staging buffer and the unpack kernel. Checksums are checked before
+        the keys are published."""
         ns = self.node.namespace(namespace)
         page_bytes = ns.layout.page_bytes
         batch = self.node.begin_put(namespace, kind)
         state: dict[str, Any] = {}
 
-        def alloc(n: int, size: int, reply: pb.DataHeader) -> list[Any]:
+        def alloc(n: int, size: int, reply: pb.DataHeader) -> Any:
             if size != page_bytes:
                 raise TransportError(f"{source} sent pages of {size} bytes for {page_bytes}-byte pages")
             found = [k for k, hit in zip(keys, reply.found) if hit]
             views, state["finish"] = batch.add_landing(found)
-            state["found"] = found
-            scratch = memoryview(bytearray(page_bytes)) if None in views else None
-            return [scratch if v is None else v for v in views]  # present keys: drain
+            state["found"], state["views"] = found, views
+            if self.transport.scatter:
+                scratch = memoryview(bytearray(page_bytes)) if None in views else None
+                return [scratch if v is None else v for v in views]  # present keys: drain
+            run = contiguous_run(batch.last_slots) if ns.pool.ops.host_visible and None not in views else None
+            if run is not None:
+                return ns.pool.buffer[run]  # one message straight into the slots
+            state["staging"] = self.staging.take(n, size)
+            return state["staging"]
 
         request = pb.DataHeader(op=pb.DataHeader.GET, namespace=namespace, keys=keys, local_only=True)
         try:
@@ -447,6 +447,16 @@ class ClusterAgent:
             if len(reply.checksums) != len(found):
                 raise TransportError(f"{source} sent {len(reply.checksums)} checksums for {len(found)} pages")
             self.metrics.peer_bytes.labels("in").inc(len(found) * page_bytes)
+            staging = state.get("staging")
+            if staging is not None:  # scatter the staged pages into their slots
+                new = [i for i, v in enumerate(state["views"]) if v is not None]
+                if new:
+                    rows = staging if len(new) == len(found) else staging[new]
+                    if ns.pool.ops.host_visible:
+                        ns.pool.ops.unpack(rows, batch.last_slots, ns.pool.buffer)
+                    else:
+                        for i, view in zip(new, (state["views"][j] for j in new)):
+                            view[:] = staging[i]  # device pool: landing is host staging
             state["finish"]()  # checksums of what arrived (and the upload on a device pool)
             expected = dict(zip(found, reply.checksums))
             bad = {k for k, c in batch.checksums().items() if expected[k] and c != expected[k]}
@@ -458,6 +468,8 @@ class ClusterAgent:
             return []
         finally:
             batch.abort()
+            if state.get("staging") is not None:
+                self.staging.give(state["staging"])
         stored = [k for k in found if k not in bad]
         if bad:
             self.metrics.checksum_failures.inc(len(bad))
@@ -517,6 +529,10 @@ class ClusterAgent:
         if handle.entries and self.transport.scatter and ops.host_visible:
             # send straight from the slots; the read hold lasts until sent
             return Served(header, ns.pool.source(handle.slots), functools.partial(ns.pool.release, handle))
+        run = contiguous_run(handle.slots) if ops.host_visible else None
+        if run is not None:
+            # one run of slots: send it as it lies; the read hold lasts until sent
+            return Served(header, ns.pool.buffer[run], functools.partial(ns.pool.release, handle))
         try:
             if handle.entries:
                 if ops.host_visible:
@@ -537,5 +553,9 @@ class ClusterAgent:
         pool = self.node.namespace(namespace).pool
         todo = [k for k in dict.fromkeys(keys) if k not in pool]
         present = len(set(keys)) - len(todo)
-        copied = await self._pull_chunks(source, namespace, todo, kind) if todo else []
+        try:
+            copied = await self._pull_chunks(source, namespace, todo, kind) if todo else []
+        except TransportError as exc:  # the source died or is unknown: what did not come is missing
+            log.warning("replicate from %s: %s", source, exc)
+            copied = [k for k in todo if k in pool]
         return pb.ReplicateResponse(copied=len(copied), already_present=present, missing=len(todo) - len(copied))

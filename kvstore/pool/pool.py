@@ -71,6 +71,16 @@ class ReadHandle:
         return [e.slot for e in self.entries]
 
 
+def contiguous_run(slots: Sequence[int]) -> slice | None:
+    """``slice(a, a+n)`` when ``slots`` are exactly a, a+1, ..., else None."""
+    if not slots:
+        return None
+    first = slots[0]
+    if slots[-1] - first + 1 != len(slots) or any(s != first + i for i, s in enumerate(slots)):
+        return None
+    return slice(first, first + len(slots))
+
+
 class PagePool:
     """Slots of ``page_bytes`` in one buffer, with a key -> slot table."""
 
@@ -158,7 +168,9 @@ class PagePool:
         evicted: list[bytes] = []
         while len(self._free) < n:
             evicted.append(self._evict_one())
-        slots = [self._free.pop() for _ in range(n)]
+        # Sorted: a batch often gets one contiguous run, which transfers can
+        # fill in place (see contiguous_run).
+        slots = sorted(self._free.pop() for _ in range(n))
         if evicted and self._on_change:
             self._on_change([], evicted)
         return Reservation(slots, evicted)
