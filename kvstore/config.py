@@ -133,9 +133,24 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("transport", parse_choice("auto", "ucx", "tcp"), "auto",
             "peer page transport: auto prefers UCX (ucxx) when it imports, else TCP", "NAME"),
     Setting("transport_port", int, 0, "port of the peer transport listener (0: pick one)", "PORT"),
-    Setting("replication", parse_choice("none", "reactive"), "reactive",
+    Setting("replication", parse_choice("none", "reactive", "predictive", "full"), "reactive",
             "none: a Get serves local pages only; reactive: a Get pulls missing pages from the peers that hold "
-            "them", "POLICY"),
+            "them; predictive: reactive, plus the coordinator copies prefixes it forecasts to nodes before "
+            "their requests arrive; full: every page is copied to every node (the cost ceiling)", "POLICY"),
+    Setting("predictor_model", str, "", "LightGBM model file from `kvctl train` (default: momentum rule until "
+            "the online retraining has enough data)", "FILE"),
+    Setting("predictor_depths", lambda v: tuple(int(x) for x in (v.split(",") if isinstance(v, str) else v)),
+            (1, 2, 4, 8), "prefix depths in blocks the predictor tracks", "LIST"),
+    Setting("predictor_horizon", float, 300.0, "H: the predictor forecasts requests within this many seconds",
+            "SECONDS"),
+    Setting("planner_tick", float, 1.0, "seconds between planner ticks on the coordinator", "SECONDS"),
+    Setting("spec_threshold", float, 0.5, "replicate a prefix when its forecast probability is at least this",
+            "P"),
+    Setting("spec_budget", float, 0.2, "share of each node's capacity that speculative replicas may use",
+            "FRACTION"),
+    Setting("spec_bandwidth", parse_size, parse_size("1GB"), "bytes/s the planner may spend on speculative "
+            "copies, cluster-wide", "BYTES"),
+    Setting("spec_ttl", float, 120.0, "seconds an unread speculative replica lives unless renewed", "SECONDS"),
     Setting("keep_fetched", parse_bool, True, "keep pages a Get pulled from a peer as local replicas", "BOOL"),
     Setting("fetch_timeout", float, 5.0, "longest a Get waits for remote pages when the client gives no deadline; "
             "what has not arrived by then is reported missing", "SECONDS"),
@@ -170,6 +185,14 @@ class NodeConfig:
     transport: str = "auto"
     transport_port: int = 0
     replication: str = "reactive"
+    predictor_model: str = ""
+    predictor_depths: tuple[int, ...] = (1, 2, 4, 8)
+    predictor_horizon: float = 300.0
+    planner_tick: float = 1.0
+    spec_threshold: float = 0.5
+    spec_budget: float = 0.2
+    spec_bandwidth: int = 10**9
+    spec_ttl: float = 120.0
     keep_fetched: bool = True
     fetch_timeout: float = 5.0
     max_pull_bytes: int = 64 << 20
@@ -201,6 +224,15 @@ class NodeConfig:
             raise ValueError("max_pin_ttl must be in (0, 604800] seconds")
         if not self.grace >= 0:  # also rejects NaN
             raise ValueError("grace must be >= 0")
+        if not self.predictor_depths or any(d <= 0 for d in self.predictor_depths) \
+                or list(self.predictor_depths) != sorted(set(self.predictor_depths)):
+            raise ValueError("predictor_depths must be ascending positive block counts, e.g. 1,2,4,8")
+        if not 0 < self.planner_tick <= 60 or not 0 < self.spec_ttl or not 0 < self.predictor_horizon:
+            raise ValueError("planner_tick must be in (0, 60]; spec_ttl and predictor_horizon > 0")
+        if not 0 <= self.spec_threshold <= 1 or not 0 <= self.spec_budget <= 1:
+            raise ValueError("spec_threshold and spec_budget must be in [0, 1]")
+        if self.spec_bandwidth <= 0:
+            raise ValueError("spec_bandwidth must be > 0")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise ValueError("need 0 < heartbeat_interval < heartbeat_timeout")
         if not self.fetch_timeout >= 0:

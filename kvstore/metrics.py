@@ -31,6 +31,8 @@ class _PoolCollector:
         slots = GaugeMetricFamily("kvstore_pool_slots", "Page slots by state", labels=["namespace", "state"])
         cap = GaugeMetricFamily("kvstore_pool_capacity_bytes", "Bytes reserved for a namespace", labels=["namespace"])
         evictions = CounterMetricFamily("kvstore_evictions", "Pages evicted, by reason", labels=["namespace", "reason"])
+        spec = CounterMetricFamily("kvstore_speculative_pages", "Speculative replicas read (hit) or dropped "
+                                   "unread (wasted)", labels=["namespace", "outcome"])
         for ns in self._node.namespaces.values():
             pool = ns.pool
             slots.add_metric([ns.name, "total"], pool.num_slots)
@@ -40,6 +42,9 @@ class _PoolCollector:
             cap.add_metric([ns.name], ns.capacity)
             for reason in ("speculative", "lru"):
                 evictions.add_metric([ns.name, reason], pool.evictions[reason])
+            spec.add_metric([ns.name, "hit"], pool.spec_hits)
+            spec.add_metric([ns.name, "wasted"], pool.spec_wasted)
+        yield spec
         yield slots
         yield cap
         yield evictions
@@ -64,6 +69,12 @@ class NodeMetrics:
                                   registry=self.registry)
         self.checksum_failures = Counter("kvstore_checksum_failures", "Pulled pages that failed their checksum",
                                          registry=self.registry)
+        self.decisions = Counter("kvstore_planner_decisions", "Planner decisions by kind (replicate, drop, "
+                                 "full, skip_<reason>)", ["kind"], registry=self.registry)
+        self.tick_latency = Histogram("kvstore_planner_tick_seconds", "Coordinator planner tick latency",
+                                      buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.spec_bytes = Counter("kvstore_replication_bytes", "Bytes the coordinator had copied, by kind "
+                                  "(speculative, replica for the full policy)", ["kind"], registry=self.registry)
         self.registry.register(_PoolCollector(node))
 
     @contextmanager

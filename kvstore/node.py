@@ -84,6 +84,7 @@ class PutBatch:
         self._seen: set[bytes] = set()
         self._parts: list[_Part] = []
         self._closed = False
+        self.expires_at = 0.0  # for SPECULATIVE batches: when unread copies expire
 
     @property
     def pages(self) -> int:
@@ -199,7 +200,7 @@ class PutBatch:
         self._closed = True
         stored = evicted = 0
         for part in self._parts:
-            stored += self.ns.pool.commit(part.res, part.keys, self.kind, part.checksums)
+            stored += self.ns.pool.commit(part.res, part.keys, self.kind, part.checksums, self.expires_at)
             evicted += len(part.res.evicted)
         self.ns.counters.puts += stored
         return PutResult(stored, len(self._seen) - stored, evicted)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections import deque
 import logging
 import time
 import uuid
@@ -23,6 +24,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from kvstore.cluster.coordinator import Coordinator
 from kvstore.cluster.directory import Directory, Outbox
 from kvstore.cluster.membership import Membership
 from kvstore.config import NodeConfig
@@ -37,6 +39,18 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 _PULLS_IN_FLIGHT = 2
+_MAX_ACCESS_BACKLOG = 50_000
+
+
+class _NotAMember(grpc.RpcError):
+    """A call to a node this node does not see alive."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(f"{node_id} is not a live member")
+        self._node_id = node_id
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
 _GRPC_OPTIONS = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
 
 
@@ -111,6 +125,10 @@ class ClusterAgent:
         self._wake = asyncio.Event()
         self._fetches: set[asyncio.Task[Any]] = set()
         self.staging = StagingBuffers()
+        # recorded requests (LookupRequest.record) not yet sent to the coordinator
+        self._accesses: deque[tuple[float, str, list[bytes], int, int]] = deque(maxlen=_MAX_ACCESS_BACKLOG)
+        self.coordinator = Coordinator(self)
+        self._coordinator_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle -------------------------------------------------------
     async def start(self) -> None:
@@ -119,14 +137,18 @@ class ClusterAgent:
         endpoint = await self.transport.start(self.config.host, self.config.transport_port, self.serve_pull)
         self.self_info.endpoints.append(endpoint)
         self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._coordinator_task = asyncio.get_running_loop().create_task(self.coordinator.run())
 
     async def stop(self) -> None:
         if self._task is None:
             return
         self._task.cancel()
+        if self._coordinator_task is not None:
+            self._coordinator_task.cancel()
         for task in list(self._fetches):
             task.cancel()
-        await asyncio.gather(self._task, *self._fetches, return_exceptions=True)
+        await asyncio.gather(self._task, self._coordinator_task, *self._fetches, return_exceptions=True)
+        await self.coordinator.close()
         self._task = None
         for channel, _ in self._channels.values():
             await channel.close()
@@ -154,6 +176,8 @@ class ClusterAgent:
         info.hits = sum(ns.counters.hits for ns in node.namespaces.values())
         info.misses = sum(ns.counters.misses for ns in node.namespaces.values())
         info.remote_hits = sum(ns.counters.remote_hits for ns in node.namespaces.values())
+        info.speculative_bytes = sum(ns.pool.speculative_slots * ns.layout.page_bytes
+                                     for ns in node.namespaces.values())
 
     def _take_report(self) -> tuple[int, bool, list[pb.DirectoryBatch]]:
         if self.outbox.need_full:
@@ -172,9 +196,16 @@ class ClusterAgent:
             log.info("coordinator is now %s", coordinator)
             self._coordinator_seen = coordinator
             self.outbox.need_full = True
+        now = time.monotonic()
+        for ns in self.node.namespaces.values():
+            ns.pool.drop_speculative(now=now)  # unread speculative replicas past their TTL
         if coordinator == self.node.node_id:
             seq, full, batches = self._take_report()
             self.directory.report(self.node.node_id, self.incarnation, seq, full, batches)
+            self.coordinator.added(self.node.node_id, batches)
+            for event in self._take_accesses():
+                self.coordinator.observe(event.namespace, self.node.node_id, event.keys, event.outcome,
+                                         event.age_seconds, event.total_blocks)
         coordinator_addr = (self.membership.member(coordinator) or self.self_info).address
         now = time.monotonic()
         horizon = 10 * self.config.heartbeat_timeout
@@ -189,6 +220,7 @@ class ClusterAgent:
             request.has_directory = True
             request.seq, request.full, batches = self._take_report()
             request.directory.extend(batches)
+            request.accesses.extend(self._take_accesses())
         try:
             reply = await self._stub(address).Heartbeat(request, timeout=max(0.2, self.config.heartbeat_interval))
         except grpc.RpcError as exc:
@@ -203,6 +235,25 @@ class ClusterAgent:
         self._gossip(reply.known)
         if report and reply.need_full:
             self.outbox.need_full = True
+
+    def record_access(self, namespace: str, keys: Sequence[bytes], outcome: int) -> None:
+        """Queue one served request for the coordinator's predictor."""
+        depth = self.coordinator.pcfg.depths[-1]
+        self._accesses.append((time.monotonic(), namespace, list(keys[:depth]), outcome, len(keys)))
+
+    def _take_accesses(self) -> list[pb.AccessEvent]:
+        now = time.monotonic()
+        events = [pb.AccessEvent(namespace=ns, keys=keys, age_seconds=now - t, outcome=outcome, total_blocks=total)
+                  for t, ns, keys, outcome, total in self._accesses]
+        self._accesses.clear()
+        return events
+
+    async def call(self, node_id: str, method: str, request: Any, timeout: float) -> Any:
+        """A Cluster RPC to a live member (raises grpc.RpcError)."""
+        member = self.membership.member(node_id)
+        if member is None:
+            raise _NotAMember(node_id)
+        return await getattr(self._stub(member.address), method)(request, timeout=timeout)
 
     def _observe(self, info: pb.MemberInfo) -> None:
         change = self.membership.observe(info)
@@ -242,6 +293,11 @@ class ClusterAgent:
         if request.has_directory:
             need_full = self.directory.report(request.sender.node_id, request.sender.incarnation, request.seq,
                                               request.full, request.directory)
+            if not need_full:
+                self.coordinator.added(request.sender.node_id, request.directory)
+        for event in request.accesses:
+            self.coordinator.observe(event.namespace, request.sender.node_id, event.keys, event.outcome,
+                                     event.age_seconds, event.total_blocks)
         return pb.HeartbeatResponse(receiver=self.self_info, known=self.membership.view(), need_full=need_full,
                                     accepted_seq=0 if need_full else request.seq)
 
@@ -252,12 +308,20 @@ class ClusterAgent:
         return pb.LocateResponse(holders=[pb.KeyHolders(node_ids=sorted(h)) for h in holders], members=members)
 
     def prefixes(self, namespace: str, keys: Sequence[bytes]) -> list[pb.NodePrefix]:
-        out = []
+        """Per live node: its longest cached prefix of ``keys``, with
+        placement hints (speculative copies in flight or alive)."""
+        out: dict[str, pb.NodePrefix] = {}
         for node_id, length in self.directory.prefixes(namespace, keys).items():
             member = self.membership.member(node_id)
             if member is not None:
-                out.append(pb.NodePrefix(node_id=node_id, address=member.address, prefix_length=length))
-        return out
+                out[node_id] = pb.NodePrefix(node_id=node_id, address=member.address, prefix_length=length)
+        for hint in self.coordinator.hints(namespace, keys):
+            have = out.get(hint.node_id)
+            if have is None or (hint.pending and hint.prefix_length > have.prefix_length):
+                out[hint.node_id] = hint
+            elif hint.prefix_length >= have.prefix_length:
+                have.expires_in_seconds = hint.expires_in_seconds
+        return list(out.values())
 
     def status(self) -> pb.ClusterStatusResponse:
         self._refresh_self()
@@ -276,8 +340,9 @@ class ClusterAgent:
             log.debug("%s at coordinator %s failed: %s", method, coordinator.node_id, exc.code())
             return None
 
-    async def lookup(self, namespace: str, keys: Sequence[bytes]) -> pb.LookupResponse:
-        """Longest cached prefix here, and per live node (from the directory)."""
+    async def lookup(self, namespace: str, keys: Sequence[bytes], record: bool = False) -> pb.LookupResponse:
+        """Longest cached prefix here, and per live node (from the directory),
+        with placement hints; ``record`` logs the request for the predictor."""
         local = self.node.lookup(namespace, keys)
         if self.membership.is_coordinator:
             nodes = self.prefixes(namespace, keys)
@@ -287,7 +352,11 @@ class ClusterAgent:
         nodes = [n for n in nodes if n.node_id != self.node.node_id and self.membership.alive(n.node_id)]
         if local:
             nodes.append(pb.NodePrefix(node_id=self.node.node_id, address=self.node.address, prefix_length=local))
-        nodes.sort(key=lambda n: (-n.prefix_length, n.node_id))
+        nodes.sort(key=lambda n: (-n.prefix_length, n.pending, n.node_id))
+        if record and keys:
+            depth = min(len(keys), self.coordinator.pcfg.depths[-1])
+            remote = any(n.prefix_length >= depth and not n.pending for n in nodes if n.node_id != self.node.node_id)
+            self.record_access(namespace, keys, 0 if local >= depth else 1 if remote else 2)
         return pb.LookupResponse(prefix_length=local, nodes=nodes)
 
     async def _locate(self, namespace: str, keys: Sequence[bytes]) -> pb.LocateResponse:
@@ -355,7 +424,8 @@ class ClusterAgent:
         self.metrics.remote_fetch.observe(time.perf_counter() - start)
         return fetched
 
-    async def _pull_chunks(self, source: str, namespace: str, keys: list[bytes], kind: PageKind) -> list[bytes]:
+    async def _pull_chunks(self, source: str, namespace: str, keys: list[bytes], kind: PageKind,
+                           expires_at: float = 0.0) -> list[bytes]:
         """Pull in chunks of at most ``--max-pull-bytes``, two in flight, so
         the source packs one chunk while this node checks and scatters the
         previous one, and a deadline keeps the chunks that arrived."""
@@ -367,7 +437,7 @@ class ClusterAgent:
 
         async def one(chunk: list[bytes]) -> list[bytes]:
             async with window:
-                return await self.pull(source, namespace, chunk, kind)
+                return await self.pull(source, namespace, chunk, kind, expires_at=expires_at)
 
         chunks = [keys[i:i + per_chunk] for i in range(0, len(keys), per_chunk)]
         tasks = [asyncio.ensure_future(one(c)) for c in chunks]
@@ -381,7 +451,7 @@ class ClusterAgent:
         return [k for part in done for k in part]
 
     async def pull(self, source: str, namespace: str, keys: Sequence[bytes], kind: PageKind,
-                   retry: bool = True) -> list[bytes]:
+                   retry: bool = True, expires_at: float = 0.0) -> list[bytes]:
         """One transfer of ``keys`` from ``source`` into this node's pool.
 
         Checksums are verified before anything is stored; a mismatched page
@@ -410,7 +480,8 @@ class ClusterAgent:
                 self.staging.give(buf)
 
     async def _pull_into_slots(self, source: str, endpoint: pb.TransportEndpoint, namespace: str,
-                                keys: Sequence[bytes], kind: PageKind, retry: bool) -> list[bytes]:
+                                keys: Sequence[bytes], kind: PageKind, retry: bool,
+                                expires_at: float = 0.0) -> list[bytes]:
         """A pull whose bytes land in reserved slots (host pages): in place
         with a scatter transport (TCP); with a one-message transport (UCX)
         in place when the reserved slots form one run, else through a
@@ -419,6 +490,7 @@ class ClusterAgent:
         ns = self.node.namespace(namespace)
         page_bytes = ns.layout.page_bytes
         batch = self.node.begin_put(namespace, kind)
+        batch.expires_at = expires_at
         state: dict[str, Any] = {}
 
         def alloc(n: int, size: int, reply: pb.DataHeader) -> Any:
@@ -475,7 +547,8 @@ class ClusterAgent:
             self.metrics.checksum_failures.inc(len(bad))
             log.warning("%d pages from %s failed their checksum%s", len(bad), source, "; retrying" if retry else "")
             if retry:
-                stored.extend(await self.pull(source, namespace, list(bad), kind, retry=False))
+                stored.extend(await self.pull(source, namespace, list(bad), kind, retry=False,
+                                              expires_at=expires_at))
         return stored
 
     async def _store_pulled(self, source: str, namespace: str, keys: Sequence[bytes], kind: PageKind,
@@ -521,7 +594,7 @@ class ClusterAgent:
         except KvError as exc:
             header = pb.DataHeader(op=pb.DataHeader.RESULT, code=exc.code.value[0], message=str(exc))
             return Served(header, None, lambda: None)
-        handle = ns.pool.acquire(list(request.keys))
+        handle = ns.pool.acquire(list(request.keys), promote=False)
         ops, payload, release = ns.pool.ops, None, None
         header = pb.DataHeader(op=pb.DataHeader.RESULT, found=handle.found, page_bytes=ns.layout.page_bytes,
                                checksums=[e.checksum for e in handle.entries])
@@ -548,13 +621,17 @@ class ClusterAgent:
         return Served(header, payload, release or (lambda: None))
 
     async def replicate(self, namespace: str, keys: Sequence[bytes], source: str,
-                        kind: PageKind) -> pb.ReplicateResponse:
-        """Copy ``keys`` from ``source`` here (idempotent: held keys are skipped)."""
+                        kind: PageKind, ttl: float = 0.0) -> pb.ReplicateResponse:
+        """Copy ``keys`` from ``source`` here (idempotent: held keys are
+        skipped; held speculative ones get their expiry renewed)."""
         pool = self.node.namespace(namespace).pool
+        expires_at = time.monotonic() + ttl if kind is PageKind.SPECULATIVE and ttl > 0 else 0.0
+        if expires_at:
+            pool.renew(keys, expires_at)
         todo = [k for k in dict.fromkeys(keys) if k not in pool]
         present = len(set(keys)) - len(todo)
         try:
-            copied = await self._pull_chunks(source, namespace, todo, kind) if todo else []
+            copied = await self._pull_chunks(source, namespace, todo, kind, expires_at) if todo else []
         except TransportError as exc:  # the source died or is unknown: what did not come is missing
             log.warning("replicate from %s: %s", source, exc)
             copied = [k for k in todo if k in pool]

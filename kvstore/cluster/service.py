@@ -29,11 +29,20 @@ class ClusterService(pb_grpc.ClusterServicer):
     async def Status(self, request: pb.ClusterStatusRequest, context: Any) -> pb.ClusterStatusResponse:
         return self.agent.status()
 
+    async def DropSpeculative(self, request: pb.DropSpeculativeRequest,
+                              context: grpc.aio.ServicerContext) -> pb.DropSpeculativeResponse:
+        try:
+            ns = self.agent.node.namespace(request.namespace)
+        except KvError as exc:
+            await context.abort(exc.code, str(exc))
+            raise AssertionError("unreachable")
+        return pb.DropSpeculativeResponse(dropped=len(ns.pool.drop_speculative(list(request.keys))))
+
     async def Replicate(self, request: pb.ReplicateRequest, context: grpc.aio.ServicerContext) -> pb.ReplicateResponse:
         try:
             self.agent.node.check_read_batch(self.agent.node.namespace(request.namespace), list(request.keys))
             return await self.agent.replicate(request.namespace, list(request.keys), request.source_node_id,
-                                              PageKind(request.kind or PageKind.REPLICA))
+                                              PageKind(request.kind or PageKind.REPLICA), request.ttl_seconds)
         except KvError as exc:
             await context.abort(exc.code, str(exc))
             raise AssertionError("unreachable")

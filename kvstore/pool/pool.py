@@ -44,6 +44,7 @@ class Entry:
     slot: int
     kind: PageKind
     checksum: int = 0  # xxh3_64 of the bytes, computed when stored (0 = none)
+    expires_at: float = 0.0  # SPECULATIVE only: dropped unread after this (0 = never)
     pins: int = 0  # leases holding the page
     readers: int = 0  # in-flight reads holding the page
     deleted: bool = False  # deleted while held; slot freed on last release
@@ -106,6 +107,8 @@ class PagePool:
         self._lru: OrderedDict[bytes, Entry] = OrderedDict()
         self._held = 0  # entries out of the queues (pinned or read)
         self.evictions: Counter[str] = Counter()
+        self.spec_hits = 0  # reads that found a speculative replica (promoting it)
+        self.spec_wasted = 0  # speculative replicas evicted or expired unread
         # on_change(added, removed): the directory outbox listens here.
         self._on_change = on_change
 
@@ -176,7 +179,7 @@ class PagePool:
         return Reservation(slots, evicted)
 
     def commit(self, res: Reservation, keys: Sequence[bytes], kind: PageKind = PageKind.PRIMARY,
-               checksums: Sequence[int] | None = None) -> int:
+               checksums: Sequence[int] | None = None, expires_at: float = 0.0) -> int:
         """Publish ``keys[i]`` at ``res.slots[i]``; returns how many were new.
 
         A key that appeared meanwhile keeps its existing page; the spare slot
@@ -192,7 +195,8 @@ class PagePool:
             if key in self._table:
                 self._free.append(slot)
                 continue
-            entry = Entry(key, slot, kind, checksums[i] if checksums is not None else 0)
+            entry = Entry(key, slot, kind, checksums[i] if checksums is not None else 0,
+                          expires_at if kind is PageKind.SPECULATIVE else 0.0)
             self._table[key] = entry
             self._queue_of(entry)[key] = entry
             added.append(key)
@@ -232,8 +236,12 @@ class PagePool:
         return deleted, not_found, pinned
 
     # ---- reads ---------------------------------------------------------
-    def acquire(self, keys: Sequence[bytes]) -> ReadHandle:
-        """Hold the found pages against eviction until :meth:`release`."""
+    def acquire(self, keys: Sequence[bytes], promote: bool = True) -> ReadHandle:
+        """Hold the found pages against eviction until :meth:`release`.
+
+        A client read (``promote``) of a speculative replica makes it a
+        plain REPLICA: the forecast paid off, so it is no longer evicted
+        first nor expired."""
         entries, found = [], []
         for key in keys:
             entry = self._table.get(key)
@@ -242,6 +250,9 @@ class PagePool:
                 continue
             if entry.readers == 0 and entry.pins == 0:
                 self._dequeue(entry)
+            if promote and entry.kind is PageKind.SPECULATIVE:
+                entry.kind, entry.expires_at = PageKind.REPLICA, 0.0
+                self.spec_hits += 1
             entry.readers += 1
             entries.append(entry)
         return ReadHandle(entries, found)
@@ -352,7 +363,36 @@ class PagePool:
         del self._table[key]
         self._free.append(entry.slot)
         self.evictions[reason] += 1
+        if entry.kind is PageKind.SPECULATIVE:
+            self.spec_wasted += 1
         return key
+
+    def renew(self, keys: Iterable[bytes], expires_at: float) -> int:
+        """Push back the expiry of speculative replicas among ``keys``."""
+        renewed = 0
+        for key in keys:
+            entry = self._table.get(key)
+            if entry is not None and entry.kind is PageKind.SPECULATIVE:
+                entry.expires_at = max(entry.expires_at, expires_at)
+                renewed += 1
+        return renewed
+
+    def drop_speculative(self, keys: Iterable[bytes] | None = None, now: float | None = None) -> list[bytes]:
+        """Remove unread, unheld speculative replicas: those in ``keys``, or
+        (with ``now``) those whose expiry has passed. Counted as wasted."""
+        pool = self._spec if keys is None else {k: self._table[k] for k in keys if k in self._table}
+        gone = []
+        for key, entry in list(pool.items()):
+            if entry.kind is not PageKind.SPECULATIVE or entry.pins or entry.readers:
+                continue
+            if now is not None and not 0 < entry.expires_at <= now:
+                continue
+            self._remove(entry)
+            gone.append(key)
+        self.spec_wasted += len(gone)
+        if gone and self._on_change:
+            self._on_change([], gone)
+        return gone
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark pages as just used (moves them to the recent end)."""

@@ -151,7 +151,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
 
     @_handler("lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
-        return await self.agent.lookup(request.namespace, list(request.keys))
+        return await self.agent.lookup(request.namespace, list(request.keys), request.record)
 
     @_handler("exists")
     async def Exists(self, request: pb.KeysRequest, context: Any) -> pb.ExistsResponse:
@@ -188,7 +188,8 @@ class KvStoreService(pb_grpc.KvStoreServicer):
                 speculative_slots=pool.speculative_slots, hits=ns.counters.hits, misses=ns.counters.misses,
                 puts=ns.counters.puts, evictions={r: pool.evictions[r] for r in ("speculative", "lru")},
                 active_leases=sum(1 for lease in node.leases.values() if lease.namespace == name),
-                remote_hits=ns.counters.remote_hits, replica_slots=pool.replica_slots))
+                remote_hits=ns.counters.remote_hits, replica_slots=pool.replica_slots,
+                speculative_hits=pool.spec_hits, speculative_wasted_bytes=pool.spec_wasted * ns.layout.page_bytes))
         view = self.agent.status()
         return pb.StatsResponse(node_id=node.node_id, uptime_seconds=node.uptime(),
                                 capacity_bytes=node.config.capacity, reserved_bytes=node.reserved_bytes,

@@ -150,22 +150,28 @@ class GetResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[bytes]] = ..., missing_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys")
+    __slots__ = ("namespace", "keys", "record")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    record: bool
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., record: _Optional[bool] = ...) -> None: ...
 
 class NodePrefix(_message.Message):
-    __slots__ = ("node_id", "address", "prefix_length")
+    __slots__ = ("node_id", "address", "prefix_length", "pending", "expires_in_seconds")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     prefix_length: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., prefix_length: _Optional[int] = ...) -> None: ...
+    pending: bool
+    expires_in_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., prefix_length: _Optional[int] = ..., pending: _Optional[bool] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("prefix_length", "nodes")
@@ -242,7 +248,7 @@ class StatsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace", "page_bytes", "capacity_bytes", "used_bytes", "num_slots", "used_slots", "pinned_slots", "speculative_slots", "hits", "misses", "puts", "evictions", "active_leases", "remote_hits", "replica_slots")
+    __slots__ = ("namespace", "page_bytes", "capacity_bytes", "used_bytes", "num_slots", "used_slots", "pinned_slots", "speculative_slots", "hits", "misses", "puts", "evictions", "active_leases", "remote_hits", "replica_slots", "speculative_hits", "speculative_wasted_bytes")
     class EvictionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +271,8 @@ class NamespaceStats(_message.Message):
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     REMOTE_HITS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_HITS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_WASTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     page_bytes: int
     capacity_bytes: int
@@ -280,7 +288,9 @@ class NamespaceStats(_message.Message):
     active_leases: int
     remote_hits: int
     replica_slots: int
-    def __init__(self, namespace: _Optional[str] = ..., page_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., speculative_slots: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., active_leases: _Optional[int] = ..., remote_hits: _Optional[int] = ..., replica_slots: _Optional[int] = ...) -> None: ...
+    speculative_hits: int
+    speculative_wasted_bytes: int
+    def __init__(self, namespace: _Optional[str] = ..., page_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., speculative_slots: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., active_leases: _Optional[int] = ..., remote_hits: _Optional[int] = ..., replica_slots: _Optional[int] = ..., speculative_hits: _Optional[int] = ..., speculative_wasted_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("node_id", "uptime_seconds", "capacity_bytes", "reserved_bytes", "namespaces", "device", "coordinator", "members")
@@ -387,7 +397,7 @@ class TransportEndpoint(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("node_id", "address", "incarnation", "endpoints", "capacity_bytes", "used_bytes", "hits", "misses", "remote_hits", "role", "last_seen_seconds_ago", "alive")
+    __slots__ = ("node_id", "address", "incarnation", "endpoints", "capacity_bytes", "used_bytes", "hits", "misses", "remote_hits", "role", "last_seen_seconds_ago", "alive", "speculative_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +410,7 @@ class MemberInfo(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     incarnation: str
@@ -412,7 +423,8 @@ class MemberInfo(_message.Message):
     role: str
     last_seen_seconds_ago: float
     alive: bool
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[TransportEndpoint, _Mapping]]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., remote_hits: _Optional[int] = ..., role: _Optional[str] = ..., last_seen_seconds_ago: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
+    speculative_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[TransportEndpoint, _Mapping]]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., remote_hits: _Optional[int] = ..., role: _Optional[str] = ..., last_seen_seconds_ago: _Optional[float] = ..., alive: _Optional[bool] = ..., speculative_bytes: _Optional[int] = ...) -> None: ...
 
 class DirectoryBatch(_message.Message):
     __slots__ = ("namespace", "adds", "removes")
@@ -424,21 +436,37 @@ class DirectoryBatch(_message.Message):
     removes: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, namespace: _Optional[str] = ..., adds: _Optional[_Iterable[bytes]] = ..., removes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
+class AccessEvent(_message.Message):
+    __slots__ = ("namespace", "keys", "age_seconds", "outcome", "total_blocks")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    age_seconds: float
+    outcome: int
+    total_blocks: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., age_seconds: _Optional[float] = ..., outcome: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("sender", "known", "has_directory", "seq", "full", "directory")
+    __slots__ = ("sender", "known", "has_directory", "seq", "full", "directory", "accesses")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     HAS_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FULL_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    ACCESSES_FIELD_NUMBER: _ClassVar[int]
     sender: MemberInfo
     known: _containers.RepeatedCompositeFieldContainer[MemberInfo]
     has_directory: bool
     seq: int
     full: bool
     directory: _containers.RepeatedCompositeFieldContainer[DirectoryBatch]
-    def __init__(self, sender: _Optional[_Union[MemberInfo, _Mapping]] = ..., known: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., has_directory: _Optional[bool] = ..., seq: _Optional[int] = ..., full: _Optional[bool] = ..., directory: _Optional[_Iterable[_Union[DirectoryBatch, _Mapping]]] = ...) -> None: ...
+    accesses: _containers.RepeatedCompositeFieldContainer[AccessEvent]
+    def __init__(self, sender: _Optional[_Union[MemberInfo, _Mapping]] = ..., known: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., has_directory: _Optional[bool] = ..., seq: _Optional[int] = ..., full: _Optional[bool] = ..., directory: _Optional[_Iterable[_Union[DirectoryBatch, _Mapping]]] = ..., accesses: _Optional[_Iterable[_Union[AccessEvent, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("receiver", "known", "need_full", "accepted_seq")
@@ -489,16 +517,32 @@ class ClusterStatusResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., coordinator: _Optional[str] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "source_node_id", "kind")
+    __slots__ = ("namespace", "keys", "source_node_id", "kind", "ttl_seconds")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     source_node_id: str
     kind: PageKind
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., source_node_id: _Optional[str] = ..., kind: _Optional[_Union[PageKind, str]] = ...) -> None: ...
+    ttl_seconds: float
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., source_node_id: _Optional[str] = ..., kind: _Optional[_Union[PageKind, str]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class DropSpeculativeRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DropSpeculativeResponse(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    def __init__(self, dropped: _Optional[int] = ...) -> None: ...
 
 class ReplicateResponse(_message.Message):
     __slots__ = ("copied", "already_present", "missing")

@@ -648,6 +648,11 @@ class ClusterStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReplicateRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReplicateResponse.FromString,
                 _registered_method=True)
+        self.DropSpeculative = channel.unary_unary(
+                '/kvstore.v1.Cluster/DropSpeculative',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.DropSpeculativeRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DropSpeculativeResponse.FromString,
+                _registered_method=True)
 
 
 class ClusterServicer:
@@ -685,6 +690,13 @@ class ClusterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropSpeculative(self, request, context):
+        """Drop pages that are still unread speculative replicas (score decayed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -712,6 +724,11 @@ def add_ClusterServicer_to_server(servicer, server):
                     servicer.Replicate,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReplicateRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReplicateResponse.SerializeToString,
+            ),
+            'DropSpeculative': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropSpeculative,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DropSpeculativeRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.DropSpeculativeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -850,6 +867,33 @@ class Cluster:
             '/kvstore.v1.Cluster/Replicate',
             kvstore_dot_v1_dot_kvstore__pb2.ReplicateRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.ReplicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropSpeculative(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Cluster/DropSpeculative',
+            kvstore_dot_v1_dot_kvstore__pb2.DropSpeculativeRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.DropSpeculativeResponse.FromString,
             options,
             channel_credentials,
             insecure,
