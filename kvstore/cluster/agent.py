@@ -204,8 +204,7 @@ class ClusterAgent:
             self.directory.report(self.node.node_id, self.incarnation, seq, full, batches)
             self.coordinator.added(self.node.node_id, batches)
             for event in self._take_accesses():
-                self.coordinator.observe(event.namespace, self.node.node_id, event.keys, event.outcome,
-                                         event.age_seconds, event.total_blocks)
+                self.coordinator.observe(self.node.node_id, event)
         coordinator_addr = (self.membership.member(coordinator) or self.self_info).address
         now = time.monotonic()
         horizon = 10 * self.config.heartbeat_timeout
@@ -236,15 +235,16 @@ class ClusterAgent:
         if report and reply.need_full:
             self.outbox.need_full = True
 
-    def record_access(self, namespace: str, keys: Sequence[bytes], outcome: int) -> None:
+    def record_access(self, namespace: str, keys: Sequence[bytes], outcome: int, local: int) -> None:
         """Queue one served request for the coordinator's predictor."""
         depth = self.coordinator.pcfg.depths[-1]
-        self._accesses.append((time.monotonic(), namespace, list(keys[:depth]), outcome, len(keys)))
+        self._accesses.append((time.monotonic(), namespace, list(keys[:depth]), outcome, len(keys), local))
 
     def _take_accesses(self) -> list[pb.AccessEvent]:
         now = time.monotonic()
-        events = [pb.AccessEvent(namespace=ns, keys=keys, age_seconds=now - t, outcome=outcome, total_blocks=total)
-                  for t, ns, keys, outcome, total in self._accesses]
+        events = [pb.AccessEvent(namespace=ns, keys=keys, age_seconds=now - t, outcome=outcome, total_blocks=total,
+                                 local_blocks=local)
+                  for t, ns, keys, outcome, total, local in self._accesses]
         self._accesses.clear()
         return events
 
@@ -296,8 +296,7 @@ class ClusterAgent:
             if not need_full:
                 self.coordinator.added(request.sender.node_id, request.directory)
         for event in request.accesses:
-            self.coordinator.observe(event.namespace, request.sender.node_id, event.keys, event.outcome,
-                                     event.age_seconds, event.total_blocks)
+            self.coordinator.observe(request.sender.node_id, event)
         return pb.HeartbeatResponse(receiver=self.self_info, known=self.membership.view(), need_full=need_full,
                                     accepted_seq=0 if need_full else request.seq)
 
@@ -356,7 +355,7 @@ class ClusterAgent:
         if record and keys:
             depth = min(len(keys), self.coordinator.pcfg.depths[-1])
             remote = any(n.prefix_length >= depth and not n.pending for n in nodes if n.node_id != self.node.node_id)
-            self.record_access(namespace, keys, 0 if local >= depth else 1 if remote else 2)
+            self.record_access(namespace, keys, 0 if local >= depth else 1 if remote else 2, local)
         return pb.LookupResponse(prefix_length=local, nodes=nodes)
 
     async def _locate(self, namespace: str, keys: Sequence[bytes]) -> pb.LocateResponse:

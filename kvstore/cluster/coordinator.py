@@ -55,6 +55,7 @@ class Coordinator:
                                        holders_count=self._holders_count)
         # (namespace, deepest key) -> {node: expires_at (monotonic)}
         self.speculative: dict[tuple[str, bytes], dict[str, float]] = {}
+        self._spec_depth: dict[tuple[str, bytes], int] = {}  # blocks each placed prefix spans
         # (namespace, deepest key) -> {node: expected ready time}
         self.pending: dict[tuple[str, bytes], dict[str, float]] = {}
         self.bandwidth = cfg.spec_bandwidth  # bytes/s per copy, refined by measurement
@@ -67,15 +68,14 @@ class Coordinator:
     def _holders_count(self, namespace: str, key: bytes) -> int:
         return len(self.agent.directory.holders(namespace, key))
 
-    def observe(self, namespace: str, node: str, keys: Sequence[bytes], outcome: int, age: float,
-                total_blocks: int) -> None:
+    def observe(self, node: str, event: pb.AccessEvent) -> None:
         """One recorded request (from a heartbeat or from this node)."""
-        if self.predictor is None:
+        if self.predictor is None or not event.keys:
             return
-        page_bytes = self._page_bytes(namespace)
-        self.predictor.observe(Access(t=time.monotonic() - age, namespace=namespace, node=node, keys=tuple(keys),
-                                      outcome=Outcome(min(outcome, 2)), page_bytes=page_bytes,
-                                      total_blocks=total_blocks or len(keys)))
+        self.predictor.observe(Access(
+            t=time.monotonic() - event.age_seconds, namespace=event.namespace, node=node, keys=tuple(event.keys),
+            outcome=Outcome(min(event.outcome, 2)), page_bytes=self._page_bytes(event.namespace),
+            total_blocks=event.total_blocks or len(event.keys), local_blocks=event.local_blocks))
 
     def added(self, node: str, batches: Sequence[pb.DirectoryBatch]) -> None:
         """Directory adds from ``node``: under ``full``, copy them everywhere."""
@@ -136,11 +136,22 @@ class Coordinator:
         self._expire(now)
         scores = await self.predictor.score_async(now)
         self.predictor.maybe_retrain(now)
-        rows = select_candidates(scores.probs, self.plan_cfg.threshold, self.plan_cfg.max_decisions * 4)
-        candidates = [c for c in (self._candidate(scores, int(i)) for i in rows) if c is not None]
+        # Candidates at the keep threshold (hysteresis), plus every prefix
+        # that holds replicas now, so hot replicas are renewed, not dropped.
+        rows = set(select_candidates(scores.probs, self.plan_cfg.keep_threshold,
+                                     self.plan_cfg.max_decisions * 2).tolist())
+        if self.speculative:
+            index = {pid: i for i, pid in enumerate(scores.ids)} if len(self.speculative) > 64 else None
+            for pid in self.speculative:
+                i = index.get(pid) if index is not None else next(
+                    (j for j, other in enumerate(scores.ids) if other == pid), None)
+                if i is not None:
+                    rows.add(i)
+        candidates = [c for c in (self._candidate(scores, int(i)) for i in sorted(rows)) if c is not None]
         nodes = self._node_states()
+        pending = {pid: set(nodes_) for pid, nodes_ in self.pending.items()}
         result = plan(candidates, nodes, self.bandwidth, self.plan_cfg, now, self.speculative,
-                      self._in_flight_bytes)
+                      self._in_flight_bytes, pending=pending)
         for decision in result.decisions:
             decision_log.info("replicate %s depth=%d %s -> %s: %s", decision.keys[-1].hex()[:12], decision.depth,
                               decision.source, ",".join(decision.targets), decision.reason)
@@ -175,9 +186,10 @@ class Coordinator:
 
     def _node_states(self) -> list[NodeState]:
         spec: dict[str, int] = {}
-        for (namespace, _key), nodes in self.speculative.items():
+        for (namespace, key), nodes in self.speculative.items():
+            nbytes = self._spec_depth.get((namespace, key), 1) * self._page_bytes(namespace)
             for node in nodes:
-                spec[node] = spec.get(node, 0) + self._page_bytes(namespace)
+                spec[node] = spec.get(node, 0) + nbytes
         return [NodeState(node_id=m.node_id, capacity_bytes=m.capacity_bytes, used_bytes=m.used_bytes,
                           spec_bytes=max(spec.get(m.node_id, 0), m.speculative_bytes))
                 for m in self.agent.membership.view()]
@@ -189,6 +201,7 @@ class Coordinator:
                 self.speculative[key] = nodes
             else:
                 del self.speculative[key]
+                self._spec_depth.pop(key, None)
 
     def _tick_full(self) -> None:
         """Copy every newly added page to every live node lacking it."""
@@ -242,6 +255,7 @@ class Coordinator:
         self.agent.metrics.spec_bytes.labels(kind.name.lower()).inc(moved)
         if kind is PageKind.SPECULATIVE and reply.copied + reply.already_present:
             self.speculative.setdefault(key, {})[target] = time.monotonic() + ttl
+            self._spec_depth[key] = len(keys)
 
     async def _renew(self, node: str, namespace: str, key: bytes, ttl: float) -> None:
         chain = self.predictor.chain((namespace, key)) if self.predictor is not None else (key,)

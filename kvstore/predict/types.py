@@ -44,6 +44,7 @@ class Access:
     block_tokens: int = 0         # tokens per block (0 = unknown)
     page_bytes: int = 0           # bytes per page (0 = unknown)
     total_blocks: int = 0         # the request's full prefix length in blocks
+    local_blocks: int = -1        # leading blocks the serving node held before serving (-1 = unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,16 @@ class PredictorConfig:
     idle_drop_s: float = 1800.0       # prefixes unseen this long are dropped
     retrain_every_s: float = 600.0    # online retraining period
     min_train_rows: int = 2_000
+    fanout_window_s: float = 60.0     # fan-out = distinct nodes in the last 1-2 such windows
+    active_within_s: float = 300.0    # scored/labelled population: prefixes seen this recently
+    threshold: float = 0.5            # operating threshold (the planner's default)
+    gate_margin: float = 0.01         # fall back to momentum when model PR-AUC < momentum's - this
+    log_every_s: float = 10.0         # online: record a labelled sample this often
+    log_rows: int = 512               # online: rows per recorded sample (random subset)
+    max_log_rows: int = 100_000       # online: labelled rows kept for retraining
+    eval_rows: int = 20_000           # online: most recent labelled rows used for evaluation
+    need_in_floor_s: float = 1.0      # floor of need_in_s (timestamps come in batches)
+    num_threads: int = 1              # LightGBM threads (training and inference)
 
 
 @dataclass(slots=True)

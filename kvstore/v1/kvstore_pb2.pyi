@@ -437,18 +437,20 @@ class DirectoryBatch(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., adds: _Optional[_Iterable[bytes]] = ..., removes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AccessEvent(_message.Message):
-    __slots__ = ("namespace", "keys", "age_seconds", "outcome", "total_blocks")
+    __slots__ = ("namespace", "keys", "age_seconds", "outcome", "total_blocks", "local_blocks")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     age_seconds: float
     outcome: int
     total_blocks: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., age_seconds: _Optional[float] = ..., outcome: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+    local_blocks: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., age_seconds: _Optional[float] = ..., outcome: _Optional[int] = ..., total_blocks: _Optional[int] = ..., local_blocks: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("sender", "known", "has_directory", "seq", "full", "directory", "accesses")

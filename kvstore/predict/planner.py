@@ -1,0 +1,494 @@
+"""Placement planner: which prefixes to copy where, ahead of a forecast burst.
+
+A pure function of its inputs (scores, cluster state, measured bandwidth,
+the replicas already placed, ``now``): no sockets, no clocks, no randomness.
+The coordinator calls it once per tick and carries out what it returns:
+
+* :class:`~kvstore.predict.types.Decision`\\ s -- copy the first ``depth``
+  blocks of a prefix from ``source`` to each of ``targets``, tagged
+  speculative with a TTL;
+* :class:`~kvstore.predict.types.Renewal`\\ s -- extend a replica that is
+  still predicted hot instead of copying it again;
+* :class:`~kvstore.predict.types.Drop`\\ s -- remove a replica whose TTL ran
+  out or whose score decayed below the hysteresis threshold.
+
+Rules, and why:
+
+1. **Candidates.** :func:`select_candidates` turns the predictor's score
+   vector (100k+ prefixes) into the few hundred row indices worth building
+   :class:`Candidate` objects for. The caller should select with
+   ``cfg.keep_threshold`` (not ``cfg.threshold``) so that candidates between
+   the two keep their existing replicas alive (hysteresis); :func:`plan` only
+   *copies* for ``prob >= cfg.threshold``. A replica whose prefix is absent
+   from ``candidates`` counts as decayed, so the caller must pass the
+   candidates of the prefixes it holds replicas of (a large enough
+   ``limit`` does it).
+2. **Order.** Candidates are planned by probability, highest first (ties:
+   sooner need, then namespace and keys), so the byte and room budgets go to
+   the surest bets.
+3. **Depth gate.** From the deepest depth option down: a copy of ``depth``
+   pages takes ``depth * page_bytes / bandwidth_bps`` seconds per target
+   (targets are copied in parallel over their own links); the depth is kept
+   only if ``transfer_s * cfg.safety <= need_in_s``. No depth fits -> skip
+   ``too_late``: never warm what cannot land before it is needed. A depth
+   also needs a live source holding it, else the next shallower is tried.
+4. **Targets.** Live nodes not holding the prefix at that depth (directory
+   holders of that depth or deeper, plus unexpired speculative replicas of
+   that depth or deeper) and not about to (a copy of it planned earlier in
+   this tick, or in flight from an earlier one: ``pending``). A target must
+   have room in *both* its speculative share (``spec_bytes + planned + bytes
+   <= spec_budget * capacity``) and its free space (``used + planned + bytes
+   <= capacity``):
+   speculative replicas never make a node evict primary pages, they only use
+   free space (and are themselves evicted first when primaries need it).
+   ``used_bytes`` includes ``spec_bytes``. Up to ``cfg.max_targets`` targets
+   with the most headroom (``capacity - used - planned``; ties: fewer
+   speculative bytes, then node id).
+5. **Source.** A live holder of the depth with the least load, then the
+   fewest bytes already planned out of it this tick, then the most headroom,
+   then node id.
+6. **Budgets.** Copy bytes this tick stay within ``cfg.spec_bandwidth *
+   cfg.tick_s - transfers_in_flight_bytes`` (a candidate that does not fit
+   tries a shallower depth, then fewer targets); at most
+   ``cfg.max_decisions`` decisions. Bytes planned on a node in this tick
+   count against its budgets for the following candidates. Drops planned in
+   the same tick are not credited back (the space frees only once the node
+   has evicted them).
+
+Skip reasons (``PlanResult.skipped``): ``too_late``, ``no_source``,
+``held_everywhere``, ``no_room``, ``bandwidth``, ``cap``, ``no_target`` (no
+live node at all), ``unknown_size`` (``page_bytes <= 0``). They are checked
+cheapest first: ``too_late`` (no depth fits in time), then cluster-wide
+``no_room`` / ``bandwidth`` (no depth that fits in time fits in the largest
+room any node has left, or in the byte budget left) -- this keeps a tick
+with a full cluster O(candidates x depths) -- then, depth by depth, the
+holders (``held_everywhere``, ``no_source``) and each node's room. When
+several depths were tried, the reason is that of the shallowest one tried
+(the last barrier); a decision's ``reason`` string names the deeper ones
+that failed and why.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvstore.predict.types import (
+    Candidate,
+    Decision,
+    Drop,
+    NodeState,
+    PlannerConfig,
+    PlanResult,
+    PrefixId,
+    Renewal,
+)
+from kvstore.units import format_size
+
+Speculative = Mapping[PrefixId, Mapping[str, float]]
+"""``speculative[(namespace, key of the deepest block)] = {node_id: expires_at}``."""
+
+SKIP_REASONS = (
+    "too_late", "no_target", "no_room", "bandwidth", "no_source",
+    "held_everywhere", "cap", "unknown_size",
+)
+
+
+# --------------------------------------------------------------------------
+# candidate selection (vectorised)
+# --------------------------------------------------------------------------
+
+
+def select_candidates(probs: np.ndarray, threshold: float, limit: int) -> np.ndarray:
+    """Row indices of the ``limit`` highest scores ``>= threshold``, best first.
+
+    This is what keeps a tick cheap with 100k active prefixes: one
+    vectorised pass and an ``argpartition`` instead of a Python object per
+    prefix; only the rows returned become :class:`Candidate` objects.
+
+    Deterministic under ties: equal scores are ordered by row index, and at
+    the ``limit`` boundary the lowest indices win. NaN scores never qualify.
+    Returns an ``intp`` array (empty when nothing qualifies or ``limit <= 0``).
+    """
+    probs = np.asarray(probs)
+    if probs.ndim != 1:
+        raise ValueError(f"probs must be 1-D, got shape {probs.shape}")
+    if limit <= 0 or probs.size == 0:
+        return np.empty(0, dtype=np.intp)
+    idx = np.flatnonzero(probs >= threshold)  # NaN >= x is False
+    vals = probs[idx]
+    if idx.size > limit:
+        # kth largest value; everything above it is in, ties at it fill up by index.
+        kth = vals[np.argpartition(vals, idx.size - limit)[idx.size - limit]]
+        above = vals > kth
+        n_tied = limit - int(np.count_nonzero(above))
+        tied = np.flatnonzero(vals == kth)[:n_tied]  # idx is ascending, so lowest rows
+        keep = np.flatnonzero(above)
+        keep = np.concatenate((keep, tied))
+        idx, vals = idx[keep], vals[keep]
+    order = np.lexsort((idx, -vals))  # prob descending, then row ascending
+    return idx[order].astype(np.intp, copy=False)
+
+
+# --------------------------------------------------------------------------
+# per-tick node bookkeeping
+# --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _NodeTick:
+    """A live node as seen during one tick: its report plus what this tick planned."""
+
+    state: NodeState
+    spec_limit: int
+    planned_in: int = 0     # bytes planned onto it this tick
+    planned_out: int = 0    # bytes planned out of it (as a source) this tick
+
+    @property
+    def node_id(self) -> str:
+        return self.state.node_id
+
+    @property
+    def headroom(self) -> int:
+        """Free bytes left after what this tick already planned onto it."""
+        return self.state.capacity_bytes - self.state.used_bytes - self.planned_in
+
+    def room_for(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more of speculative replicas fit both budgets."""
+        spec_ok = self.state.spec_bytes + self.planned_in + nbytes <= self.spec_limit
+        return spec_ok and nbytes <= self.headroom
+
+    def target_key(self) -> tuple[int, int, str]:
+        """Sort key for targets: most headroom, fewer speculative bytes, id."""
+        return (-self.headroom, self.state.spec_bytes + self.planned_in, self.node_id)
+
+    def source_key(self) -> tuple[float, int, int, str]:
+        """Sort key for sources: least load, least planned out, most headroom, id."""
+        return (self.state.load, self.planned_out, -self.headroom, self.node_id)
+
+
+def _node_ticks(nodes: Sequence[NodeState], cfg: PlannerConfig) -> dict[str, _NodeTick]:
+    """Index live nodes by id with their speculative byte limit."""
+    return {
+        n.node_id: _NodeTick(n, spec_limit=int(cfg.spec_budget * n.capacity_bytes))
+        for n in nodes
+    }
+
+
+# --------------------------------------------------------------------------
+# helpers of one candidate
+# --------------------------------------------------------------------------
+
+
+def _order_key(c: Candidate) -> tuple[float, float, str, tuple[bytes, ...]]:
+    """Planning order: highest prob, then soonest need, then identity (determinism)."""
+    return (-c.prob, c.need_in_s, c.namespace, c.chain)
+
+
+@functools.lru_cache(maxsize=256)
+def _depths(options: tuple[int, ...], chain_len: int) -> tuple[int, ...]:
+    """Usable depth options, deepest first (a depth needs its key in the chain).
+
+    Cached: candidates of one predictor share a handful of option tuples.
+    """
+    return tuple(sorted({d for d in options if 1 <= d <= chain_len}, reverse=True))
+
+
+class _HolderWalk:
+    """Live nodes holding the first ``d`` blocks of a candidate, asked for
+    deepest ``d`` first.
+
+    Holding a deeper prefix implies holding every shallower one (chained
+    keys), so holders accumulate from the deepest known block up, and only
+    as far as the planner asks; unexpired speculative replicas count as
+    holders too (the directory may lag behind the copies). Copies planned
+    earlier in this tick (another candidate naming the same blocks, e.g. the
+    depth-4 and depth-8 prefixes of one chain) are tracked apart: they make
+    a node no target, but not yet a source.
+    """
+
+    __slots__ = ("_c", "_live", "_spec", "_planned", "_now", "_acc", "_pending", "_next")
+
+    def __init__(
+        self,
+        c: Candidate,
+        live: Mapping[str, _NodeTick],
+        speculative: Speculative,
+        planned: Mapping[PrefixId, set[str]],
+        now: float,
+    ) -> None:
+        self._c, self._live, self._spec, self._planned, self._now = c, live, speculative, planned, now
+        n = len(c.chain)
+        self._acc: set[str] = set().union(*(h for d, h in c.holders.items() if d > n))  # beyond the known keys
+        self._pending: set[str] = set()
+        self._next = n  # next depth to fold in
+
+    def at(self, depth: int) -> tuple[set[str], set[str]]:
+        """(live holders, live nodes with a copy planned this tick) of the
+        first ``depth`` blocks; ``depth`` never increases between calls."""
+        c, acc = self._c, self._acc
+        while self._next >= depth:
+            d = self._next
+            acc.update(c.holders.get(d, ()))
+            pid = (c.namespace, c.chain[d - 1])
+            placed = self._spec.get(pid)
+            if placed:
+                acc.update(node for node, exp in placed.items() if exp > self._now)
+            pending = self._planned.get(pid)
+            if pending:
+                self._pending.update(pending)
+            self._next -= 1
+        live = self._live
+        held = {n for n in acc if n in live}
+        return held, {n for n in self._pending if n in live and n not in held}
+
+
+def _fmt_node(n: _NodeTick) -> str:
+    return f"{n.node_id} (headroom {format_size(n.headroom)})"
+
+
+@dataclass(slots=True)
+class _Tick:
+    """Mutable state of one planning pass: nodes, budgets, result."""
+
+    cfg: PlannerConfig
+    live: dict[str, _NodeTick]
+    speculative: Speculative
+    bandwidth_bps: float
+    now: float
+    budget_left: int
+    result: PlanResult
+    max_room: int = -1      # most bytes any live node can still take; < 0 = recompute
+    planned: dict[PrefixId, set[str]] = field(default_factory=dict)  # block key -> targets copied to this tick
+
+    def skip(self, reason: str) -> None:
+        self.result.skipped[reason] = self.result.skipped.get(reason, 0) + 1
+
+    def largest_room(self) -> int:
+        """Most speculative bytes any one live node can still take this tick
+        (cached until the next decision). Lets a full cluster reject a
+        candidate in O(depths) instead of O(depths x nodes)."""
+        if self.max_room < 0:
+            self.max_room = max(
+                (min(n.spec_limit - n.state.spec_bytes - n.planned_in, n.headroom) for n in self.live.values()),
+                default=0,
+            )
+            self.max_room = max(self.max_room, 0)
+        return self.max_room
+
+    def plan_one(self, c: Candidate) -> Decision | str:
+        """A decision for candidate ``c``, or the reason it is skipped."""
+        if not self.live:
+            return "no_target"
+        page = c.page_bytes
+        if page <= 0:
+            return "unknown_size"
+        bandwidth = self.bandwidth_bps
+        if bandwidth <= 0:
+            return "too_late"
+        # Depth gate, then the cheap cluster-wide checks: most candidates of a
+        # busy tick stop here, before any per-node work.
+        need, safety = c.need_in_s, self.cfg.safety
+        room_max, budget = self.largest_room(), self.budget_left
+        notes: list[tuple[int, str]] = []          # deeper depths that fit in time but not elsewhere
+        viable: list[tuple[int, int, float]] = []  # (depth, bytes per target, transfer s)
+        shallowest = 0
+        for d in _depths(c.depth_options, len(c.chain)):
+            nbytes = d * page
+            t = nbytes / bandwidth
+            if t * safety > need:
+                continue
+            shallowest = nbytes
+            if nbytes <= room_max and nbytes <= budget:
+                viable.append((d, nbytes, t))
+            elif not viable:
+                notes.append((d, "no_room" if nbytes > room_max else "bandwidth"))
+        if not viable:
+            if not shallowest:
+                return "too_late"
+            return "no_room" if shallowest > room_max else "bandwidth"
+        walk = _HolderWalk(c, self.live, self.speculative, self.planned, self.now)
+        reason = "too_late"
+        for d, nbytes, t in viable:
+            held, pending = walk.at(d)
+            if len(held) + len(pending) == len(self.live):
+                reason = "held_everywhere"  # then every shallower depth is too
+                break
+            if not held:
+                reason = "no_source"
+            else:
+                room = [n for n in self.live.values()
+                        if n.node_id not in held and n.node_id not in pending and n.room_for(nbytes)]
+                if room:
+                    return self._decide(c, d, nbytes, t, held, room, notes)
+                reason = "no_room"
+            notes.append((d, reason))
+        return reason
+
+    def _decide(
+        self,
+        c: Candidate,
+        depth: int,
+        nbytes: int,
+        transfer_s: float,
+        held: set[str],
+        room: list[_NodeTick],
+        notes: list[tuple[int, str]],
+    ) -> Decision:
+        """Pick targets and source for ``c`` at ``depth`` and book their bytes."""
+        room.sort(key=_NodeTick.target_key)
+        k = min(self.cfg.max_targets, self.budget_left // nbytes, len(room))
+        targets = room[:k]
+        source = min((self.live[n] for n in held), key=_NodeTick.source_key)
+        why = (
+            f"p={c.prob:.2f} need_in={c.need_in_s:.1f}s depth={depth}/{len(c.chain)} "
+            f"transfer {transfer_s:.3f}s x{self.cfg.safety:g} fits; src {source.node_id}; "
+            f"targets {', '.join(_fmt_node(n) for n in targets)}"
+        )
+        if notes:
+            why += "; deeper: " + ", ".join(f"depth {d} {r}" for d, r in notes)
+        total = nbytes * k
+        for n in targets:
+            n.planned_in += nbytes
+        source.planned_out += total
+        self.budget_left -= total
+        self.max_room = -1
+        names = {n.node_id for n in targets}
+        for key in c.chain[:depth]:
+            self.planned.setdefault((c.namespace, key), set()).update(names)
+        return Decision(
+            namespace=c.namespace,
+            keys=c.chain[:depth],
+            depth=depth,
+            source=source.node_id,
+            targets=tuple(n.node_id for n in targets),
+            prob=c.prob,
+            ttl_s=self.cfg.ttl_s,
+            reason=why,
+            bytes=total,
+            transfer_s=transfer_s,
+            need_in_s=c.need_in_s,
+        )
+
+
+# --------------------------------------------------------------------------
+# renewals and drops
+# --------------------------------------------------------------------------
+
+
+def _hot_scores(candidates: Sequence[Candidate]) -> dict[PrefixId, float]:
+    """Best score of every prefix key any candidate covers (a deeper hot
+    prefix keeps its shallower replicas hot too).
+
+    Candidates go in ascending prob order so the best score overwrites the
+    others in one comprehension (cheap: ``plan`` passes them already sorted
+    the other way, which timsort reverses in linear time).
+    """
+    ascending = sorted(candidates, key=_prob)
+    return {(c.namespace, key): c.prob for c in ascending for key in c.chain}
+
+
+def _prob(c: Candidate) -> float:
+    return c.prob
+
+
+def renew_or_drop(
+    candidates: Sequence[Candidate],
+    speculative: Speculative,
+    live: Mapping[str, object],
+    cfg: PlannerConfig,
+    now: float,
+) -> tuple[list[Renewal], list[Drop]]:
+    """Renew hot speculative replicas, drop expired and decayed ones.
+
+    * ``expires_at <= now`` -> drop ``expired`` (the node may already have
+      evicted it; a still-hot prefix is simply copied again if it fits);
+    * best score of the prefix ``< cfg.keep_threshold`` (or the prefix is not
+      among ``candidates``) -> drop ``decayed``;
+    * otherwise, once less than ``cfg.renew_when_left * cfg.ttl_s`` is left,
+      renew to ``now + cfg.ttl_s`` (not every tick: fewer control messages).
+
+    Replicas on nodes not in ``live`` are left to expire (no renewal, no drop:
+    a node that comes back drops its own expired replicas).
+    """
+    hot = _hot_scores(candidates)
+    keep = cfg.keep_threshold
+    renew_at = cfg.renew_when_left * cfg.ttl_s
+    renewals: list[Renewal] = []
+    drops: list[Drop] = []
+    for (ns, key), placed in speculative.items():
+        score = hot.get((ns, key), -1.0)
+        for node, expires_at in placed.items():
+            if node not in live:
+                continue
+            if expires_at <= now:
+                drops.append(Drop(ns, key, node, "expired"))
+            elif score < keep:
+                drops.append(Drop(ns, key, node, "decayed"))
+            elif expires_at - now < renew_at:
+                renewals.append(Renewal(ns, key, node, now + cfg.ttl_s))
+    return renewals, drops
+
+
+# --------------------------------------------------------------------------
+# the tick
+# --------------------------------------------------------------------------
+
+
+def plan(
+    candidates: Sequence[Candidate],
+    nodes: Sequence[NodeState],
+    bandwidth_bps: float,
+    cfg: PlannerConfig,
+    now: float,
+    speculative: Speculative | None = None,
+    transfers_in_flight_bytes: int = 0,
+    pending: Mapping[PrefixId, Collection[str]] | None = None,
+) -> PlanResult:
+    """One planner tick: copy decisions, renewals and drops.
+
+    ``candidates``: scored prefixes (any order; typically the rows of
+    :func:`select_candidates` at ``cfg.keep_threshold``). ``nodes``: the
+    live nodes. ``bandwidth_bps``: the transport's measured per-link
+    bandwidth. ``speculative``: replicas already placed,
+    ``{(namespace, key of deepest block): {node: expires_at}}``.
+    ``transfers_in_flight_bytes``: copy bytes still on the wire from earlier
+    ticks; they are charged to this tick's byte budget. ``pending``: those
+    copies' targets, ``{(namespace, key of deepest block copied): nodes}``;
+    a node with a copy in flight is no target (no second copy while the
+    first is on the wire) and no source yet. ``now`` is on the same clock as
+    the expiries. Same inputs, same result.
+    """
+    speculative = speculative if speculative is not None else {}
+    live = _node_ticks(nodes, cfg)
+    budget = max(0, int(cfg.spec_bandwidth * cfg.tick_s) - int(transfers_in_flight_bytes))
+    tick = _Tick(cfg, live, speculative, bandwidth_bps, now, budget, PlanResult(bytes_budget=budget))
+    for pid, targets in (pending or {}).items():
+        tick.planned[pid] = set(targets)
+    result = tick.result
+
+    ordered = sorted(candidates, key=_order_key)
+    for c in ordered:
+        if c.prob < cfg.threshold:
+            break  # ordered by prob: the rest only keep existing replicas alive
+        if len(result.decisions) >= cfg.max_decisions:
+            tick.skip("cap")
+            continue
+        if tick.budget_left <= 0:
+            tick.skip("bandwidth")
+            continue
+        outcome = tick.plan_one(c)
+        if isinstance(outcome, str):
+            tick.skip(outcome)
+        else:
+            result.decisions.append(outcome)
+            result.bytes_planned += outcome.bytes
+
+    result.renewals, result.drops = renew_or_drop(ordered, speculative, live, cfg, now)
+    return result
+
+
+__all__ = ["SKIP_REASONS", "Speculative", "plan", "renew_or_drop", "select_candidates"]

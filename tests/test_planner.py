@@ -1,0 +1,485 @@
+"""Placement planner: candidate selection, depth gating, targets, sources,
+budgets, caps, renewals and drops, determinism, and a property test.
+
+The planner is pure, so every test builds its inputs by hand: no sockets,
+no clocks.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore.predict.planner import SKIP_REASONS, plan, renew_or_drop, select_candidates
+from kvstore.predict.types import Candidate, Drop, NodeState, PlannerConfig, PlanResult, Renewal
+
+MB = 1_000_000
+GB = 1_000_000_000
+NOW = 1000.0
+
+
+def chain_of(name: str, n: int = 8) -> tuple[bytes, ...]:
+    return tuple(f"{name}/{i}".encode() for i in range(1, n + 1))
+
+
+def cand(
+    name: str = "p",
+    *,
+    prob: float = 0.9,
+    need: float = 60.0,
+    page: int = 10 * MB,
+    options: tuple[int, ...] = (1, 2, 4, 8),
+    holders: dict[int, Iterable[str]] | None = None,
+    ns: str = "ns",
+) -> Candidate:
+    """A candidate held by node ``a`` at every depth unless ``holders`` says otherwise."""
+    held = {8: {"a"}} if holders is None else holders
+    return Candidate(
+        namespace=ns,
+        chain=chain_of(name, max(options)),
+        depth_options=options,
+        holders={d: frozenset(v) for d, v in held.items()},
+        prob=prob,
+        need_in_s=need,
+        page_bytes=page,
+    )
+
+
+def node(nid: str, cap: int = 100 * GB, used: int = 0, spec: int = 0, load: float = 0.0) -> NodeState:
+    return NodeState(node_id=nid, capacity_bytes=cap, used_bytes=used, spec_bytes=spec, load=load)
+
+
+def nodes(*ids: str, **kw: int) -> list[NodeState]:
+    return [node(i, **kw) for i in ids]  # type: ignore[arg-type]
+
+
+CFG = PlannerConfig(threshold=0.5, spec_budget=0.2, spec_bandwidth=10 * GB, tick_s=1.0, ttl_s=120.0,
+                    max_targets=2, safety=1.5, max_decisions=256)
+
+
+def only(result: PlanResult):  # type: ignore[no-untyped-def]
+    assert len(result.decisions) == 1, result
+    return result.decisions[0]
+
+
+# --------------------------------------------------------------------------
+# select_candidates
+# --------------------------------------------------------------------------
+
+
+def _reference(probs: np.ndarray, threshold: float, limit: int) -> list[int]:
+    rows = [i for i, p in enumerate(probs.tolist()) if p >= threshold]
+    rows.sort(key=lambda i: (-probs[i], i))
+    return rows[: max(limit, 0)]
+
+
+def test_select_orders_by_prob_and_applies_threshold_and_limit() -> None:
+    probs = np.array([0.1, 0.9, 0.5, 0.7, 0.49, 0.95])
+    assert select_candidates(probs, 0.5, 10).tolist() == [5, 1, 3, 2]  # 0.5 is inclusive
+    assert select_candidates(probs, 0.5, 2).tolist() == [5, 1]
+    assert select_candidates(probs, 0.0, 6).tolist() == [5, 1, 3, 2, 4, 0]
+
+
+def test_select_ties_break_by_row_even_at_the_limit() -> None:
+    probs = np.array([0.5, 0.9, 0.5, 0.5, 0.5])
+    assert select_candidates(probs, 0.5, 3).tolist() == [1, 0, 2]
+    assert select_candidates(np.full(1000, 0.7), 0.5, 4).tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("probs", "threshold", "limit"),
+    [
+        (np.array([], dtype=np.float64), 0.5, 10),     # empty
+        (np.array([0.1, 0.2, 0.3]), 0.5, 10),         # all below
+        (np.array([0.9, 0.8]), 0.5, 0),                # limit 0
+        (np.array([0.9, 0.8]), 0.5, -3),               # negative limit
+        (np.array([np.nan, np.nan]), 0.0, 5),          # NaN never qualifies
+    ],
+)
+def test_select_empty_cases(probs: np.ndarray, threshold: float, limit: int) -> None:
+    out = select_candidates(probs, threshold, limit)
+    assert out.size == 0 and out.dtype == np.intp
+
+
+def test_select_skips_nan_and_returns_intp() -> None:
+    out = select_candidates(np.array([np.nan, 0.6, np.nan, 0.8], dtype=np.float32), 0.5, 10)
+    assert out.tolist() == [3, 1] and out.dtype == np.intp
+
+
+def test_select_rejects_2d() -> None:
+    with pytest.raises(ValueError, match="1-D"):
+        select_candidates(np.zeros((2, 2)), 0.5, 1)
+
+
+def test_select_matches_reference_on_random_inputs_with_ties() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        n = int(rng.integers(0, 60))
+        probs = rng.integers(0, 6, n) / 5.0  # few distinct values: many ties
+        threshold = float(rng.choice([0.0, 0.2, 0.5, 1.0, 1.1]))
+        limit = int(rng.integers(0, 70))
+        assert select_candidates(probs, threshold, limit).tolist() == _reference(probs, threshold, limit)
+
+
+# --------------------------------------------------------------------------
+# depth gating
+# --------------------------------------------------------------------------
+
+# page 100 MB at 1 GB/s: depth d takes d * 0.1 s, x1.5 safety.
+GATE = dict(page=100 * MB)
+
+
+def test_deepest_depth_when_it_fits() -> None:
+    d = only(plan([cand(need=1.25, **GATE)], nodes("a", "b"), 1 * GB, CFG, NOW))  # 0.8 s * 1.5 = 1.2 s
+    assert d.depth == 8 and d.keys == chain_of("p")[:8] and d.bytes == 800 * MB
+    assert d.transfer_s == pytest.approx(0.8) and d.need_in_s == 1.25
+    # The bound is inclusive: 8 * 2**20 B at 2**24 B/s = 0.5 s, x2 = exactly 1.0 s.
+    exact = PlannerConfig(safety=2.0)
+    assert only(plan([cand(need=1.0, page=2**20)], nodes("a", "b"), 2**24, exact, NOW)).depth == 8
+
+
+def test_shallower_depth_when_only_it_fits() -> None:
+    d = only(plan([cand(need=1.0, **GATE)], nodes("a", "b"), 1 * GB, CFG, NOW))  # depth 4: 0.6 s fits, 8: 1.2 s not
+    assert d.depth == 4 and d.keys == chain_of("p")[:4] and d.bytes == 400 * MB
+
+
+def test_skip_when_no_depth_fits_in_time() -> None:
+    r = plan([cand(need=0.1, **GATE)], nodes("a", "b"), 1 * GB, CFG, NOW)  # depth 1: 0.15 s > 0.1 s
+    assert r.decisions == [] and r.skipped == {"too_late": 1} and r.bytes_planned == 0
+
+
+def test_zero_bandwidth_is_too_late_and_zero_page_size_is_unknown() -> None:
+    assert plan([cand()], nodes("a", "b"), 0.0, CFG, NOW).skipped == {"too_late": 1}
+    assert plan([cand(page=0)], nodes("a", "b"), 1 * GB, CFG, NOW).skipped == {"unknown_size": 1}
+
+
+def test_depth_options_beyond_the_chain_are_ignored() -> None:
+    c = cand()
+    c.chain = c.chain[:4]  # keys known only up to depth 4
+    assert only(plan([c], nodes("a", "b"), 1 * GB, CFG, NOW)).depth == 4
+
+
+# --------------------------------------------------------------------------
+# sources and targets
+# --------------------------------------------------------------------------
+
+
+def test_source_must_hold_the_depth_else_shallower() -> None:
+    # Only depth 4 has a live holder: depth 8 is skipped for want of a source.
+    d = only(plan([cand(holders={4: {"a"}})], nodes("a", "b"), 1 * GB, CFG, NOW))
+    assert d.depth == 4 and d.source == "a" and d.targets == ("b",)
+    assert "depth 8 no_source" in d.reason
+    # A dead holder is no source.
+    r = plan([cand(holders={8: {"zz"}})], nodes("a", "b"), 1 * GB, CFG, NOW)
+    assert r.decisions == [] and r.skipped == {"no_source": 1}
+
+
+def test_source_prefers_least_load_then_id_and_holds_the_chosen_depth() -> None:
+    ns = [node("a", load=5.0), node("b", load=1.0), node("c", load=1.0), node("d")]
+    d = only(plan([cand(holders={8: {"a", "c", "b"}})], ns, 1 * GB, CFG, NOW))
+    assert d.source == "b" and d.targets == ("d",)
+    # b holds only depth 4; depth 8 fits in time, so the source is a (the only depth-8 holder).
+    ns = [node("a", load=5.0), node("b"), node("c")]
+    d = only(plan([cand(holders={8: {"a"}, 4: {"b"}})], ns, 1 * GB, CFG, NOW))
+    assert d.depth == 8 and d.source == "a" and d.targets == ("b", "c")  # b lacks depth 8: a target
+
+
+def test_targets_exclude_holders_and_pick_most_headroom() -> None:
+    ns = [node("a"), node("b", used=50 * GB), node("c", used=10 * GB), node("d", used=20 * GB), node("e")]
+    d = only(plan([cand(holders={8: {"a", "e"}})], ns, 1 * GB, CFG, NOW))
+    assert d.targets == ("c", "d")
+    assert "target" in d.reason and "c (headroom" in d.reason and "p=0.90" in d.reason
+
+
+def test_target_ties_break_on_fewer_spec_bytes_then_id() -> None:
+    ns = [node("a"), node("z", used=5 * GB, spec=0), node("y", used=5 * GB, spec=3 * GB), node("x", used=5 * GB)]
+    assert only(plan([cand()], ns, 1 * GB, CFG, NOW)).targets == ("x", "z")
+
+
+def test_holders_of_a_deeper_prefix_are_holders_of_the_shallower() -> None:
+    # depth 8 does not fit in time; b holds depth 8, so it holds depth 4 too.
+    d = only(plan([cand(need=1.0, holders={8: {"b"}, 4: {"a"}}, **GATE)], nodes("a", "b", "c"), 1 * GB, CFG, NOW))
+    assert d.depth == 4 and d.targets == ("c",) and d.source in {"a", "b"}
+
+
+def test_copies_planned_this_tick_are_not_planned_twice() -> None:
+    # The depth-8 and the depth-4 prefixes of one chain, scored as two candidates.
+    deep = cand("p", prob=0.9)
+    shallow = cand("p", prob=0.8, options=(1, 2, 4))
+    r = plan([shallow, deep], nodes("a", "b", "c"), 1 * GB, PlannerConfig(max_targets=1), NOW)
+    assert [(d.depth, d.targets) for d in r.decisions] == [(8, ("b",)), (4, ("c",))]
+    # ... and a planned target is no source yet: with only a and b, depth 4 is covered.
+    r = plan([shallow, deep], nodes("a", "b"), 1 * GB, PlannerConfig(max_targets=1), NOW)
+    assert [(d.depth, d.targets) for d in r.decisions] == [(8, ("b",))]
+    assert r.skipped == {"held_everywhere": 1}
+
+
+def test_copies_in_flight_are_neither_targets_nor_sources() -> None:
+    c = cand(holders={})
+    spec = {("ns", c.chain[7]): {"a": NOW + 50}}
+    pending = {("ns", c.chain[7]): {"b"}}
+    d = only(plan([c], nodes("a", "b", "c"), 1 * GB, CFG, NOW, spec, pending=pending))
+    assert d.source == "a" and d.targets == ("c",)
+    # A copy of depth 8 in flight to c covers depth 4 too; nothing left to do.
+    r = plan([c], nodes("a", "c"), 1 * GB, CFG, NOW, spec, pending={("ns", c.chain[7]): ["c"]})
+    assert r.decisions == [] and r.skipped == {"held_everywhere": 1}
+    # Only a copy in flight, no holder: no source.
+    r = plan([c], nodes("a", "b"), 1 * GB, CFG, NOW, pending=pending)
+    assert r.skipped == {"no_source": 1}
+
+
+def test_full_cluster_is_no_room_before_any_holder_lookup() -> None:
+    full = [node("a", used=100 * GB), node("b", used=100 * GB)]
+    assert plan([cand(holders={8: {"a", "b"}})], full, 1 * GB, CFG, NOW).skipped == {"no_room": 1}
+
+
+def test_held_everywhere() -> None:
+    r = plan([cand(holders={8: {"a", "b"}})], nodes("a", "b"), 1 * GB, CFG, NOW)
+    assert r.decisions == [] and r.skipped == {"held_everywhere": 1}
+
+
+def test_no_live_node_is_no_target() -> None:
+    assert plan([cand()], [], 1 * GB, CFG, NOW).skipped == {"no_target": 1}
+
+
+def test_live_speculative_replica_is_a_holder_expired_one_is_not() -> None:
+    c = cand()
+    spec = {("ns", c.chain[7]): {"b": NOW + 50}}
+    d = only(plan([c], nodes("a", "b", "c"), 1 * GB, CFG, NOW, spec))
+    assert d.targets == ("c",)  # b already holds it speculatively: renew, don't re-copy
+    spec = {("ns", c.chain[7]): {"b": NOW - 1}}
+    r = plan([c], nodes("a", "b", "c"), 1 * GB, CFG, NOW, spec)
+    assert only(r).targets == ("b", "c")
+    assert r.drops == [Drop("ns", c.chain[7], "b", "expired")]
+
+
+def test_speculative_replica_can_be_the_source() -> None:
+    c = cand(holders={})
+    d = only(plan([c], nodes("a", "b"), 1 * GB, CFG, NOW, {("ns", c.chain[7]): {"b": NOW + 50}}))
+    assert d.source == "b" and d.targets == ("a",)
+
+
+# --------------------------------------------------------------------------
+# room and budgets
+# --------------------------------------------------------------------------
+
+
+def test_spec_budget_forces_a_shallower_depth_then_no_room() -> None:
+    # spec limit 20 GB; 16 GB already speculative; depth 8 = 8 GB no, depth 4 = 4 GB fits.
+    ns = [node("a"), node("b", used=16 * GB, spec=16 * GB)]
+    d = only(plan([cand(page=1 * GB)], ns, 100 * GB, CFG, NOW))
+    assert d.depth == 4 and "depth 8 no_room" in d.reason
+    ns = [node("a"), node("b", used=20 * GB, spec=20 * GB)]
+    assert plan([cand(page=1 * GB)], ns, 100 * GB, CFG, NOW).skipped == {"no_room": 1}
+
+
+def test_free_space_is_required_not_only_the_spec_share() -> None:
+    ns = [node("a"), node("b", used=100 * GB - 10 * MB, spec=0)]  # spec share empty, no free space
+    r = plan([cand(page=10 * MB)], ns, 1 * GB, CFG, NOW)
+    d = only(r)
+    assert d.depth == 1  # 10 MB is exactly the free space left
+    ns = [node("a"), node("b", used=100 * GB - 1, spec=0)]
+    assert plan([cand(page=10 * MB)], ns, 1 * GB, CFG, NOW).skipped == {"no_room": 1}
+
+
+def test_spec_budget_never_exceeded_within_one_tick() -> None:
+    ns = [node("a"), node("b", spec=5 * GB, used=5 * GB), node("c", cap=50 * GB), node("d", cap=10 * GB, used=9_900 * MB)]
+    cands = [cand(f"p{i}", prob=0.99 - i / 1000, page=200 * MB) for i in range(200)]
+    cfg = PlannerConfig(spec_bandwidth=1e15, max_decisions=1000)
+    r = plan(cands, ns, 100 * GB, cfg, NOW)
+    assert r.decisions and r.skipped.get("no_room", 0) > 0
+    landed: dict[str, int] = {}
+    for d in r.decisions:
+        for t in d.targets:
+            landed[t] = landed.get(t, 0) + d.depth * 200 * MB
+    for n in ns:
+        got = landed.get(n.node_id, 0)
+        assert n.spec_bytes + got <= cfg.spec_budget * n.capacity_bytes
+        assert n.used_bytes + got <= n.capacity_bytes
+    assert landed["b"] > 0 and landed["c"] > 0 and "d" not in landed  # d: 100 MB free < one 200 MB page
+
+
+def test_bandwidth_budget_holds_and_charges_transfers_in_flight() -> None:
+    cfg = PlannerConfig(spec_bandwidth=2 * GB, tick_s=1.0, max_targets=2)
+    cands = [cand(f"p{i}", prob=0.9 - i / 100, page=100 * MB) for i in range(10)]
+    r = plan(cands, nodes("a", "b", "c"), 10 * GB, cfg, NOW)
+    assert r.bytes_budget == 2 * GB
+    assert r.bytes_planned == sum(d.bytes for d in r.decisions) <= 2 * GB
+    assert r.bytes_planned == 2 * GB  # 800 MB x 2 targets, then 400 MB x 1 target (fewer targets fit)
+    assert [(d.depth, len(d.targets)) for d in r.decisions] == [(8, 2), (4, 1)]
+    assert r.skipped == {"bandwidth": 8}
+    r = plan(cands, nodes("a", "b", "c"), 10 * GB, cfg, NOW, transfers_in_flight_bytes=1_700 * MB)
+    assert r.bytes_budget == 300 * MB and r.bytes_planned <= 300 * MB
+    assert [(d.depth, len(d.targets)) for d in r.decisions] == [(2, 1), (1, 1)]  # 200 MB, then 100 MB
+    assert r.skipped == {"bandwidth": 8}
+    r = plan(cands, nodes("a", "b", "c"), 10 * GB, cfg, NOW, transfers_in_flight_bytes=5 * GB)
+    assert r.bytes_budget == 0 and r.decisions == [] and r.skipped == {"bandwidth": 10}
+
+
+def test_max_targets_and_max_decisions() -> None:
+    cfg = PlannerConfig(max_targets=3, max_decisions=2)
+    cands = [cand(f"p{i}", prob=0.9 - i / 100) for i in range(5)]
+    r = plan(cands, nodes("a", "b", "c", "d", "e"), 10 * GB, cfg, NOW)
+    assert [len(d.targets) for d in r.decisions] == [3, 3]
+    assert [d.keys[0] for d in r.decisions] == [chain_of("p0")[0], chain_of("p1")[0]]  # highest prob first
+    assert r.skipped == {"cap": 3}
+    assert all(len(d.targets) == 1 for d in plan(cands, nodes("a", "b", "c"), 10 * GB,
+                                                 PlannerConfig(max_targets=1), NOW).decisions)
+
+
+def test_bytes_planned_this_tick_move_later_targets() -> None:
+    # Two equal nodes: the first copy lowers b's headroom, so the second goes to c.
+    cfg = PlannerConfig(max_targets=1)
+    r = plan([cand("p", prob=0.9), cand("q", prob=0.8)], nodes("a", "b", "c"), 10 * GB, cfg, NOW)
+    assert [d.targets for d in r.decisions] == [("b",), ("c",)]
+
+
+def test_below_threshold_candidates_are_not_copied_nor_counted() -> None:
+    r = plan([cand(prob=0.4)], nodes("a", "b"), 1 * GB, CFG, NOW)
+    assert r.decisions == [] and r.skipped == {}
+
+
+# --------------------------------------------------------------------------
+# renewals and drops
+# --------------------------------------------------------------------------
+
+
+def test_renewals_and_drops() -> None:
+    hot, warm, cold = cand("hot", prob=0.9), cand("warm", prob=0.3), cand("cold", prob=0.1)
+    gone = chain_of("gone")
+    spec = {
+        ("ns", hot.chain[7]): {"b": NOW + 10, "c": NOW + 100, "dead": NOW + 1},  # b renewed (< 60 s left), c not yet
+        ("ns", hot.chain[3]): {"c": NOW + 5},            # shallower replica kept hot by the deeper candidate
+        ("ns", warm.chain[7]): {"b": NOW + 20},          # 0.3 >= keep 0.25: renewed, never copied anew
+        ("ns", cold.chain[7]): {"b": NOW + 100},         # decayed
+        ("ns", gone[7]): {"c": NOW + 100},               # no longer a candidate: decayed
+        ("other", hot.chain[7]): {"b": NOW + 100},       # other namespace: not hot
+        ("ns", hot.chain[1]): {"b": NOW},                # expired (expiry == now)
+    }
+    r = plan([hot, warm, cold], nodes("a", "b", "c"), 1 * GB, CFG, NOW, spec)
+    assert r.renewals == [
+        Renewal("ns", hot.chain[7], "b", NOW + 120),
+        Renewal("ns", hot.chain[3], "c", NOW + 120),
+        Renewal("ns", warm.chain[7], "b", NOW + 120),
+    ]
+    assert r.drops == [
+        Drop("ns", cold.chain[7], "b", "decayed"),
+        Drop("ns", gone[7], "c", "decayed"),
+        Drop("other", hot.chain[7], "b", "decayed"),
+        Drop("ns", hot.chain[1], "b", "expired"),
+    ]
+    assert r.decisions == [] and r.skipped == {"held_everywhere": 1}  # hot: a primary, b and c speculative
+
+
+def test_renew_every_tick_and_custom_hysteresis() -> None:
+    c = cand(prob=0.6)
+    spec = {("ns", c.chain[7]): {"b": NOW + 119}}
+    cfg = PlannerConfig(renew_when_left=1.0, drop_below=0.7)
+    r = plan([c], nodes("a", "b"), 1 * GB, cfg, NOW, spec)
+    assert r.drops == [Drop("ns", c.chain[7], "b", "decayed")] and r.renewals == []
+    r = plan([c], nodes("a", "b"), 1 * GB, PlannerConfig(renew_when_left=1.0), NOW, spec)
+    assert r.renewals == [Renewal("ns", c.chain[7], "b", NOW + 120.0)] and r.drops == []
+    assert PlannerConfig(threshold=0.8).keep_threshold == pytest.approx(0.4)
+
+
+def test_renew_or_drop_takes_the_best_score_whatever_the_order() -> None:
+    cold_deep, hot_shallow = cand("p", prob=0.1), cand("p", prob=0.9, options=(1, 2, 4))
+    spec = {("ns", hot_shallow.chain[3]): {"b": NOW + 1}}
+    for order in ([cold_deep, hot_shallow], [hot_shallow, cold_deep]):
+        renewals, drops = renew_or_drop(order, spec, {"a", "b"}, CFG, NOW)
+        assert renewals == [Renewal("ns", hot_shallow.chain[3], "b", NOW + 120)] and drops == []
+
+
+# --------------------------------------------------------------------------
+# determinism
+# --------------------------------------------------------------------------
+
+
+def test_deterministic_whatever_the_input_order() -> None:
+    rng = random.Random(3)
+    ns = [node(f"n{i}", used=rng.randrange(0, 50) * GB, load=rng.choice([0.0, 1.0])) for i in range(6)]
+    cands = [
+        cand(f"p{i}", prob=rng.choice([0.5, 0.7, 0.9]), need=rng.choice([0.5, 2.0, 30.0]), page=100 * MB,
+             holders={d: {f"n{rng.randrange(6)}"} for d in (2, 8)})
+        for i in range(40)
+    ]
+    cfg = PlannerConfig(spec_bandwidth=5 * GB, max_targets=2)
+    first = plan(cands, ns, 1 * GB, cfg, NOW)
+    for _ in range(3):
+        rng.shuffle(cands)
+        rng.shuffle(ns)
+        assert plan(cands, ns, 1 * GB, cfg, NOW) == first
+    assert first.decisions and set(first.skipped) <= set(SKIP_REASONS)
+
+
+# --------------------------------------------------------------------------
+# property: whatever the inputs, decisions are safe
+# --------------------------------------------------------------------------
+
+NODE_IDS = [f"n{i}" for i in range(6)]
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[list[Candidate], list[NodeState], float, PlannerConfig, int]:
+    live_ids = draw(st.lists(st.sampled_from(NODE_IDS), unique=True, min_size=2, max_size=6))
+    ns = []
+    for nid in live_ids:
+        cap = draw(st.sampled_from([100, 20, 2, 0])) * GB
+        spec = draw(st.integers(0, 10)) * GB // 2
+        used = min(cap, spec + draw(st.integers(0, 20)) * GB)
+        ns.append(node(nid, cap=cap, used=used, spec=min(spec, used), load=draw(st.sampled_from([0.0, 1.0, 2.0]))))
+    cands = []
+    for i in range(draw(st.integers(0, 12))):
+        options = tuple(sorted(draw(st.sets(st.sampled_from([1, 2, 4, 8]), min_size=1))))
+        holders = {d: frozenset(draw(st.sets(st.sampled_from(NODE_IDS + ["gone"]), min_size=1, max_size=2))) for d in options}
+        cands.append(cand(f"c{i}", prob=draw(st.floats(0, 1)), need=draw(st.floats(0, 60).map(lambda x: 60 - x)),
+                          page=draw(st.sampled_from([100 * MB, 10 * MB, 300 * MB, 1 * GB, 0])), options=options,
+                          holders=holders))
+    cfg = PlannerConfig(
+        threshold=draw(st.sampled_from([0.3, 0.0, 0.5, 0.9])), spec_budget=draw(st.sampled_from([0.5, 0.1, 1.0, 0.0])),
+        spec_bandwidth=draw(st.sampled_from([1e10, 1e9, 1e11, 1e8, 0.0])), max_targets=draw(st.integers(1, 3)),
+        max_decisions=draw(st.sampled_from([100, 3, 1, 0])), safety=draw(st.sampled_from([1.0, 1.5, 3.0])),
+    )
+    bandwidth = draw(st.sampled_from([1e10, 1e9, 1e11, 1e8, 0.0]))
+    in_flight = draw(st.sampled_from([0, 500 * MB, 5 * GB]))
+    return cands, ns, bandwidth, cfg, in_flight
+
+
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_property_decisions_are_safe(
+    scenario: tuple[list[Candidate], list[NodeState], float, PlannerConfig, int],
+) -> None:
+    cands, ns, bandwidth, cfg, in_flight = scenario
+    r = plan(cands, ns, bandwidth, cfg, NOW, transfers_in_flight_bytes=in_flight)
+    by_id = {n.node_id: n for n in ns}
+    by_chain = {c.chain: c for c in cands}
+    landed: dict[str, int] = {}
+    budget = max(0, int(cfg.spec_bandwidth * cfg.tick_s) - in_flight)
+    assert r.bytes_planned == sum(d.bytes for d in r.decisions) <= budget == r.bytes_budget
+    assert len(r.decisions) <= cfg.max_decisions
+    for d in r.decisions:
+        c = next(c for chain, c in by_chain.items() if chain[: d.depth] == d.keys)
+        holding = set().union(*(c.holders.get(x, frozenset()) for x in c.depth_options if x >= d.depth))
+        assert c.prob >= cfg.threshold
+        assert d.depth in c.depth_options
+        assert d.source in by_id and d.source in holding                     # live source holding the depth
+        assert 1 <= len(d.targets) <= cfg.max_targets and len(set(d.targets)) == len(d.targets)
+        assert all(t in by_id and t not in holding for t in d.targets)        # live non-holders
+        assert d.bytes == d.depth * c.page_bytes * len(d.targets)
+        assert d.transfer_s == pytest.approx(d.depth * c.page_bytes / bandwidth)
+        assert d.transfer_s * cfg.safety <= c.need_in_s                      # lands in time
+        for t in d.targets:
+            landed[t] = landed.get(t, 0) + d.depth * c.page_bytes
+    for nid, got in landed.items():
+        n = by_id[nid]
+        assert n.spec_bytes + got <= cfg.spec_budget * n.capacity_bytes
+        assert n.used_bytes + got <= n.capacity_bytes
+    n_eligible = sum(c.prob >= cfg.threshold for c in cands)
+    assert len(r.decisions) + sum(r.skipped.values()) == n_eligible
+    assert set(r.skipped) <= set(SKIP_REASONS)
