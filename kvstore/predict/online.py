@@ -1,0 +1,358 @@
+"""The coordinator's predictor: features, scores, a self-labelled log, retraining, fallback.
+
+Threading: ``observe``, ``score``, ``maybe_retrain`` and ``stats`` run on the
+event-loop thread. Only LightGBM training runs in a worker thread, on arrays
+copied out of the labelled log; the finished model is installed by one
+reference assignment (a frozen :class:`_Slot`), so ``score`` never waits.
+
+Labels online: every ``log_every_s`` seconds, ``score`` records a random
+subset of the scored rows (features, the model's and momentum's
+probabilities). ``H`` seconds later the rows are labelled from the requests
+observed meanwhile (:class:`~kvstore.predict.labels.EventLog`) and join the
+labelled log, which feeds both retraining and the online evaluation.
+
+Fallback: momentum scores when no model is loaded, and while the model's
+PR-AUC on the most recent labelled rows (scored by the current model) is
+below momentum's minus ``gate_margin``; until enough such rows exist, the
+comparison made on the retraining's validation slice decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstore.predict.evaluate import gate, pr_auc, precision_recall_at, roc_auc
+from kvstore.predict.features import FeatureStore, HoldersCount, momentum_prob, need_in_s
+from kvstore.predict.labels import EventLog, make_labels
+from kvstore.predict.model import BurstModel, ModelError
+from kvstore.predict.types import Access, PredictorConfig, PrefixId
+
+log = logging.getLogger(__name__)
+_MIN_EVAL_ROWS = 200
+_MIN_EVAL_POS = 10
+_THREAD_ROWS = 2048  # score_async runs inference in a thread from this many rows
+
+
+@dataclass
+class Scores:
+    """One scoring pass: per prefix, P(requested within H on a node lacking it)."""
+
+    ids: list[PrefixId]
+    depths: np.ndarray            # int32 blocks
+    probs: np.ndarray             # float32
+    need_in_s: np.ndarray         # float32 predicted seconds until the next request
+    source: str                   # "lightgbm" | "momentum"
+    fanout: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))      # distinct recent nodes
+    page_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # bytes per page (0 = unknown)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """The installed model with what the gate knows about it (swapped as one reference)."""
+
+    model: BurstModel | None
+    version: int
+    gate_ok: bool
+    valid: dict[str, float]
+
+
+@dataclass
+class _Pending:
+    t0: float
+    uids: np.ndarray
+    X: np.ndarray
+    p_model: np.ndarray
+    p_mom: np.ndarray
+    version: int
+
+
+class Predictor:
+    """Burst predictor of the coordinator (see module doc)."""
+
+    def __init__(self, cfg: PredictorConfig | None = None, model_path: str | Path | None = None,
+                 holders_count: HoldersCount | None = None, clock: Callable[[], float] = time.monotonic,
+                 seed: int = 0) -> None:
+        self.cfg = cfg = cfg or PredictorConfig()
+        self.clock = clock
+        self.fs = FeatureStore(cfg, holders_count)
+        self.names = self.fs.names
+        self._mom_col = self.names.index("momentum")
+        self._fan_col = self.names.index("fanout")
+        self._bytes_col = self.names.index("prefix_bytes")
+        self._events = EventLog(cfg.depths)
+        self._rng = np.random.default_rng(seed)
+        self._slot = _Slot(None, 0, False, {})
+        self.load_error: str | None = None
+        if model_path is not None:
+            self.load(model_path)
+        F = len(self.names)
+        n = max(int(cfg.max_log_rows), 1)
+        self._X = np.zeros((n, F), np.float32)
+        self._y_reuse = np.zeros(n, np.uint8)
+        self._y_remote = np.zeros(n, np.uint8)
+        self._t = np.zeros(n, np.float64)
+        self._p_model = np.full(n, np.nan, np.float32)
+        self._p_mom = np.zeros(n, np.float32)
+        self._ver = np.zeros(n, np.int32)
+        self._n = 0          # rows ever written
+        self._pending: list[_Pending] = []
+        self._last_log = -np.inf
+        self._last_prune = -np.inf
+        self._last_train = -np.inf
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._online: dict[str, float] = {}
+        self._online_ok: bool | None = None
+        self.retrains = 0
+        self.train_error: str | None = None
+        self.last_train_s = 0.0
+        self.last_score_ms = 0.0
+        self.last_source = "momentum"
+
+    # -- model -------------------------------------------------------------
+    def load(self, path: str | Path) -> bool:
+        """Install a saved model (momentum stays in charge if it cannot be used)."""
+        try:
+            model = BurstModel.load(path, feature_names=self.names, num_threads=self.cfg.num_threads)
+        except ModelError as exc:
+            self.load_error = str(exc)
+            log.warning("predictor: %s; using momentum", exc)
+            return False
+        self.install(model)
+        return True
+
+    def install(self, model: BurstModel, gate_ok: bool = True) -> None:
+        """Install a trained model now (one reference swap); the online gate re-evaluates it."""
+        self._slot = _Slot(model, self._slot.version + 1, gate_ok, {})
+        self._online_ok = None
+
+    @property
+    def model(self) -> BurstModel | None:
+        return self._slot.model
+
+    @property
+    def model_version(self) -> int:
+        return self._slot.version
+
+    # -- event-loop side -----------------------------------------------------
+    def observe(self, access: Access) -> None:
+        """Account one request (features and the label log)."""
+        self.fs.observe(access)
+        self._events.append(access)
+
+    def chain(self, prefix_id: PrefixId) -> tuple[bytes, ...]:
+        """Keys of blocks 1..depth of a scored prefix (for the planner)."""
+        return self.fs.chain(prefix_id)
+
+    def _use_model(self, slot: _Slot) -> bool:
+        if slot.model is None:
+            return False
+        return self._online_ok if self._online_ok is not None else slot.gate_ok
+
+    def score(self, now: float | None = None) -> Scores:
+        """Score every prefix seen within ``active_within_s``; log a labelled sample on schedule."""
+        t_start = time.perf_counter()
+        now, ids, depths, X, slot, p_mom = self._prepare(now)
+        p_model = slot.model.predict(X) if slot.model is not None else None
+        return self._finish(t_start, now, ids, depths, X, slot, p_mom, p_model)
+
+    async def score_async(self, now: float | None = None) -> Scores:
+        """:meth:`score` with LightGBM inference in a worker thread (it releases the GIL).
+
+        The feature store is read and the log written on the calling (event
+        loop) thread, before and after the ``await``; only the model sees X.
+        """
+        t_start = time.perf_counter()
+        now, ids, depths, X, slot, p_mom = self._prepare(now)
+        p_model = None
+        if slot.model is not None:
+            if len(ids) >= _THREAD_ROWS:
+                p_model = await asyncio.to_thread(slot.model.predict, X)
+            else:
+                p_model = slot.model.predict(X)
+        return self._finish(t_start, now, ids, depths, X, slot, p_mom, p_model)
+
+    def _prepare(self, now: float | None) -> tuple[float, list[PrefixId], np.ndarray, np.ndarray, _Slot, np.ndarray]:
+        now = self.clock() if now is None else float(now)
+        ids, depths, X = self.fs.snapshot(now, active_within_s=self.cfg.active_within_s)
+        slot = self._slot  # one read: a swap in the worker cannot tear this pass
+        return now, ids, depths, X, slot, momentum_prob(X[:, self._mom_col], self.cfg.momentum_min)
+
+    def _finish(self, t_start: float, now: float, ids: list[PrefixId], depths: np.ndarray, X: np.ndarray,
+                slot: _Slot, p_mom: np.ndarray, p_model: np.ndarray | None) -> Scores:
+        cfg = self.cfg
+        use = p_model is not None and self._use_model(slot)
+        probs = p_model if use and p_model is not None else p_mom
+        source = "lightgbm" if use else "momentum"
+        if now - self._last_log >= cfg.log_every_s and len(ids):
+            self._last_log = now
+            self._record(now, ids, X, p_model, p_mom, slot.version)
+        self._resolve(now)
+        self.last_source = source
+        fan = X[:, self._fan_col].astype(np.int32)
+        page = (X[:, self._bytes_col] / np.maximum(depths, 1)).astype(np.int64)
+        out = Scores(ids, depths, probs.astype(np.float32, copy=False), need_in_s(X, cfg, self.names), source,
+                     fan, page)
+        self.last_score_ms = (time.perf_counter() - t_start) * 1e3
+        return out
+
+    def _record(self, now: float, ids: list[PrefixId], X: np.ndarray, p_model: np.ndarray | None,
+                p_mom: np.ndarray, version: int) -> None:
+        n = len(ids)
+        idx = np.arange(n)
+        if n > self.cfg.log_rows:
+            idx = np.sort(self._rng.choice(n, size=self.cfg.log_rows, replace=False))
+        uids = self._events.uids([ids[i] for i in idx.tolist()], create=True)
+        pm = p_model[idx] if p_model is not None else np.full(idx.size, np.nan, np.float32)
+        self._pending.append(_Pending(now, uids, X[idx].copy(), pm, p_mom[idx], version))
+
+    def _resolve(self, now: float) -> None:
+        """Label the pending samples whose horizon has passed; refresh the online evaluation."""
+        H = self.cfg.horizon_s
+        done = [p for p in self._pending if p.t0 + H <= now]
+        if not done:
+            return
+        self._pending = [p for p in self._pending if p.t0 + H > now]
+        for p in done:
+            y_reuse, y_remote = make_labels(np.full(p.uids.size, p.t0), p.uids, self._events, self.cfg)
+            self._append(p, y_reuse, y_remote)
+        # forget events no pending sample can need any more
+        if now - self._last_prune >= H:
+            self._last_prune = now
+            oldest = min((p.t0 for p in self._pending), default=now)
+            keep = np.concatenate([p.uids for p in self._pending]) if self._pending else None
+            remap = self._events.prune(oldest, keep)
+            for p in self._pending:
+                p.uids = np.where(p.uids >= 0, remap[np.maximum(p.uids, 0)], -1)
+        self._evaluate_online()
+
+    def _append(self, p: _Pending, y_reuse: np.ndarray, y_remote: np.ndarray) -> None:
+        N = self._X.shape[0]
+        for j in range(0, p.uids.size, N):
+            k = min(p.uids.size - j, N)
+            pos = (self._n + np.arange(k)) % N
+            self._X[pos] = p.X[j:j + k]
+            self._y_reuse[pos] = y_reuse[j:j + k]
+            self._y_remote[pos] = y_remote[j:j + k]
+            self._t[pos] = p.t0
+            self._p_model[pos] = p.p_model[j:j + k]
+            self._p_mom[pos] = p.p_mom[j:j + k]
+            self._ver[pos] = p.version
+            self._n += k
+
+    def _ordered(self, last: int | None = None) -> np.ndarray:
+        """Positions of the labelled rows in time order (the most recent ``last`` of them)."""
+        N = self._X.shape[0]
+        n = min(self._n, N)
+        if last is not None:
+            n = min(n, last)
+        return (self._n - n + np.arange(n)) % N
+
+    def _evaluate_online(self) -> None:
+        slot = self._slot
+        pos = self._ordered(self.cfg.eval_rows)
+        pos = pos[(self._ver[pos] == slot.version) & ~np.isnan(self._p_model[pos])]
+        y = self._y_remote[pos]
+        if slot.model is None or pos.size < _MIN_EVAL_ROWS or int(y.sum()) < _MIN_EVAL_POS or y.all():
+            self._online_ok = None
+            self._online = {"rows": int(pos.size), "positives": int(y.sum())}
+            return
+        pm, pb = self._p_model[pos], self._p_mom[pos]
+        ap_m, ap_b = pr_auc(y, pm), pr_auc(y, pb)
+        (pr_m, rc_m), (pr_b, rc_b) = precision_recall_at(y, pm, self.cfg.threshold), \
+            precision_recall_at(y, pb, self.cfg.threshold)
+        self._online = {"rows": int(pos.size), "positives": int(y.sum()), "pr_auc_model": ap_m,
+                        "pr_auc_momentum": ap_b, "roc_auc_model": roc_auc(y, pm), "roc_auc_momentum": roc_auc(y, pb),
+                        "precision_model": pr_m, "recall_model": rc_m, "precision_momentum": pr_b,
+                        "recall_momentum": rc_b}
+        self._online_ok = gate(ap_m, ap_b, self.cfg.gate_margin) == "lightgbm"
+
+    # -- retraining ----------------------------------------------------------
+    @property
+    def labelled_rows(self) -> int:
+        return min(self._n, self._X.shape[0])
+
+    @property
+    def training(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def maybe_retrain(self, now: float | None = None, force: bool = False) -> bool:
+        """Start a background retrain when due (every ``retrain_every_s``, >= ``min_train_rows``)."""
+        now = self.clock() if now is None else float(now)
+        if self.training or self._closed:
+            return False
+        if not force and now - self._last_train < self.cfg.retrain_every_s:
+            return False
+        if self.labelled_rows < self.cfg.min_train_rows:
+            return False
+        self._last_train = now
+        pos = self._ordered()
+        n_va = max(pos.size // 5, 1)
+        tr, va = pos[:-n_va], pos[-n_va:]
+        t_cut = self._t[va[0]]
+        purged = tr[self._t[tr] + self.cfg.horizon_s <= t_cut]  # no label window reaches validation
+        if purged.size >= pos.size // 2:
+            tr = purged
+        job = (self._X[tr].copy(), self._y_remote[tr].copy(), self._X[va].copy(), self._y_remote[va].copy(),
+               self._p_mom[va].copy())
+        self._thread = threading.Thread(target=self._train_job, args=job, name="kvstore-predictor-retrain",
+                                        daemon=True)
+        self._thread.start()
+        return True
+
+    def _train_job(self, X: np.ndarray, y: np.ndarray, Xv: np.ndarray, yv: np.ndarray, mom_v: np.ndarray) -> None:
+        """Worker thread: train on copies, compare with momentum on validation, swap the slot."""
+        t0 = time.perf_counter()
+        try:
+            if y.min() == y.max():
+                raise ValueError("labelled log has a single class")
+            model = BurstModel(self.names, num_threads=self.cfg.num_threads).train(X, y, valid=(Xv, yv))
+            ap_m, ap_b = pr_auc(yv, model.predict(Xv)), pr_auc(yv, mom_v)
+            ok = gate(ap_m, ap_b, self.cfg.gate_margin) == "lightgbm"
+            self._slot = _Slot(model, self._slot.version + 1, ok, {"pr_auc_model": ap_m, "pr_auc_momentum": ap_b,
+                                                                  "rows": int(len(y))})
+            self._online_ok = None  # the online evaluation restarts with the new model's scores
+            self.retrains += 1
+            self.train_error = None
+        except Exception as exc:  # a failed retrain must never take the coordinator down
+            self.train_error = f"{type(exc).__name__}: {exc}"
+            log.warning("predictor retrain failed: %s", self.train_error)
+        finally:
+            self.last_train_s = time.perf_counter() - t0
+
+    def close(self, timeout: float = 0.0) -> None:
+        """Start no more retrains; wait up to ``timeout`` s for a running one (it is a daemon thread)."""
+        self._closed = True
+        self.wait_retrain(timeout)
+
+    def wait_retrain(self, timeout: float | None = None) -> bool:
+        """Join a running retrain; True when none is running afterwards."""
+        th = self._thread
+        if th is not None:
+            th.join(timeout)
+        return not self.training
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges for metrics and logs."""
+        slot = self._slot
+        return {
+            "source": self.last_source, "model_version": slot.version, "model_loaded": slot.model is not None,
+            "gate_ok_valid": slot.gate_ok, "gate_ok_online": self._online_ok, "valid": dict(slot.valid),
+            "online": dict(self._online), "tracked_prefixes": len(self.fs), "labelled_rows": self.labelled_rows,
+            "pending_samples": len(self._pending), "events_logged": len(self._events), "training": self.training,
+            "retrains": self.retrains, "last_train_s": self.last_train_s, "train_error": self.train_error,
+            "load_error": self.load_error, "last_score_ms": self.last_score_ms,
+            "dropped_idle": self.fs.dropped_idle, "dropped_full": self.fs.dropped_full,
+        }
