@@ -108,7 +108,7 @@ class PutBatch:
         new = [i for i, k in enumerate(keys) if k not in pool]
         # Hold the keys already stored while reserving, so this batch cannot
         # evict its own pages; the release marks them recently used.
-        present = pool.acquire([k for k in keys if k in pool])
+        present = pool.acquire([k for k in keys if k in pool], promote=False)
         try:
             res = pool.reserve(len(new))
         finally:

@@ -220,9 +220,12 @@ class AsyncKvClient:
             raise translate(exc) from None
         return GetResult(keys, found, out)
 
-    async def lookup(self, namespace: str, keys: Sequence[bytes]) -> int:
-        reply = await self._call(self._stub.Lookup, pb.LookupRequest(namespace=namespace, keys=list(keys)))
-        return reply.prefix_length
+    async def lookup(self, namespace: str, keys: Sequence[bytes], *, record: bool = False) -> int:
+        return (await self.lookup_nodes(namespace, keys, record=record)).prefix_length
+
+    async def lookup_nodes(self, namespace: str, keys: Sequence[bytes], *, record: bool = False) -> pb.LookupResponse:
+        return await self._call(self._stub.Lookup, pb.LookupRequest(namespace=namespace, keys=list(keys),
+                                                                    record=record))
 
     async def exists(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         reply = await self._call(self._stub.Exists, pb.KeysRequest(namespace=namespace, keys=list(keys)))

@@ -254,12 +254,19 @@ class KvClient:
             raise translate(exc) from None
         return GetResult(keys, found, out)
 
-    def lookup(self, namespace: str, keys: Sequence[bytes]) -> int:
-        """Length of the longest cached prefix of the key chain."""
-        return self.lookup_nodes(namespace, keys).prefix_length
+    def lookup(self, namespace: str, keys: Sequence[bytes], *, record: bool = False) -> int:
+        """Length of the longest prefix of the key chain cached on this node.
 
-    def lookup_nodes(self, namespace: str, keys: Sequence[bytes]) -> pb.LookupResponse:
-        return self._call(self._stub.Lookup, pb.LookupRequest(namespace=namespace, keys=list(keys)))
+        ``record=True`` marks the lookup as a request served by this node
+        (the engine's call at request start): the coordinator's burst
+        predictor learns from these."""
+        return self.lookup_nodes(namespace, keys, record=record).prefix_length
+
+    def lookup_nodes(self, namespace: str, keys: Sequence[bytes], *, record: bool = False) -> pb.LookupResponse:
+        """The local prefix length and, per live node, its prefix length with
+        placement hints (``pending``: a speculative copy is on its way;
+        ``expires_in_seconds``: a speculative replica's remaining life)."""
+        return self._call(self._stub.Lookup, pb.LookupRequest(namespace=namespace, keys=list(keys), record=record))
 
     def exists(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         return list(self._call(self._stub.Exists, pb.KeysRequest(namespace=namespace, keys=list(keys))).exists)

@@ -95,6 +95,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from kvstore.predict.cli import train_main
+
+    return train_main(args.rest)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from kvstore.predict.cli import eval_main
+
+    return eval_main(args.rest)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvctl", description="Admin CLI for kvstore nodes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,14 +135,30 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--exist-ok", action="store_true")
     p.set_defaults(fn=cmd_create_namespace)
 
+    p = sub.add_parser("train", help="train the burst predictor from a Mooncake-format trace "
+                       "(kvctl train --trace FILE --out MODEL; --help for all options)", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("eval-predictor", help="LightGBM vs momentum on a time-held-out part of a trace "
+                       "(kvctl eval-predictor --trace FILE; --help for all options)", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_eval)
+
     p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. kvctl bench micro --total 64MiB)")
-    p.add_argument("which", choices=["micro"])
+    p.add_argument("which", choices=["micro", "replication", "replication_raw", "planner", "predictor"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     p.set_defaults(fn=cmd_bench)
     return parser
 
 
+_PASS_THROUGH = {"train": cmd_train, "eval-predictor": cmd_eval}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _PASS_THROUGH:  # these parse their own options (argparse REMAINDER drops --flags)
+        return _PASS_THROUGH[argv[0]](argparse.Namespace(rest=argv[1:]))
     args = make_parser().parse_args(argv)
     try:
         return args.fn(args)

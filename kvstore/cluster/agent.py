@@ -316,9 +316,9 @@ class ClusterAgent:
                 out[node_id] = pb.NodePrefix(node_id=node_id, address=member.address, prefix_length=length)
         for hint in self.coordinator.hints(namespace, keys):
             have = out.get(hint.node_id)
-            if have is None or (hint.pending and hint.prefix_length > have.prefix_length):
-                out[hint.node_id] = hint
-            elif hint.prefix_length >= have.prefix_length:
+            if have is None or hint.prefix_length > have.prefix_length:
+                out[hint.node_id] = hint  # about to hold more than the directory knows of
+            elif hint.prefix_length == have.prefix_length and not hint.pending:
                 have.expires_in_seconds = hint.expires_in_seconds
         return list(out.values())
 

@@ -1,0 +1,100 @@
+"""End to end: a 3-node cluster under ``--replication predictive`` fed a
+fan-out burst places speculative replicas on the other nodes before the
+bulk of the burst arrives there, and tells routers where they are."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from conftest import check_pools_sound, random_pages
+from kvstore_client import KvClient, chain_keys
+
+PAGE = 64 << 10
+
+
+def wait_until(cond, timeout: float, what: str) -> float:  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    while not cond():
+        assert time.monotonic() - start < timeout, f"timed out waiting for {what}"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+@pytest.fixture
+def cluster(make_server):  # type: ignore[no-untyped-def]
+    common = dict(replication="predictive", transport="tcp", heartbeat_interval=0.05, heartbeat_timeout=2.0,
+                  planner_tick=0.1, spec_ttl=30.0, capacity=32 << 20)
+    a = make_server(node_id="a", **common)
+    b = make_server(node_id="b", peers=(a.address,), **common)
+    c = make_server(node_id="c", peers=(a.address,), **common)
+    for srv in (a, b, c):
+        with KvClient(srv.address) as kv:
+            kv.create_namespace("m", PAGE)
+    wait_until(lambda: all(s.call(lambda s=s: len(s.server.agent.membership.live_ids())) == 3 for s in (a, b, c)),
+               10, "membership")
+    yield a, b, c
+    for srv in (a, b, c):
+        check_pools_sound(srv)
+
+
+def test_fanout_burst_is_replicated_before_it_lands(cluster, caplog) -> None:  # type: ignore[no-untyped-def]
+    a, b, c = cluster
+    caplog.set_level(logging.INFO, logger="kvstore.decisions")
+    prompt = np.arange(8 * 16)  # an 8-block shared prefix (16-token blocks)
+    keys = chain_keys(prompt, 16)
+    pages = random_pages(8, PAGE)
+    decoy = chain_keys(np.arange(8 * 16) + 10_000, 16)
+    with KvClient(a.address) as ka, KvClient(b.address) as kb, KvClient(c.address) as kc:
+        ka.put("m", keys, pages)
+        ka.put("m", decoy, random_pages(8, PAGE, seed=1))
+        ka.lookup_nodes("m", decoy)  # the decoy is looked up, never recorded as requests
+        # the head of the burst lands on a, the node that holds the prefix
+        for _ in range(3):
+            assert ka.lookup("m", keys, record=True) == 8
+        # before the rest arrives on b and c, the coordinator has copied it there
+        took = wait_until(lambda: kb.lookup("m", keys) == 8 and kc.lookup("m", keys) == 8, 10,
+                          "speculative replicas on b and c")
+        assert took < 3.0
+        assert b.call(lambda: b.node.namespace("m").pool.speculative_slots) == 8
+        # routers see where the prefix lives and for how long
+        def hints() -> dict:  # type: ignore[type-arg]
+            return {n.node_id: n for n in ka.lookup_nodes("m", keys).nodes}
+
+        wait_until(lambda: {k: v.prefix_length for k, v in hints().items()} == {"a": 8, "b": 8, "c": 8}, 5,
+                   "placement hints")
+        assert hints()["b"].expires_in_seconds > 0 and hints()["c"].expires_in_seconds > 0
+        assert hints()["a"].expires_in_seconds == 0  # a holds the primary copy
+        # the bulk of the burst on b and c: local hits, no remote fetch on the critical path
+        for kv in (kb, kc):
+            got = kv.get("m", keys)
+            assert got.found.all() and np.array_equal(got.pages, pages)
+            ns = kv.stats("m").namespaces[0]
+            assert ns.remote_hits == 0 and ns.speculative_hits == 8
+        # the decoy was never placed anywhere
+        assert not kb.exists("m", decoy)[0] and not kc.exists("m", decoy)[0]
+    assert any("replicate" in r.message and "-> " in r.message for r in caplog.records)
+
+
+def test_spec_budget_zero_places_nothing(make_server) -> None:  # type: ignore[no-untyped-def]
+    common = dict(replication="predictive", transport="tcp", heartbeat_interval=0.05, heartbeat_timeout=2.0,
+                  planner_tick=0.05, spec_budget=0.0, capacity=16 << 20)
+    a = make_server(node_id="a", **common)
+    b = make_server(node_id="b", peers=(a.address,), **common)
+    for srv in (a, b):
+        with KvClient(srv.address) as kv:
+            kv.create_namespace("m", PAGE)
+    keys = chain_keys(np.arange(4 * 16), 16)
+    with KvClient(a.address) as ka, KvClient(b.address) as kb:
+        ka.put("m", keys, random_pages(4, PAGE))
+        for _ in range(4):
+            assert ka.lookup("m", keys, record=True) == 4
+        ticks = a.call(lambda: len(a.server.agent.coordinator.tick_seconds))
+        wait_until(lambda: a.call(lambda: len(a.server.agent.coordinator.tick_seconds)) >= ticks + 5, 10,
+                   "planner ticks")
+        assert kb.lookup("m", keys) == 0
+        skipped = a.call(lambda: a.server.metrics.decisions.labels("skip_no_room")._value.get())
+        assert skipped > 0
