@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -50,6 +50,34 @@ class _PoolCollector:
         yield evictions
 
 
+class _CoordinatorCollector:
+    """The predictor's online quality and the planner's state, at scrape time."""
+
+    def __init__(self, coordinator: Any) -> None:
+        self._coordinator = coordinator
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self._coordinator.stats()
+        quality = GaugeMetricFamily("kvstore_predictor_online", "Online quality of the burst forecast (labels "
+                                    "known H seconds later), by scorer and measure", labels=["scorer", "measure"])
+        for key, value in stats.get("online", {}).items():
+            measure, _, scorer = key.rpartition("_")  # e.g. pr_auc_model -> (pr_auc, model)
+            if measure and scorer in ("model", "momentum") and isinstance(value, float):
+                quality.add_metric([scorer, measure], value)
+        yield quality
+        state = GaugeMetricFamily("kvstore_coordinator", "Coordinator state", labels=["what"])
+        for key in ("speculative_prefixes", "pending", "bandwidth_bps", "tick_p99_ms", "tracked_prefixes",
+                    "labelled_rows", "retrains"):
+            if isinstance(stats.get(key), (int, float)):
+                state.add_metric([key], float(stats[key]))
+        yield state
+        source = GaugeMetricFamily("kvstore_predictor_source", "1 for the scorer in use (lightgbm or momentum)",
+                                   labels=["source"])
+        if stats.get("source"):
+            source.add_metric([str(stats["source"])], 1.0)
+        yield source
+
+
 class NodeMetrics:
     """Operation counters, byte counters and latency histograms."""
 
@@ -76,6 +104,9 @@ class NodeMetrics:
         self.spec_bytes = Counter("kvstore_replication_bytes", "Bytes the coordinator had copied, by kind "
                                   "(speculative, replica for the full policy)", ["kind"], registry=self.registry)
         self.registry.register(_PoolCollector(node))
+
+    def watch_coordinator(self, coordinator: Any) -> None:
+        self.registry.register(_CoordinatorCollector(coordinator))
 
     @contextmanager
     def timed(self, op: str, path: str = "grpc") -> Iterator[None]:

@@ -98,3 +98,32 @@ def test_spec_budget_zero_places_nothing(make_server) -> None:  # type: ignore[n
         assert kb.lookup("m", keys) == 0
         skipped = a.call(lambda: a.server.metrics.decisions.labels("skip_no_room")._value.get())
         assert skipped > 0
+
+
+def test_daemon_loads_a_trained_model_and_exposes_predictor_metrics(tmp_path, daemon) -> None:  # type: ignore[no-untyped-def]
+    import urllib.request
+    from pathlib import Path
+
+    from kvstore.cli.kvctl import main as kvctl
+
+    model = tmp_path / "model.json"
+    sample = Path(__file__).parent / "data" / "mooncake_sample.jsonl"
+    assert kvctl(["train", "--trace", str(sample), "--out", str(model), "--threads", "1", "--horizon", "60",
+                  "--sample-every", "10", "--max-rows", "300"]) == 0
+    d = daemon("--node-id", "a", "--replication", "predictive", "--predictor-model", str(model),
+               "--predictor-horizon", "60",
+               "--metrics-port", "0", "--planner-tick", "0.1", "--transport", "tcp")
+    with KvClient(d.address) as kv:
+        kv.create_namespace("m", PAGE)
+        keys = chain_keys(np.arange(32), 16)
+        kv.put("m", keys, random_pages(2, PAGE))
+        for _ in range(3):
+            kv.lookup("m", keys, record=True)
+    url = f"http://127.0.0.1:{d.fields['metrics_port']}/metrics"
+    deadline = time.monotonic() + 10
+    text = ""
+    while 'kvstore_predictor_source{source="lightgbm"} 1.0' not in text:
+        assert time.monotonic() < deadline, text[-2000:]
+        time.sleep(0.1)
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    assert "kvstore_planner_tick_seconds_count" in text

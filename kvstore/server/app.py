@@ -67,6 +67,7 @@ class NodeServer:
         self.node = node = Node(self.config, ops)
         self.metrics = NodeMetrics(node)
         self.agent = agent = ClusterAgent(node, self.config, make_transport(self.config.transport), self.metrics)
+        self.metrics.watch_coordinator(agent.coordinator)
         limit = self.config.max_message_bytes
         server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", limit),
