@@ -204,3 +204,14 @@ def test_kvctl_train_and_eval(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert eval_main(["--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert train_main(["--trace", str(tmp_path / "missing.jsonl"), "--out", str(model)]) == 2
     assert eval_main(["--trace", str(SAMPLE), "--labels", "bogus"]) == 2
+
+
+def test_calibration_puts_the_operating_point_at_one_half() -> None:
+    from kvstore.predict.model import BurstModel
+
+    model = BurstModel(("a", "b"))
+    model.operating_threshold = 0.2
+    p = np.array([0.0, 0.1, 0.2, 0.6, 1.0], dtype=np.float32)
+    out = model.calibrate(p)
+    assert np.allclose(out, [0.0, 0.25, 0.5, 0.75, 1.0])
+    assert np.all(np.diff(out) > 0)  # ranking (and so ROC/PR-AUC) unchanged

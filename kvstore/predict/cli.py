@@ -178,9 +178,12 @@ def train_main(argv: Sequence[str] | None = None) -> int:
            "momentum": metrics(y[va], mom[va], cfg.threshold, best_f1_threshold(y[va], mom[va]))}
     choice = gate(res["lightgbm"]["pr_auc"], res["momentum"]["pr_auc"], cfg.gate_margin)
     res["gated"] = {**res[choice], "choice": choice}
+    if va.size:
+        model.operating_threshold = best_f1_threshold(y[va], p_va)
     model.save(args.out)
     print(f"trained on {tr.size} rows ({int(y[tr].sum())} positive), validated on {va.size}; "
-          f"{model.meta['best_iteration']} trees -> {args.out}")
+          f"{model.meta['best_iteration']} trees, operating point {model.operating_threshold:.3f} "
+          f"(served as 0.5) -> {args.out}")
     print(markdown_table([(trace_name(args.trace) + " (valid)", res)]))
     write_json(Path(str(args.out) + ".metrics.json"),
                {"trace": args.trace, "config": asdict(cfg), "meta": ds.meta, "train_rows": int(tr.size),

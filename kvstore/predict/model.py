@@ -102,6 +102,23 @@ class BurstModel:
         p = self.booster.predict(X, num_iteration=it, num_threads=num_threads or self.params["num_threads"])
         return np.asarray(p, dtype=np.float32)
 
+    @property
+    def operating_threshold(self) -> float:
+        """The raw score chosen as the operating point (best F1 on validation)."""
+        return float(self.meta.get("operating_threshold", 0.5))
+
+    @operating_threshold.setter
+    def operating_threshold(self, value: float) -> None:
+        self.meta["operating_threshold"] = float(min(max(value, 1e-6), 1 - 1e-6))
+
+    def calibrate(self, p: np.ndarray) -> np.ndarray:
+        """Map raw scores so the operating point lands on 0.5 (piecewise
+        linear, order kept): the planner's ``--spec-threshold 0.5`` then
+        means "the model's best-F1 point", whatever the label's base rate."""
+        t = self.operating_threshold
+        p = np.asarray(p, dtype=np.float32)
+        return np.where(p < t, 0.5 * p / t, 0.5 + 0.5 * (p - t) / (1.0 - t)).astype(np.float32)
+
     def feature_importance(self) -> dict[str, float]:
         """Gain importance per feature name (for reports)."""
         if self.booster is None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.predict.evaluate import gate, pr_auc, precision_recall_at, roc_auc
+from kvstore.predict.evaluate import best_f1_threshold, gate, pr_auc, precision_recall_at, roc_auc
 from kvstore.predict.features import FeatureStore, HoldersCount, momentum_prob, need_in_s
 from kvstore.predict.labels import EventLog, make_labels
 from kvstore.predict.model import BurstModel, ModelError
@@ -194,7 +194,10 @@ class Predictor:
                 slot: _Slot, p_mom: np.ndarray, p_model: np.ndarray | None) -> Scores:
         cfg = self.cfg
         use = p_model is not None and self._use_model(slot)
-        probs = p_model if use and p_model is not None else p_mom
+        probs = p_mom
+        if use and p_model is not None:
+            calibrate = getattr(slot.model, "calibrate", None)  # models without an operating point: raw
+            probs = calibrate(p_model) if calibrate is not None else p_model
         source = "lightgbm" if use else "momentum"
         if now - self._last_log >= cfg.log_every_s and len(ids):
             self._last_log = now
@@ -319,7 +322,9 @@ class Predictor:
             if y.min() == y.max():
                 raise ValueError("labelled log has a single class")
             model = BurstModel(self.names, num_threads=self.cfg.num_threads).train(X, y, valid=(Xv, yv))
-            ap_m, ap_b = pr_auc(yv, model.predict(Xv)), pr_auc(yv, mom_v)
+            pv = model.predict(Xv)
+            model.operating_threshold = best_f1_threshold(yv, pv)
+            ap_m, ap_b = pr_auc(yv, pv), pr_auc(yv, mom_v)
             ok = gate(ap_m, ap_b, self.cfg.gate_margin) == "lightgbm"
             self._slot = _Slot(model, self._slot.version + 1, ok, {"pr_auc_model": ap_m, "pr_auc_momentum": ap_b,
                                                                   "rows": int(len(y))})
