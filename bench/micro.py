@@ -25,7 +25,6 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -85,20 +84,6 @@ def raw_tcp_gbps(total: int = 512 << 20, chunk: int = 4 << 20, repeat: int = 3) 
         sock.close()
         proc.join(10)
     return best
-
-
-def start_node(capacity: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.cli.kvstored", "--listen", "127.0.0.1:0", "--device", "cpu",
-         "--capacity", capacity, "--log-level", "warning"],
-        stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("kvstored ready"):
-        proc.kill()
-        raise RuntimeError(f"kvstored did not start: {line!r}")
-    fields = dict(part.split("=", 1) for part in line.split()[2:])
-    return proc, fields["grpc"]
 
 
 def bench_store(address: str, path: str, page_bytes: int, total: int, bar: tqdm) -> dict[str, float]:
@@ -194,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     print("measuring raw memcpy and raw TCP ...", flush=True)
     results["memcpy_gbps"] = memcpy_gbps()
     results["raw_tcp_gbps"] = raw_tcp_gbps()
-    proc, address = start_node(f"{2 * total + (64 << 20)}")
+    from kvstore.launch import NodeProcess
+
+    node = NodeProcess(["--capacity", f"{2 * total + (64 << 20)}"])
+    address = node.address
     try:
         with tqdm(total=2 * total * len(paths) * len(sizes), unit="B", unit_scale=True, desc="kvstore") as bar:
             for path in paths:
@@ -202,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                     row = bench_store(address, path, SIZES[size], total, bar)
                     results["rows"].append({"path": path, "page": size, **row})
     finally:
-        proc.terminate()
-        proc.wait(30)
+        node.terminate()
     # raw TCP again after, so drift over the run shows up
     results["raw_tcp_gbps_after"] = raw_tcp_gbps()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,22 +33,15 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import replication_raw as raw  # noqa: E402
 
+from kvstore.launch import NodeProcess  # noqa: E402
+
 MiB = 1 << 20
 
 
-def start_node(node_id: str, transport: str, capacity: str, peers: str | None = None) -> tuple[subprocess.Popen[str], str]:
-    args = [sys.executable, "-m", "kvstore.cli.kvstored", "--listen", "127.0.0.1:0", "--device", "cpu",
-            "--node-id", node_id, "--transport", transport, "--capacity", capacity, "--namespace", f"m:{MiB}",
-            "--log-level", "warning", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2"]
-    if peers:
-        args += ["--peers", peers]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("kvstored ready"):
-        proc.kill()
-        raise RuntimeError(f"kvstored did not start: {line!r}")
-    return proc, dict(p.split("=", 1) for p in line.split()[2:])["grpc"]
+def start_node(node_id: str, transport: str, capacity: str, peers: str | None = None) -> NodeProcess:
+    args = ["--node-id", node_id, "--transport", transport, "--capacity", capacity, "--namespace", f"m:{MiB}",
+            "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2"]
+    return NodeProcess(args + (["--peers", peers] if peers else []))
 
 
 def node_replicate(transport: str, batches: list[int], repeats: int, bar: tqdm) -> dict[int, list[float]]:
@@ -60,8 +52,9 @@ def node_replicate(transport: str, batches: list[int], repeats: int, bar: tqdm) 
 
     most = max(batches)
     capacity = f"{most + 16}MiB"
-    a, addr_a = start_node("a", transport, capacity)
-    b, addr_b = start_node("b", transport, capacity, peers=addr_a)
+    a = start_node("a", transport, capacity)
+    b = start_node("b", transport, capacity, peers=a.address)
+    addr_a, addr_b = a.address, b.address
     out: dict[int, list[float]] = {}
     try:
         keys = [i.to_bytes(8, "little") for i in range(most)]
@@ -88,9 +81,8 @@ def node_replicate(transport: str, batches: list[int], repeats: int, bar: tqdm) 
                     kb.delete("m", keys[:n])
                 out[n] = times
     finally:
-        for proc in (b, a):
-            proc.terminate()
-            proc.wait(30)
+        for node in (b, a):
+            node.terminate()
     return out
 
 

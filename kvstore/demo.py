@@ -9,27 +9,13 @@ Puts only its own new blocks. Ends with the node's stats and a SIGTERM.
 from __future__ import annotations
 
 import argparse
-import signal
-import subprocess
 import sys
 import time
 
 import numpy as np
 
+from kvstore.launch import NodeProcess
 from kvstore.units import format_size, parse_size
-
-
-def start_node(capacity: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli.kvstored", "--listen", "127.0.0.1:0",
-                             "--device", "cpu", "--capacity", capacity, "--log-level", "warning"],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("kvstored ready"):
-        proc.kill()
-        raise SystemExit(f"kvstored failed to start: {line!r}")
-    print(line.strip())
-    return proc, dict(p.split("=", 1) for p in line.split()[2:])["grpc"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvstore_client import KvClient, chain_keys
 
     page_bytes, block = parse_size(args.page_bytes), 16
-    proc, address = start_node(args.capacity)
+    node = NodeProcess(["--capacity", args.capacity])
+    print(f"kvstored ready at {node.address}")
+    address = node.address
     try:
         with KvClient(address) as kv:
             print("health:", kv.wait_ready())
@@ -68,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stats: {stats.used_slots}/{stats.num_slots} slots, hits {stats.hits}, misses {stats.misses}, "
                   f"puts {stats.puts}")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(30)
+        code = node.terminate()
         print(f"kvstored exited with {code} after SIGTERM")
     return code
 

@@ -5,9 +5,6 @@ path) that the same tests run over."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -16,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvstore.config import NodeConfig
+from kvstore.launch import NodeProcess
 from kvstore.loops import loop_factory
 from kvstore.ops.base import PageOps
 from kvstore.ops.numpy_ops import NumpyPageOps
@@ -140,27 +138,14 @@ def keys_for(n: int, tag: bytes = b"k") -> list[bytes]:
     return [tag + i.to_bytes(4, "little") for i in range(n)]
 
 
-class Daemon:
-    """A real ``kvstored`` process on 127.0.0.1:0, ready when it prints so."""
+class Daemon(NodeProcess):
+    """A real ``kvstored`` process on 127.0.0.1:0 with test defaults."""
 
     def __init__(self, *args: str) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli.kvstored", "--listen", "127.0.0.1:0", "--device", "cpu",
-             "--capacity", "64MiB", "--log-level", "warning", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("kvstored ready"):
-            self.proc.kill()
-            raise RuntimeError(f"kvstored did not start: {line!r} {self.proc.stderr.read() if self.proc.stderr else ''}")
-        self.fields = dict(part.split("=", 1) for part in line.split()[2:])
-        self.address = self.fields["grpc"]
+        super().__init__(["--capacity", "64MiB", *args], capture_stderr=True)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
+        self.kill()
 
 
 @pytest.fixture

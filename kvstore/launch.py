@@ -1,0 +1,50 @@
+"""Start a real ``kvstored`` process and wait until it serves.
+
+Used by the demo, the benchmarks and the tests: the node binds port 0 (or
+what the arguments say) and prints one ``kvstored ready grpc=... data_port=...
+metrics_port=... node_id=...`` line, which is the readiness signal (no sleeps).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+
+
+class NodeProcess:
+    """A ``kvstored`` child process; ``fields`` holds its ready line's values."""
+
+    def __init__(self, args: Sequence[str], *, device: str = "cpu", log_level: str = "warning",
+                 capture_stderr: bool = False) -> None:
+        argv = [sys.executable, "-m", "kvstore.cli.kvstored", "--listen", "127.0.0.1:0", "--device", device,
+                "--log-level", log_level, *args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env,
+                                     stderr=subprocess.PIPE if capture_stderr else None)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("kvstored ready"):
+            self.proc.kill()
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            self.proc.wait(10)
+            raise RuntimeError(f"kvstored did not start: {line!r} {err}")
+        self.fields = dict(part.split("=", 1) for part in line.split()[2:])
+        self.address = self.fields["grpc"]
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait, then SIGKILL if needed; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait(10)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
