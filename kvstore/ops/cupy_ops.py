@@ -63,7 +63,7 @@ def load_kernels(device_id: int) -> dict[str, Any]:
                     except OSError as exc:
                         raise BackendUnavailableError(
                             f"cannot read CUDA kernel source {path}: {exc}") from exc
-                    module = cupy.RawModule(code=source)
+                    module = cupy.RawModule(code=source, options=(f"-I{directory}",))  # copy.cuh
                     _modules.append(module)  # keep every module alive with its functions
                     for name in names:
                         # get_function compiles (NVRTC) and loads on this device.
