@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 
 
@@ -22,29 +23,45 @@ class NodeProcess:
         argv = [sys.executable, "-m", "kvstore.cli.kvstored", "--listen", "127.0.0.1:0", "--device", device,
                 "--log-level", log_level, *args]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env,
-                                     stderr=subprocess.PIPE if capture_stderr else None)
+        # stderr (the node's log) goes to a file, never an unread pipe that
+        # could fill up and stall the node
+        self.log = tempfile.TemporaryFile(mode="w+") if capture_stderr else None
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, stderr=self.log)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line.startswith("kvstored ready"):
-            self.proc.kill()
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            self.proc.wait(10)
-            raise RuntimeError(f"kvstored did not start: {line!r} {err}")
+            self.kill()
+            raise RuntimeError(f"kvstored did not start: {line!r} {self.log_text()}")
         self.fields = dict(part.split("=", 1) for part in line.split()[2:])
         self.address = self.fields["grpc"]
+
+    def log_text(self) -> str:
+        """What the node wrote to stderr (when captured)."""
+        if self.log is None or self.log.closed:
+            return ""
+        self.log.seek(0)
+        return self.log.read()
+
+    def _close(self) -> None:
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        if self.log is not None:
+            self.log.close()
 
     def terminate(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait, then SIGKILL if needed; returns the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                return self.proc.wait(timeout)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        return self.proc.wait(10)
+        code = self.proc.wait(10)
+        self._close()
+        return code
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+        self._close()
