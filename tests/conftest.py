@@ -16,6 +16,7 @@ from kvstore.config import NodeConfig
 from kvstore.launch import NodeProcess
 from kvstore.loops import loop_factory
 from kvstore.ops.base import PageOps
+from kvstore.ops.auto import select as select_ops
 from kvstore.ops.numpy_ops import NumpyPageOps
 from kvstore.server.app import NodeServer
 
@@ -27,7 +28,7 @@ class StagedNumpyOps(NumpyPageOps):
     host_visible = False
 
 
-OPS = {"numpy": NumpyPageOps, "staged": StagedNumpyOps}
+OPS = {"numpy": NumpyPageOps, "staged": StagedNumpyOps, "cupy": lambda: select_ops("cupy", "cuda:0")}
 
 
 class ServerThread:
