@@ -35,9 +35,12 @@ test-gpu: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/kvctl bench micro $(ARGS)
 
-# The main job for now: start a node on the CPU fallback and run the demo.
+# The main job: trace replay on local 4-node clusters (CPU fallback) -- a window of
+# the Mooncake conversation trace and the synthetic fan-out workload, policies
+# none/reactive/full/predictive/oracle side by side; prints the table and writes
+# bench/out/replay/{results.json,report.md,*.png} (docs/benchmark.md).
 run: $(STAMP)
-	$(BIN)/python -m kvstore.demo $(ARGS)
+	$(BIN)/kvctl replay --device cpu $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -107,6 +107,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return eval_main(args.rest)
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    if str(ROOT) not in sys.path:  # bench/ lives in the repository, not in the installed package
+        sys.path.insert(0, str(ROOT))
+    from bench.replay.cli import replay_main
+
+    return replay_main(args.rest)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench.replay.cli import trace_main
+
+    return trace_main(args.rest)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvctl", description="Admin CLI for kvstore nodes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -145,20 +161,33 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_eval)
 
-    p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. kvctl bench micro --total 64MiB)")
+    p = sub.add_parser("replay", help="trace replay on a local cluster, policies side by side (also "
+                       "`kvctl bench replay`; --help for all options)", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_replay)
+
+    p = sub.add_parser("trace", help="trace tools: kvctl trace synth ... --out FILE (--help for all options)",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_trace)
+
+    p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. kvctl bench micro --total 64MiB; "
+                       "kvctl bench replay --help for the trace replay)")
     p.add_argument("which", choices=["micro", "replication", "replication_raw", "planner", "predictor"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     p.set_defaults(fn=cmd_bench)
     return parser
 
 
-_PASS_THROUGH = {"train": cmd_train, "eval-predictor": cmd_eval}
+_PASS_THROUGH = {"train": cmd_train, "eval-predictor": cmd_eval, "replay": cmd_replay, "trace": cmd_trace}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in _PASS_THROUGH:  # these parse their own options (argparse REMAINDER drops --flags)
         return _PASS_THROUGH[argv[0]](argparse.Namespace(rest=argv[1:]))
+    if argv[:2] == ["bench", "replay"]:  # the replay is a package, not a bench/*.py script
+        return cmd_replay(argparse.Namespace(rest=argv[2:]))
     args = make_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -1,0 +1,20 @@
+"""Trace-replay benchmark: real ``kvstored`` clusters, simulated engines, a router.
+
+``kvctl replay`` (also ``kvctl bench replay``) replays Mooncake-format traces
+and the synthetic fan-out workload against a fresh local cluster per
+replication policy (none, reactive, full, predictive, oracle) and reports
+TTFT, KV-fetch time, hit ratios and speculative bytes side by side.
+
+Pure logic (no sockets, no processes), unit-tested in ``tests/test_replay.py``:
+
+* :mod:`bench.replay.costmodel` -- model/hardware presets, prefill/decode/transfer times, page bytes
+* :mod:`bench.replay.routers` -- round-robin, least-load, cache-aware (SGLang-style, hint-aware)
+* :mod:`bench.replay.workload` -- trace windows, the synthetic generator's jsonl, reuse bounds
+* :mod:`bench.replay.oracle` -- the oracle's look-ahead decisions
+* :mod:`bench.replay.metrics` -- per-request records and per-policy aggregates
+* :mod:`bench.replay.report` -- the markdown report and the plots
+
+I/O: :mod:`bench.replay.cluster` (start/stop daemons, scrape stats) and
+:mod:`bench.replay.engine` (the asyncio driver of one policy run);
+:mod:`bench.replay.cli` wires them together. See ``docs/benchmark.md``.
+"""

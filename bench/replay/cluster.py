@@ -1,0 +1,179 @@
+"""A local cluster of real ``kvstored`` processes on 127.0.0.1 for one policy run.
+
+Nodes ``n0 .. n{N-1}`` start on port 0; ``n0`` (the lowest id, so the
+coordinator) starts first and is every other node's ``--peers`` seed. Each
+process writes stdout and stderr to its own log file (no pipe can fill up
+and block it); the harness reads its ``kvstored ready grpc=...`` line from
+there. :meth:`LocalCluster.stop` sends SIGTERM, waits, then SIGKILLs: it
+runs from ``with`` exits and ``finally`` blocks, so no process is left
+behind on errors, Ctrl-C or SIGTERM (the CLI turns SIGTERM into
+KeyboardInterrupt). On Linux each daemon also gets ``PR_SET_PDEATHSIG``
+(SIGTERM), so even a SIGKILLed harness leaves no node running.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM this process when the harness dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass(slots=True)
+class ClusterSpec:
+    nodes: int = 4
+    policy: str = "reactive"           # the daemons' --replication
+    namespace: str = "llama3-8b"
+    page_bytes: int = 16384
+    capacity: str = "256MiB"
+    device: str = "cpu"
+    transport: str = "tcp"
+    heartbeat_interval: float = 0.2
+    heartbeat_timeout: float = 3.0
+    planner_tick: float = 0.2
+    spec_ttl: float = 60.0
+    predictor_depths: str = "1,2,4,8,16"
+    extra: list[str] = field(default_factory=list)   # more kvstored flags
+
+    def args(self, node_id: str) -> list[str]:
+        return ["--node-id", node_id, "--listen", "127.0.0.1:0", "--device", self.device,
+                "--capacity", self.capacity, "--namespace", f"{self.namespace}:{self.page_bytes}",
+                "--replication", self.policy, "--transport", self.transport,
+                "--heartbeat-interval", str(self.heartbeat_interval),
+                "--heartbeat-timeout", str(self.heartbeat_timeout),
+                "--planner-tick", str(self.planner_tick), "--spec-ttl", str(self.spec_ttl),
+                "--predictor-depths", self.predictor_depths,
+                "--metrics-port", "0", "--log-level", "warning", *self.extra]
+
+
+@dataclass(slots=True)
+class NodeProc:
+    node_id: str
+    proc: subprocess.Popen  # type: ignore[type-arg]
+    log: Path
+    address: str = ""
+    metrics_port: int = 0
+
+
+class LocalCluster:
+    """``with LocalCluster(spec, log_dir) as c: c.nodes[i].address``."""
+
+    def __init__(self, spec: ClusterSpec, log_dir: Path, start_timeout: float = 60.0) -> None:
+        self.spec = spec
+        self.log_dir = Path(log_dir)
+        self.start_timeout = start_timeout
+        self.nodes: list[NodeProc] = []
+
+    def __enter__(self) -> "LocalCluster":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- start -------------------------------------------------------------
+    def _spawn(self, node_id: str, seed: str | None) -> NodeProc:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / f"{node_id}.log"
+        args = [sys.executable, "-m", "kvstore.cli.kvstored", *self.spec.args(node_id)]
+        if seed:
+            args += ["--peers", seed]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(log, "w") as f:
+            proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True,  # Ctrl-C in the terminal goes to the harness only
+                                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        node = NodeProc(node_id, proc, log)
+        self.nodes.append(node)
+        return node
+
+    def _wait_ready(self, node: NodeProc, deadline: float) -> None:
+        pattern = re.compile(r"kvstored ready grpc=(\S+) data_port=\S+ metrics_port=(\d+)")
+        while True:
+            text = node.log.read_text(errors="replace") if node.log.exists() else ""
+            m = pattern.search(text)
+            if m:
+                node.address, node.metrics_port = m.group(1), int(m.group(2))
+                return
+            if node.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kvstored {node.node_id} did not start (exit {node.proc.poll()}): "
+                                   f"{text[-2000:]}")
+            time.sleep(0.05)
+
+    def start(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        first = self._spawn("n0", None)
+        self._wait_ready(first, deadline)
+        rest = [self._spawn(f"n{i}", first.address) for i in range(1, self.spec.nodes)]
+        for node in rest:
+            self._wait_ready(node, deadline)
+        # every node sees every other alive and n0 as coordinator
+        for node in self.nodes:
+            while True:
+                st = self.status(node.address)
+                if st is not None and len(st.members) == self.spec.nodes and st.coordinator == "n0":
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"cluster membership did not converge on {node.node_id}")
+                time.sleep(0.05)
+
+    # ---- queries -----------------------------------------------------------
+    @staticmethod
+    def status(address: str) -> pb.ClusterStatusResponse | None:
+        try:
+            with grpc.insecure_channel(address) as channel:
+                return pb_grpc.ClusterStub(channel).Status(pb.ClusterStatusRequest(), timeout=2)
+        except grpc.RpcError:
+            return None
+
+    def scrape(self, index: int = 0) -> str:
+        """The Prometheus text of node ``index`` ('' if it cannot be read)."""
+        port = self.nodes[index].metrics_port
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                return r.read().decode()
+        except OSError:
+            return ""
+
+    # ---- stop --------------------------------------------------------------
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM every node, wait up to ``grace`` seconds, then SIGKILL what is left."""
+        for node in self.nodes:
+            if node.proc.poll() is None:
+                try:
+                    node.proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        for node in self.nodes:
+            try:
+                node.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                node.proc.kill()
+                node.proc.wait(10)
+        self.nodes = []
+

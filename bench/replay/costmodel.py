@@ -1,0 +1,158 @@
+"""The cost model of the simulated inference engines, stated plainly.
+
+Nothing here is measured; every number is a model input or follows from one.
+
+* **Prefill** (compute-bound): ``2 x params x tokens / (gpus x FLOP/s x MFU)``
+  for the tokens that are not cached (linear in tokens: the attention term is
+  left out, which flatters long prompts the same for every policy).
+* **Decode** (memory-bound): each output token reads the weights and the
+  request's KV once: ``(params x dtype_bytes + kv_bytes_per_token x context)
+  / (gpus x HBM bytes/s)`` per token, with the context at its mid-point.
+* **Page bytes**: ``layers x kv_heads x head_dim x 2 (K and V) x dtype_bytes
+  x block_tokens``. Llama-3-8B with 512-token Mooncake blocks: 64 MiB.
+  ``--byte-scale`` divides this for the bytes that really move through the
+  store on this machine; modelled transfer times use the unscaled bytes.
+* **Link** (the stated network for modelled transfers): ``unscaled bytes /
+  link bytes/s``, 50 GB/s by default (one 400 Gb/s RDMA NIC).
+* **Local load** of a cached page into the engine: ``unscaled bytes / HBM
+  bytes/s`` (a pool on the same GPU).
+
+Presets (H100 SXM class: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, MFU 0.5):
+
+| preset | model | layers | kv heads | head dim | params | GPUs (TP) | page (512 tok) |
+|---|---|---|---|---|---|---|---|
+| ``llama3-8b`` | Llama-3-8B | 32 | 8 | 128 | 8.03e9 | 1 | 64 MiB |
+| ``llama3-70b`` | Llama-3-70B | 80 | 8 | 128 | 70.6e9 | 4 | 160 MiB |
+| ``llama3-70b-tp8`` | Llama-3-70B | 80 | 8 | 128 | 70.6e9 | 8 | 160 MiB |
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+BLOCK_TOKENS = 512  # Mooncake traces hash 512-token blocks
+MIN_PAGE_BYTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """A decoder-only model's size and KV shape."""
+
+    name: str
+    params: float          # parameters
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2   # bf16 weights and KV
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        return self.layers * self.kv_heads * self.head_dim * 2 * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """One GPU's peak numbers, the MFU prefill reaches, and the inter-node link."""
+
+    name: str
+    flops: float           # dense bf16 FLOP/s per GPU
+    hbm_bytes_s: float     # HBM bytes/s per GPU
+    mfu: float = 0.5
+    link_bytes_s: float = 50e9   # node-to-node link for modelled transfers
+
+
+H100 = Hardware("H100-SXM", flops=989e12, hbm_bytes_s=3.35e12)
+LLAMA3_8B = ModelShape("Llama-3-8B", params=8.03e9, layers=32, kv_heads=8, head_dim=128)
+LLAMA3_70B = ModelShape("Llama-3-70B", params=70.6e9, layers=80, kv_heads=8, head_dim=128)
+
+# preset name -> (model, GPUs per engine with tensor parallelism, hardware)
+PRESETS: dict[str, tuple[ModelShape, int, Hardware]] = {
+    "llama3-8b": (LLAMA3_8B, 1, H100),
+    "llama3-70b": (LLAMA3_70B, 4, H100),
+    "llama3-70b-tp8": (LLAMA3_70B, 8, H100),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Modelled times (seconds, unscaled) and page sizes for one engine."""
+
+    model: ModelShape
+    gpus: int
+    hw: Hardware
+    block_tokens: int = BLOCK_TOKENS
+    byte_scale: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.byte_scale < 1 or self.block_tokens < 1:
+            raise ValueError("gpus, byte_scale and block_tokens must be >= 1")
+        if not 0 < self.hw.mfu <= 1:
+            raise ValueError("mfu must be in (0, 1]")
+        scaled = self.page_bytes / self.byte_scale
+        if scaled != int(scaled) or int(scaled) % 8 or scaled < MIN_PAGE_BYTES:
+            raise ValueError(f"--byte-scale {self.byte_scale}: page {self.page_bytes} B / scale = {scaled:g} B; "
+                             f"it must be a whole multiple of 8 and >= {MIN_PAGE_BYTES} B")
+
+    @classmethod
+    def preset(cls, name: str, byte_scale: int = 4096, mfu: float | None = None,
+               link_gbs: float | None = None, block_tokens: int = BLOCK_TOKENS) -> "CostModel":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        model, gpus, hw = PRESETS[name]
+        if mfu is not None or link_gbs is not None:
+            hw = Hardware(hw.name, hw.flops, hw.hbm_bytes_s, hw.mfu if mfu is None else mfu,
+                          hw.link_bytes_s if link_gbs is None else link_gbs * 1e9)
+        return cls(model, gpus, hw, block_tokens, byte_scale)
+
+    # ---- bytes -------------------------------------------------------------
+    @property
+    def page_bytes(self) -> int:
+        """Unscaled KV bytes of one block (the modelled size)."""
+        return self.model.kv_bytes_per_token * self.block_tokens
+
+    @property
+    def scaled_page_bytes(self) -> int:
+        """Bytes of one page as stored and moved on this machine."""
+        return self.page_bytes // self.byte_scale
+
+    # ---- times (unscaled seconds) -------------------------------------------
+    def prefill_s(self, tokens: int) -> float:
+        """Compute-bound prefill of ``tokens`` uncached tokens."""
+        return 2.0 * self.model.params * max(0, tokens) / (self.gpus * self.hw.flops * self.hw.mfu)
+
+    def decode_step_s(self, context_tokens: float) -> float:
+        """One output token: read the weights and the context's KV from HBM."""
+        nbytes = self.model.weight_bytes + self.model.kv_bytes_per_token * max(0.0, context_tokens)
+        return nbytes / (self.gpus * self.hw.hbm_bytes_s)
+
+    def decode_s(self, input_tokens: int, output_tokens: int) -> float:
+        """All ``output_tokens`` steps (the context grows linearly: use its mid-point)."""
+        if output_tokens <= 0:
+            return 0.0
+        return output_tokens * self.decode_step_s(input_tokens + output_tokens / 2.0)
+
+    def uncached_tokens(self, input_tokens: int, cached_blocks: int) -> int:
+        """Tokens left to prefill; at least one (the last token is always computed)."""
+        return max(1, input_tokens - cached_blocks * self.block_tokens)
+
+    def link_s(self, blocks: int) -> float:
+        """Modelled transfer of ``blocks`` pages (unscaled bytes) over the stated link."""
+        return blocks * self.page_bytes / self.hw.link_bytes_s
+
+    def local_load_s(self, blocks: int) -> float:
+        """Modelled copy of ``blocks`` cached pages from a pool on the same GPU."""
+        return blocks * self.page_bytes / (self.gpus * self.hw.hbm_bytes_s)
+
+    def describe(self) -> dict[str, object]:
+        """The model inputs and derived sizes, for results.json."""
+        return {"model": asdict(self.model), "gpus": self.gpus, "hardware": asdict(self.hw),
+                "block_tokens": self.block_tokens, "byte_scale": self.byte_scale,
+                "page_bytes_unscaled": self.page_bytes, "page_bytes_scaled": self.scaled_page_bytes,
+                "kv_bytes_per_token": self.model.kv_bytes_per_token,
+                "prefill_s_per_block": self.prefill_s(self.block_tokens),
+                "link_s_per_block": self.link_s(1)}

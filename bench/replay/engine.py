@@ -1,0 +1,393 @@
+"""The asyncio driver of one policy run: arrivals, router, simulated engines, oracle.
+
+One event loop, one :class:`AsyncKvClient` per node. Arrivals are scheduled
+at ``t / speedup`` real seconds from the start. Each arrival is routed (the
+cache-aware router asks ``n0``, the coordinator, for the per-node prefixes
+and placement hints) and queued on its node's :class:`Engine`.
+
+An engine has ``concurrency`` slots (its batch) and one prefill unit:
+
+1. wait for a slot (queue);
+2. ``Lookup(record=True)`` on its node (the predictor learns from it), then
+   ``Get`` of the request's cluster-cached prefix: the node serves local
+   pages and, under reactive/predictive/full, pulls the rest from peers;
+   the fetched pages' bytes are checked against their keys;
+3. wait for the prefill unit (prefill is compute-bound: one at a time), then
+   sleep the modelled prefill of the uncached tokens / speedup; the first
+   token is out here (TTFT);
+4. ``Put`` the pages the node lacked (KV exists once prefill is done, so it
+   is stored then -- not after decode -- as prefix-caching engines do);
+5. sleep the modelled decode / speedup in the slot, then free the slot.
+
+Every loop is bounded (request count, ``drain_timeout_s``); the caller owns
+the cluster and stops it in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from bench.replay.costmodel import CostModel
+from bench.replay.metrics import RequestRecord
+from bench.replay.oracle import Reservations, copy_source, oracle_views, schedule
+from bench.replay.routers import NodeView, Router, views_from_lookup
+from bench.replay.workload import Workload, reusable_blocks
+from kvstore.errors import KvError
+from kvstore.predict.trace import hash_key
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore_client import AsyncKvClient
+
+SALT = np.uint64(0x9E3779B97F4A7C15)  # page word = hash id ^ SALT: deterministic, checkable content
+
+
+def page_words(hash_ids: np.ndarray) -> np.ndarray:
+    """The uint64 word every 8 bytes of a block's page hold."""
+    return hash_ids.astype(np.uint64) ^ SALT
+
+
+def make_pages(words: np.ndarray, page_bytes: int) -> np.ndarray:
+    """``uint8 [n, page_bytes]`` pages, each filled with its word."""
+    return np.ascontiguousarray(np.repeat(words[:, None], page_bytes // 8, axis=1)).view(np.uint8)
+
+
+def bad_pages(pages: np.ndarray, words: np.ndarray) -> int:
+    """How many rows of ``pages`` are not filled with their word."""
+    if not len(words):
+        return 0
+    got = pages.view(np.uint64)
+    return int((~(got == words[:, None]).all(axis=1)).sum())
+
+
+@dataclass(slots=True)
+class RunConfig:
+    policy: str
+    router: Router
+    cost: CostModel
+    namespace: str
+    speedup: float = 4.0
+    concurrency: int = 8
+    oracle_lead_s: float = 4.0        # trace seconds
+    oracle_poll_s: float = 0.1        # real seconds between an oracle task's checks
+    spec_ttl_s: float = 60.0          # real seconds (oracle copies)
+    fetch_timeout_s: float = 5.0      # real seconds, the Get deadline
+    rpc_timeout_s: float = 30.0
+    sample_s: float = 0.25            # real seconds between timeline samples
+    drain_timeout_s: float = 120.0    # real seconds to finish after the last arrival
+    verify: bool = True
+
+
+@dataclass(slots=True)
+class RunResult:
+    records: list[RequestRecord]
+    timeline: dict[str, Any]
+    oracle: dict[str, int] = field(default_factory=dict)
+    put_errors: int = 0
+    placed_used_pages: int = 0        # local hits on pages the node got by replication, distinct
+    node_stats: list[Any] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+class _Req:
+    """A request with its keys and page words, ready to serve."""
+
+    __slots__ = ("i", "req", "keys", "words", "rec", "t_enq")
+
+    def __init__(self, i: int, req: Any, rec: RequestRecord) -> None:
+        self.i, self.req, self.rec = i, req, rec
+        ids = np.array(req.hash_ids, dtype=np.uint64)
+        self.keys = [hash_key(h) for h in req.hash_ids]
+        self.words = page_words(ids)
+        self.t_enq = 0.0
+
+
+class Engine:
+    """One simulated inference engine, in front of one node."""
+
+    def __init__(self, index: int, node_id: str, kv: AsyncKvClient, cfg: RunConfig, on_done: Callable[[], None],
+                 result: RunResult) -> None:
+        self.index, self.node_id, self.kv, self.cfg = index, node_id, kv, cfg
+        self.queue: asyncio.Queue[_Req | None] = asyncio.Queue()
+        self.prefill = asyncio.Lock()
+        self.waiting = 0        # queued for a slot
+        self.running = 0        # in a slot
+        self.own: set[bytes] = set()     # keys this node got by its own Put or its own Get's fetch
+        self.used_placed: set[bytes] = set()
+        self._on_done = on_done
+        self._result = result
+        self.workers = [asyncio.create_task(self._worker()) for _ in range(cfg.concurrency)]
+
+    @property
+    def load(self) -> int:
+        return self.waiting + self.running
+
+    def submit(self, item: _Req) -> None:
+        item.t_enq = time.perf_counter()
+        self.waiting += 1
+        self.queue.put_nowait(item)
+
+    async def close(self) -> None:
+        for _ in self.workers:
+            self.queue.put_nowait(None)
+        done, pending = await asyncio.wait(self.workers, timeout=5)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*self.workers, return_exceptions=True)
+
+    async def _worker(self) -> None:
+        while True:
+            item = await self.queue.get()
+            if item is None:
+                return
+            self.waiting -= 1
+            self.running += 1
+            try:
+                await self._serve(item)
+            except (KvError, grpc.RpcError, OSError, ConnectionError, asyncio.TimeoutError) as exc:
+                item.rec.error = f"{type(exc).__name__}: {exc}"[:200]
+            finally:
+                self.running -= 1
+                self._on_done()
+
+    async def _serve(self, item: _Req) -> None:
+        cfg, cost, rec, keys = self.cfg, self.cfg.cost, item.rec, item.keys
+        S = cfg.speedup
+        slot_wait = time.perf_counter() - item.t_enq
+        # -- KV: Lookup on the serving node (recorded for the predictor), then Get --
+        t0 = time.perf_counter()
+        lk = await self.kv.lookup_nodes(cfg.namespace, keys, record=True)
+        local = int(lk.prefix_length)
+        cluster_max = max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending])
+        cached = 0
+        if cluster_max > 0:
+            got = await self.kv.get(cfg.namespace, keys[:cluster_max], timeout=cfg.fetch_timeout_s)
+            found = got.found
+            cached = int(found.argmin()) if not found.all() else len(found)
+            if cfg.verify:
+                rec.corrupt = bad_pages(got.pages[:cached], item.words[:cached])
+        rec.fetch_s = time.perf_counter() - t0
+        local = min(local, cached)
+        rec.local, rec.remote, rec.miss = local, cached - local, rec.blocks - cached
+        for k in keys[:local]:
+            if k not in self.own:
+                self.used_placed.add(k)
+        self.own.update(keys[local:cached])
+        rec.link_s = cost.link_s(rec.remote)
+        rec.local_load_s = cost.local_load_s(local)
+        rec.prefill_s = cost.prefill_s(cost.uncached_tokens(rec.input_tokens, cached))
+        rec.decode_s = cost.decode_s(rec.input_tokens, rec.output_tokens)
+        # -- prefill: one at a time per engine --
+        t1 = time.perf_counter()
+        async with self.prefill:
+            prefill_wait = time.perf_counter() - t1
+            await asyncio.sleep(rec.prefill_s / S)
+        rec.queue_s = (slot_wait + prefill_wait) * S
+        # -- store the KV this node lacked, then decode in the slot --
+        if cached < len(keys):
+            t2 = time.perf_counter()
+            try:
+                await self.kv.put(cfg.namespace, keys[cached:],
+                                  make_pages(item.words[cached:], cost.scaled_page_bytes))
+                self.own.update(keys[cached:])
+            except KvError:
+                self._result.put_errors += 1
+            rec.put_s = time.perf_counter() - t2
+        await asyncio.sleep(rec.decode_s / S)
+        rec.done = True
+
+
+class Driver:
+    """Replays one workload against one running cluster under one policy."""
+
+    def __init__(self, workload: Workload, node_ids: list[str], addresses: list[str], cfg: RunConfig,
+                 progress: Any = None) -> None:
+        self.workload, self.node_ids, self.addresses, self.cfg = workload, node_ids, addresses, cfg
+        self.progress = progress
+        self.result = RunResult(records=[], timeline={"t": [], "waiting": [], "running": [],
+                                                      "stats_t": [], "spec_slots": [], "replica_slots": []})
+        self.reservations = Reservations(len(node_ids))
+        self.oracle_decided: dict[int, tuple[int, str]] = {}
+        self._arrived: set[int] = set()
+        self._outstanding = 0
+        self._all_done = asyncio.Event()
+        self._start = 0.0
+
+    # ---- helpers -------------------------------------------------------------
+    def _done(self) -> None:
+        self._outstanding -= 1
+        if self.progress is not None:
+            self.progress.update(1)
+        if self._outstanding <= 0:
+            self._all_done.set()
+
+    def _loads(self) -> list[float]:
+        return [e.load + r for e, r in zip(self.engines, self.reservations.count)]
+
+    async def _views(self, keys: list[bytes]) -> list[NodeView]:
+        if not self.cfg.router.needs_prefix:
+            return [NodeView(n, load) for n, load in zip(self.node_ids, self._loads())]
+        lk = await self.kvs[0].lookup_nodes(self.cfg.namespace, keys)
+        return views_from_lookup(self.node_ids, self._loads(), lk.nodes)
+
+    def _real_at(self, t_trace: float) -> float:
+        return self._start + t_trace / self.cfg.speedup
+
+    # ---- arrivals --------------------------------------------------------------
+    async def _arrive(self, item: _Req, lag: float) -> None:
+        rec = item.rec
+        rec.lag_s = lag
+        self._arrived.add(item.i)  # before any await: a late oracle decision must not reserve it
+        t0 = time.perf_counter()
+        try:
+            decided = self.reservations.arrive(item.i) if self.cfg.policy == "oracle" else None
+            if decided is not None:
+                index, reason = decided, self.oracle_decided.get(item.i, (decided, "oracle"))[1]
+            else:
+                views = await self._views(item.keys)
+                index, reason = self.cfg.router.choose(views, len(item.keys))
+                if self.cfg.policy == "oracle":
+                    reason = "oracle-late-" + reason
+        except (KvError, grpc.RpcError, OSError) as exc:
+            rec.error = f"route: {type(exc).__name__}: {exc}"[:200]
+            self._done()
+            return
+        rec.route_s = time.perf_counter() - t0
+        rec.node, rec.route_reason = self.node_ids[index], reason
+        self.engines[index].submit(item)
+
+    async def _dispatch(self, items: list[_Req], tasks: set[asyncio.Task[Any]]) -> None:
+        loop = asyncio.get_running_loop()
+        for item in items:
+            due = self._real_at(item.rec.t)
+            delay = due - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = loop.create_task(self._arrive(item, max(0.0, loop.time() - due)))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    # ---- oracle ----------------------------------------------------------------
+    async def _oracle(self, items: list[_Req], reusable: list[int], tasks: set[asyncio.Task[Any]]) -> None:
+        loop = asyncio.get_running_loop()
+        for decide_at, i in schedule([it.rec.t for it in items], self.cfg.oracle_lead_s):
+            delay = self._real_at(decide_at) - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = loop.create_task(self._oracle_one(items[i], reusable[i]))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def _oracle_one(self, item: _Req, want: int) -> None:
+        """Route ``item`` now with the router, reserve the node, copy its reusable prefix there before arrival."""
+        cfg, loop, stats = self.cfg, asyncio.get_running_loop(), self.result.oracle
+        try:
+            views = oracle_views(await self._views(item.keys), want)
+        except (KvError, grpc.RpcError, OSError):
+            return
+        if item.i in self._arrived:
+            return  # arrived meanwhile: routed by the router on arrival
+        index, reason = cfg.router.choose(views, len(item.keys))
+        self.reservations.reserve(item.i, index)
+        self.oracle_decided[item.i] = (index, "oracle-" + reason)
+        target = self.node_ids[index]
+        deadline = self._real_at(item.rec.t)
+        have = 0
+        while want > have and loop.time() < deadline:
+            try:
+                lk = await self.kvs[0].lookup_nodes(cfg.namespace, item.keys[:want])
+                src = copy_source(lk.nodes, target, want)
+                if src is not None and src[1] > have:
+                    source, n = src
+                    reply = await self.cluster_stubs[index].Replicate(pb.ReplicateRequest(
+                        namespace=cfg.namespace, keys=item.keys[:n], source_node_id=source, kind=pb.SPECULATIVE,
+                        ttl_seconds=cfg.spec_ttl_s), timeout=cfg.rpc_timeout_s)
+                    stats["replicate_calls"] = stats.get("replicate_calls", 0) + 1
+                    stats["copied_pages"] = stats.get("copied_pages", 0) + int(reply.copied)
+                    if reply.copied + reply.already_present >= n:
+                        have = n
+                else:
+                    have = max(have, next((min(int(e.prefix_length), want) for e in lk.nodes
+                                           if e.node_id == target and not e.pending), 0))
+            except (KvError, grpc.RpcError):
+                stats["replicate_errors"] = stats.get("replicate_errors", 0) + 1
+            if want > have:
+                await asyncio.sleep(cfg.oracle_poll_s)
+        stats["satisfied" if have >= want else "unsatisfied"] = \
+            stats.get("satisfied" if have >= want else "unsatisfied", 0) + 1
+
+    # ---- timeline --------------------------------------------------------------
+    async def _sample(self) -> None:
+        tl = self.result.timeline
+        loop = asyncio.get_running_loop()
+        k = 0
+        while True:
+            now = loop.time()
+            tl["t"].append((now - self._start) * self.cfg.speedup)
+            tl["waiting"].append([e.waiting for e in self.engines])
+            tl["running"].append([e.running for e in self.engines])
+            if k % 4 == 0:
+                try:
+                    st = await asyncio.gather(*(kv.stats(self.cfg.namespace) for kv in self.kvs))
+                    tl["stats_t"].append((loop.time() - self._start) * self.cfg.speedup)
+                    tl["spec_slots"].append([int(s.namespaces[0].speculative_slots) for s in st])
+                    tl["replica_slots"].append([int(s.namespaces[0].replica_slots) for s in st])
+                except (KvError, grpc.RpcError):
+                    pass
+            k += 1
+            await asyncio.sleep(max(0.0, self.cfg.sample_s - (loop.time() - now)))
+
+    # ---- the run ---------------------------------------------------------------
+    async def run(self) -> RunResult:
+        cfg, reqs = self.cfg, self.workload.requests
+        reusable = reusable_blocks(reqs)
+        items = []
+        for i, r in enumerate(reqs):
+            rec = RequestRecord(idx=i, t=r.t, blocks=len(r.hash_ids), input_tokens=r.input_length,
+                                output_tokens=r.output_length, reusable=reusable[i])
+            self.result.records.append(rec)
+            items.append(_Req(i, r, rec))
+        self._outstanding = len(items)
+        self.kvs = [AsyncKvClient(a, timeout=cfg.rpc_timeout_s) for a in self.addresses]
+        channels = [grpc.aio.insecure_channel(a) for a in self.addresses]
+        self.cluster_stubs = [pb_grpc.ClusterStub(c) for c in channels]
+        self.engines = [Engine(i, n, kv, cfg, self._done, self.result)
+                        for i, (n, kv) in enumerate(zip(self.node_ids, self.kvs))]
+        loop = asyncio.get_running_loop()
+        tasks: set[asyncio.Task[Any]] = set()
+        background: list[asyncio.Task[Any]] = []
+        wall = time.perf_counter()
+        try:
+            for kv in self.kvs:  # connect (and learn page sizes) before the clock starts
+                await kv.page_bytes(cfg.namespace)
+                await kv.lookup(cfg.namespace, [b"warmup"])
+            self._start = loop.time() + 0.2
+            background.append(loop.create_task(self._sample()))
+            if cfg.policy == "oracle":
+                background.append(loop.create_task(self._oracle(items, reusable, tasks)))
+            await self._dispatch(items, tasks)
+            if items:
+                try:
+                    await asyncio.wait_for(self._all_done.wait(), cfg.drain_timeout_s)
+                except asyncio.TimeoutError:
+                    pass  # unfinished requests stay done=False and are reported
+            self.result.node_stats = list(await asyncio.gather(*(kv.stats(cfg.namespace) for kv in self.kvs)))
+        finally:
+            for task in [*background, *tasks]:
+                task.cancel()
+            await asyncio.gather(*background, *tasks, return_exceptions=True)
+            for engine in self.engines:
+                await engine.close()
+            for kv in self.kvs:
+                await kv.close()
+            for c in channels:
+                await c.close()
+        self.result.placed_used_pages = sum(len(e.used_placed) for e in self.engines)
+        self.result.wall_s = time.perf_counter() - wall
+        return self.result

@@ -1,0 +1,211 @@
+"""Per-request records and the per-policy aggregates written to results.json.
+
+Time base: every reported time is in the **trace's** seconds.
+
+* measured here: ``fetch_s`` (the engine's Lookup + Get round trips on this
+  machine, real seconds, not rescaled: they are short and were not slowed
+  down), ``route_s`` (the router's Lookup), and ``queue_s`` (waiting for an
+  engine slot and for the engine's prefill unit; measured in real seconds,
+  then multiplied by the speedup, because what it waits for -- other
+  requests' modelled prefill -- was slept divided by the speedup).
+* modelled: ``prefill_s``, ``decode_s`` (cost model, unscaled), ``link_s``
+  (the remote blocks' unscaled bytes over the stated link) and
+  ``local_load_s``.
+
+``ttft_s = route_s + queue_s + fetch_s + prefill_s`` (the headline: measured
+fetch). ``ttft_link_s = route_s + queue_s + link_s + local_load_s + prefill_s``
+(the fetch modelled for the stated link and unscaled page sizes).
+
+Hit accounting per request, over the request's blocks: ``local`` = leading
+blocks the serving node held at its Lookup; ``remote`` = further leading
+blocks its Get returned (pulled from peers by the node); ``miss`` = the rest
+(recomputed). Ratios are over all blocks of all completed requests.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    idx: int
+    t: float                  # arrival, trace seconds from the window start
+    node: str = ""
+    route_reason: str = ""
+    blocks: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    reusable: int = 0         # leading blocks an earlier request had (the ceiling)
+    local: int = 0
+    remote: int = 0
+    miss: int = 0
+    lag_s: float = 0.0        # measured, real: dispatch later than scheduled (harness overhead)
+    route_s: float = 0.0      # measured, real
+    queue_s: float = 0.0      # measured, rescaled to trace time
+    fetch_s: float = 0.0      # measured, real: Lookup(record) + Get on the serving node
+    prefill_s: float = 0.0    # modelled
+    decode_s: float = 0.0     # modelled
+    link_s: float = 0.0       # modelled: remote blocks over the stated link
+    local_load_s: float = 0.0  # modelled: local blocks from the pool on the GPU
+    put_s: float = 0.0        # measured, real (after the first token: not in TTFT)
+    corrupt: int = 0          # fetched pages whose bytes were not the key's
+    done: bool = False
+    error: str = ""
+
+    @property
+    def ttft_s(self) -> float:
+        return self.route_s + self.queue_s + self.fetch_s + self.prefill_s
+
+    @property
+    def ttft_link_s(self) -> float:
+        return self.route_s + self.queue_s + self.link_s + self.local_load_s + self.prefill_s
+
+    def row(self) -> dict[str, object]:
+        d = asdict(self)
+        d["ttft_s"] = self.ttft_s
+        d["ttft_link_s"] = self.ttft_link_s
+        return d
+
+
+def pct(values: Sequence[float] | np.ndarray, q: float) -> float:
+    """The ``q``-th percentile (linear), 0.0 for no values."""
+    a = np.asarray(values, dtype=float)
+    return float(np.percentile(a, q)) if a.size else 0.0
+
+
+def _dist(prefix: str, values: Sequence[float]) -> dict[str, float]:
+    a = np.asarray(values, dtype=float)
+    return {f"{prefix}_p50_s": pct(a, 50), f"{prefix}_p95_s": pct(a, 95), f"{prefix}_p99_s": pct(a, 99),
+            f"{prefix}_mean_s": float(a.mean()) if a.size else 0.0}
+
+
+def aggregate(records: Iterable[RequestRecord], cluster: dict[str, float] | None = None) -> dict[str, object]:
+    """One policy's summary: latency distributions, hit ratios, errors, and the cluster's byte counters.
+
+    ``cluster`` carries what the nodes reported (``spec_bytes``,
+    ``spec_wasted_bytes``, ...); it is merged in as it is.
+    """
+    recs = list(records)
+    done = [r for r in recs if r.done and not r.error]
+    blocks = sum(r.blocks for r in done)
+    local, remote, miss = (sum(getattr(r, f) for r in done) for f in ("local", "remote", "miss"))
+    out: dict[str, object] = {
+        "requests": len(recs), "completed": len(done), "errors": sum(1 for r in recs if r.error),
+        "unfinished": sum(1 for r in recs if not r.done and not r.error),
+        "blocks": blocks, "local_blocks": local, "remote_blocks": remote, "miss_blocks": miss,
+        "local_hit_ratio": local / blocks if blocks else 0.0,
+        "remote_hit_ratio": remote / blocks if blocks else 0.0,
+        "miss_ratio": miss / blocks if blocks else 0.0,
+        "reusable_ratio": sum(min(r.reusable, r.blocks) for r in done) / blocks if blocks else 0.0,
+        "corrupt_pages": sum(r.corrupt for r in recs),
+        "ttft_below_prefill": sum(1 for r in done if r.ttft_s < r.prefill_s),
+    }
+    out.update(_dist("ttft", [r.ttft_s for r in done]))
+    out.update(_dist("ttft_link", [r.ttft_link_s for r in done]))
+    out.update(_dist("queue", [r.queue_s for r in done]))
+    out.update(_dist("kv_fetch", [r.fetch_s for r in done]))
+    out.update(_dist("kv_fetch_link", [r.link_s for r in done]))
+    out.update(_dist("prefill", [r.prefill_s for r in done]))
+    remote = [r for r in done if r.remote > 0]  # requests whose Get pulled pages from peers
+    out["remote_requests"] = len(remote)
+    out["kv_fetch_remote_p50_s"] = pct([r.fetch_s for r in remote], 50)
+    out["kv_fetch_remote_p99_s"] = pct([r.fetch_s for r in remote], 99)
+    out["kv_fetch_link_remote_p99_s"] = pct([r.link_s for r in remote], 99)
+    out["route_p99_s"] = pct([r.route_s for r in done], 99)
+    out["lag_p99_s"] = pct([r.lag_s for r in recs], 99)
+    out["put_p99_s"] = pct([r.put_s for r in done], 99)
+    out["route_reasons"] = dict(Counter(r.route_reason for r in done))
+    out["requests_per_node"] = dict(sorted(Counter(r.node for r in done).items()))
+    if cluster:
+        out.update(cluster)
+    return out
+
+
+def check(summary: dict[str, Any]) -> list[str]:
+    """Sanity problems of one policy's summary (empty when sound)."""
+    problems = []
+    if summary["local_blocks"] + summary["remote_blocks"] + summary["miss_blocks"] != summary["blocks"]:
+        problems.append("local + remote + miss != blocks")
+    for key in ("local_hit_ratio", "remote_hit_ratio", "miss_ratio"):
+        if not 0.0 <= float(summary[key]) <= 1.0:
+            problems.append(f"{key} outside [0, 1]")
+    if summary["completed"] + summary["errors"] + summary["unfinished"] != summary["requests"]:
+        problems.append("completed + errors + unfinished != requests")
+    if summary["errors"] or summary["unfinished"]:
+        problems.append(f"{summary['errors']} errors, {summary['unfinished']} unfinished")
+    if summary["ttft_below_prefill"]:
+        problems.append("TTFT below the modelled prefill")
+    if summary["corrupt_pages"]:
+        problems.append(f"{summary['corrupt_pages']} corrupt pages")
+    return problems
+
+
+def metric_sum(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sum of the samples of ``name`` (having all of ``labels``) in Prometheus exposition text."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, rest = head.partition("{")
+        if metric != name or (labels and not all(f'{k}="{v}"' in rest for k, v in labels.items())):
+            continue
+        try:
+            total += float(value)
+        except ValueError:
+            pass
+    return total
+
+
+def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metrics: str, page_bytes: int,
+                    byte_scale: int, oracle_copied_pages: int = 0, placed_used_pages: int = 0) -> dict[str, object]:
+    """Byte counters of one run from the nodes' Stats, the coordinator's metrics and the harness.
+
+    * ``spec_bytes``: bytes copied ahead of need -- predictive: the
+      coordinator's ``kvstore_replication_bytes{kind="speculative"}``; full:
+      ``{kind="replica"}`` (its copy-everything traffic); oracle: the
+      harness's own ``Replicate`` replies; none/reactive: 0 (their pulls are
+      ``remote_fetch_bytes``). All measured, in the scaled bytes that moved;
+      ``*_unscaled`` multiplies by ``--byte-scale``.
+    * ``spec_wasted_bytes``: predictive/oracle: the nodes'
+      ``speculative_wasted_bytes`` (expired or evicted unread) plus the
+      speculative replicas still unread when the run ended; full: copied
+      pages that no request on the receiving node read (harness accounting).
+    """
+    ns = [s.namespaces[0] for s in node_stats if getattr(s, "namespaces", None)]  # type: ignore[attr-defined]
+    expired_unread = sum(int(n.speculative_wasted_bytes) for n in ns)
+    unread_end = sum(int(n.speculative_slots) for n in ns) * page_bytes
+    if policy == "predictive":
+        spec_bytes = int(metric_sum(coordinator_metrics, "kvstore_replication_bytes_total", {"kind": "speculative"}))
+    elif policy == "full":
+        spec_bytes = int(metric_sum(coordinator_metrics, "kvstore_replication_bytes_total", {"kind": "replica"}))
+    elif policy == "oracle":
+        spec_bytes = oracle_copied_pages * page_bytes
+    else:
+        spec_bytes = 0
+    if policy in ("predictive", "oracle"):
+        wasted = expired_unread + unread_end
+    elif policy == "full":
+        wasted = max(0, spec_bytes // page_bytes - placed_used_pages) * page_bytes
+    else:
+        wasted = 0
+    return {
+        "spec_bytes": spec_bytes, "spec_bytes_unscaled": spec_bytes * byte_scale,
+        "spec_wasted_bytes": wasted, "spec_wasted_bytes_unscaled": wasted * byte_scale,
+        "spec_waste_ratio": wasted / spec_bytes if spec_bytes else 0.0,
+        "spec_expired_unread_bytes": expired_unread, "spec_unread_at_end_bytes": unread_end,
+        "spec_hits_pages": sum(int(n.speculative_hits) for n in ns),
+        "placed_pages_used": placed_used_pages,
+        "remote_fetch_bytes": sum(int(n.remote_hits) for n in ns) * page_bytes,
+        "evictions": sum(sum(int(v) for v in n.evictions.values()) for n in ns),
+        "stored_bytes": sum(int(n.used_bytes) for n in ns),
+        "planner_decisions": {k: int(metric_sum(coordinator_metrics, "kvstore_planner_decisions_total",
+                                                {"kind": k}))
+                              for k in ("replicate", "drop", "full")},
+    }

@@ -1,0 +1,175 @@
+"""Request routers: round-robin, least-load and cache-aware (SGLang style).
+
+A router sees one :class:`NodeView` per node: its load (requests queued or
+running on its engine, plus requests the oracle has already promised to it)
+and how much of the request's prefix it holds. No I/O: the driver builds the
+views from the cluster's ``Lookup`` answer (:func:`views_from_lookup`).
+
+Cache-aware, as SGLang's router does it:
+
+1. If the cluster is imbalanced -- ``max - min load > abs_threshold`` **and**
+   ``max load > rel_threshold x min load`` -- pick the least-loaded node.
+2. Otherwise prefix affinity: the node holding the longest prefix of the
+   request. With ``use_hints`` a node that the coordinator says is *about to*
+   hold the prefix (``pending``) or holds it as a live speculative replica
+   (``expires_in_seconds``) counts as holding it, so a burst spreads over the
+   holders, least-loaded first, instead of queueing on the one node that
+   computed the prefix. "Holding it" is judged with ``hint_cover``: a hinted
+   copy covering at least that share of the longest prefix counts as the
+   whole of it, because the planner copies prefixes only as deep as the
+   predictor tracks them (e.g. 16 of a 17-block prefix), and the node's Get
+   pulls the few blocks beyond the copy from a peer.
+3. When no node holds any of it (or less than ``match_threshold`` of the
+   request's blocks), the least-loaded node.
+
+Ties always go to the lower load, then the longer real (non-hinted) prefix,
+then a rotating index, so equal nodes share work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+ROUTERS = ("round-robin", "least-load", "cache-aware")
+
+
+@dataclass(slots=True)
+class NodeView:
+    """What a router knows about one node for one request."""
+
+    node_id: str
+    load: float = 0.0
+    prefix: int = 0        # leading blocks the node holds (directory answer)
+    hinted: int = 0        # leading blocks a pending or live speculative copy gives it
+
+
+class Router(Protocol):
+    name: str
+    needs_prefix: bool   # the driver asks the cluster for prefixes only if true
+
+    def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
+        """Index of the chosen node and the reason (for the report)."""
+        ...
+
+
+class _Rotation:
+    """A rotating start index so that ties spread over nodes."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def pick(self, candidates: Sequence[int], n: int) -> int:
+        best = min(candidates, key=lambda i: (i - self._next) % n)
+        self._next = (best + 1) % n
+        return best
+
+
+class RoundRobin:
+    name = "round-robin"
+    needs_prefix = False
+
+    def __init__(self) -> None:
+        self._i = 0
+
+    def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
+        i = self._i % len(views)
+        self._i = i + 1
+        return i, "round-robin"
+
+
+class LeastLoad:
+    name = "least-load"
+    needs_prefix = False
+
+    def __init__(self) -> None:
+        self._rot = _Rotation()
+
+    def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
+        return least_loaded(views, self._rot), "least-load"
+
+
+def least_loaded(views: Sequence[NodeView], rot: _Rotation, among: Iterable[int] | None = None) -> int:
+    """The least-loaded node of ``among`` (all by default); ties: longer real prefix, then rotation."""
+    idx = list(range(len(views))) if among is None else list(among)
+    low = min(views[i].load for i in idx)
+    tied = [i for i in idx if views[i].load <= low + 1e-9]
+    longest = max(views[i].prefix for i in tied)
+    return rot.pick([i for i in tied if views[i].prefix == longest], len(views))
+
+
+class CacheAware:
+    """SGLang-style cache-aware routing with balance thresholds and hint use."""
+
+    name = "cache-aware"
+    needs_prefix = True
+
+    def __init__(self, abs_threshold: float = 32.0, rel_threshold: float = 1.5, use_hints: bool = True,
+                 match_threshold: float = 0.0, hint_cover: float = 0.5) -> None:
+        self.abs_threshold = abs_threshold
+        self.rel_threshold = rel_threshold
+        self.use_hints = use_hints
+        self.match_threshold = match_threshold
+        self.hint_cover = hint_cover
+        self._rot = _Rotation()
+
+    def imbalanced(self, views: Sequence[NodeView]) -> bool:
+        loads = [v.load for v in views]
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.abs_threshold and hi > self.rel_threshold * lo
+
+    def effective(self, views: Sequence[NodeView]) -> list[int]:
+        """Per node, the prefix length the router credits it with (hints included when enabled)."""
+        if not self.use_hints:
+            return [v.prefix for v in views]
+        longest = max(max(v.prefix, v.hinted) for v in views)
+        return [longest if v.hinted and v.hinted >= self.hint_cover * longest else max(v.prefix, v.hinted)
+                for v in views]
+
+    def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
+        if self.imbalanced(views):
+            return least_loaded(views, self._rot), "imbalance"
+        eff = self.effective(views)
+        best = max(eff)
+        if best <= 0 or best < self.match_threshold * max(1, blocks):
+            return least_loaded(views, self._rot), "no-match"
+        i = least_loaded(views, self._rot, [i for i, e in enumerate(eff) if e == best])
+        # "affinity-hint": the chosen node is credited with the prefix by a pending or live speculative copy
+        credited = self.use_hints and views[i].hinted > 0 and views[i].hinted >= views[i].prefix
+        return i, "affinity-hint" if credited else "affinity"
+
+
+def make_router(name: str, abs_threshold: float = 32.0, rel_threshold: float = 1.5, use_hints: bool = True,
+                match_threshold: float = 0.0, hint_cover: float = 0.5) -> Router:
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "least-load":
+        return LeastLoad()
+    if name == "cache-aware":
+        return CacheAware(abs_threshold, rel_threshold, use_hints, match_threshold, hint_cover)
+    raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)}")
+
+
+def views_from_lookup(node_ids: Sequence[str], loads: Sequence[float], entries: Iterable[Any]) -> list[NodeView]:
+    """Views from ``LookupResponse.nodes`` (``NodePrefix``-like objects).
+
+    An entry with ``pending`` is a copy in flight: it sets ``hinted`` only.
+    Any other entry is a holding (the directory's, or a live speculative
+    replica, which ``expires_in_seconds`` marks); a speculative one sets
+    ``hinted`` as well, so hint-aware routing can tell it apart.
+    """
+    views = [NodeView(n, float(load)) for n, load in zip(node_ids, loads)]
+    index = {n: i for i, n in enumerate(node_ids)}
+    for e in entries:
+        i = index.get(e.node_id)
+        if i is None:
+            continue
+        v = views[i]
+        if e.pending:
+            v.hinted = max(v.hinted, int(e.prefix_length))
+        else:
+            v.prefix = max(v.prefix, int(e.prefix_length))
+            if e.expires_in_seconds > 0:
+                v.hinted = max(v.hinted, int(e.prefix_length))
+    return views

@@ -1,0 +1,147 @@
+"""Workloads for the replay: trace windows, the synthetic fan-out trace, reuse bounds.
+
+Loading reuses :mod:`kvstore.predict.trace` (``load_mooncake``,
+``synth_fanout``, ``hash_key``); this module only cuts windows, compresses
+nothing (the driver divides times by ``--speedup``), writes the synthetic
+trace in the Mooncake jsonl format, and computes what the oracle and the
+report need from the future of the trace.
+
+A Mooncake ``hash_id`` names the whole prefix up to its block (ids chain),
+so "block ``h`` was seen before" means "this request's prefix up to ``h`` was
+requested before": :func:`reusable_blocks` is the most any cache could serve.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from kvstore.predict.trace import BLOCK_TOKENS, Request, load_mooncake, synth_fanout
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TRACE = "../shared/data/mooncake_conversation.jsonl"  # relative to the repository root
+
+
+@dataclass(slots=True)
+class Workload:
+    """A named list of requests, times in seconds from the window start."""
+
+    name: str
+    requests: list[Request]
+    source: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def duration_s(self) -> float:
+        return self.requests[-1].t if self.requests else 0.0
+
+    def describe(self) -> dict[str, object]:
+        blocks = sum(len(r.hash_ids) for r in self.requests)
+        reuse = reusable_blocks(self.requests)
+        return {"name": self.name, **self.source, "requests": len(self.requests),
+                "duration_s": round(self.duration_s, 3), "blocks": blocks,
+                "reusable_blocks": int(sum(reuse)),
+                "reusable_ratio": (sum(reuse) / blocks) if blocks else 0.0}
+
+
+def resolve_path(path: str | Path) -> Path:
+    """A trace path as given, else relative to the repository root."""
+    p = Path(path)
+    if p.exists() or p.is_absolute():
+        return p
+    return (ROOT / p).resolve()
+
+
+def cut_window(requests: Sequence[Request], start_s: float = 0.0, duration_s: float | None = None,
+               max_requests: int | None = None) -> list[Request]:
+    """Requests in ``[start_s, start_s + duration_s)``, at most ``max_requests``, times rebased to 0."""
+    end = math.inf if duration_s is None else start_s + duration_s
+    out = [r for r in requests if start_s <= r.t < end]
+    if max_requests is not None:
+        out = out[:max_requests]
+    if not out:
+        return []
+    t0 = start_s
+    return [replace(r, t=round(r.t - t0, 6)) for r in out]
+
+
+def mooncake_workload(path: str | Path, start_s: float = 0.0, duration_s: float | None = None,
+                      max_requests: int | None = None, name: str | None = None) -> Workload:
+    """A window of a Mooncake-format jsonl trace."""
+    p = resolve_path(path)
+    reqs = cut_window(load_mooncake(p), start_s, duration_s, max_requests)
+    if not reqs:
+        raise ValueError(f"{p}: no requests in the window start={start_s}s duration={duration_s}s")
+    return Workload(name or p.stem, reqs, {"kind": "mooncake", "path": str(p), "start_s": start_s,
+                                           "window_s": duration_s, "max_requests": max_requests})
+
+
+@dataclass(frozen=True, slots=True)
+class SynthSpec:
+    """Parameters of the synthetic same-prefix fan-out trace (token counts become 512-token blocks)."""
+
+    bursts: int = 4
+    requests: int = 32          # requests per burst
+    prefix_tokens: int = 8192   # the shared prefix of a burst
+    window_s: float = 8.0       # a burst's requests arrive within this window
+    decoys: int = 4             # prefixes requested twice, never again
+    background: float = 0.5     # unique single-use requests per second
+    duration_s: float = 60.0
+    suffix_tokens: int = 1024   # each request's own part after the prefix
+    output_tokens: int = 512
+    seed: int = 0
+
+    @property
+    def prefix_blocks(self) -> int:
+        return max(1, math.ceil(self.prefix_tokens / BLOCK_TOKENS))
+
+    @property
+    def suffix_blocks(self) -> int:
+        return max(1, math.ceil(self.suffix_tokens / BLOCK_TOKENS))
+
+
+def synth_requests(spec: SynthSpec) -> list[Request]:
+    """``kvstore.predict.trace.synth_fanout`` with the spec's sizes; output lengths set to ``output_tokens``."""
+    reqs = synth_fanout(bursts=spec.bursts, reqs_per_burst=spec.requests, prefix_blocks=spec.prefix_blocks,
+                        window_s=spec.window_s, decoys=spec.decoys, background_rate=spec.background,
+                        seed=spec.seed, duration_s=spec.duration_s, suffix_blocks=spec.suffix_blocks)
+    return [replace(r, output_length=spec.output_tokens) for r in reqs]
+
+
+def synth_workload(spec: SynthSpec, name: str = "synth-fanout") -> Workload:
+    from dataclasses import asdict
+
+    return Workload(name, synth_requests(spec), {"kind": "synth", **asdict(spec)})
+
+
+def write_mooncake(requests: Sequence[Request], path: str | Path) -> int:
+    """Write requests as Mooncake jsonl (``timestamp`` in ms); returns the count."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p, "w") as f:
+        for r in requests:
+            f.write(json.dumps({"timestamp": int(round(r.t * 1000)), "input_length": r.input_length,
+                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
+    return len(requests)
+
+
+def reusable_blocks(requests: Sequence[Request]) -> list[int]:
+    """Per request (in time order): leading blocks some earlier request also had.
+
+    The most a perfect cluster-wide cache could serve; the oracle copies
+    exactly this much ahead of each request. Ids chain, so a seen id means
+    a seen prefix; the first unseen id ends the reusable part.
+    """
+    seen: set[int] = set()
+    out = []
+    for r in requests:
+        n = 0
+        for h in r.hash_ids:
+            if h not in seen:
+                break
+            n += 1
+        out.append(n)
+        seen.update(r.hash_ids)
+    return out

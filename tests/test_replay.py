@@ -1,0 +1,274 @@
+"""The trace-replay benchmark (bench/replay): pure unit tests of the cost
+model, routers, oracle look-ahead, workloads and aggregates (no sockets), and
+one end-to-end smoke run with real kvstored processes (a few seconds)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.replay.costmodel import CostModel  # noqa: E402
+from bench.replay.engine import bad_pages, make_pages, page_words  # noqa: E402
+from bench.replay.metrics import RequestRecord, aggregate, check, cluster_summary, metric_sum  # noqa: E402
+from bench.replay.oracle import Reservations, copy_source, oracle_views, schedule  # noqa: E402
+from bench.replay.routers import CacheAware, LeastLoad, NodeView, RoundRobin, views_from_lookup  # noqa: E402
+from bench.replay.workload import (  # noqa: E402
+    SynthSpec, cut_window, reusable_blocks, synth_requests, write_mooncake,
+)
+from kvstore.predict.trace import Request, load_mooncake  # noqa: E402
+
+MiB = 1 << 20
+
+
+# ---- cost model ----------------------------------------------------------------
+
+def test_page_bytes_from_model_shape() -> None:
+    c8 = CostModel.preset("llama3-8b", byte_scale=1024)
+    assert c8.model.kv_bytes_per_token == 32 * 8 * 128 * 2 * 2 == 128 * 1024
+    assert c8.page_bytes == 64 * MiB  # 512-token Mooncake block
+    assert c8.scaled_page_bytes == 64 * 1024
+    c70 = CostModel.preset("llama3-70b", byte_scale=4096)
+    assert c70.page_bytes == 80 * 8 * 128 * 2 * 2 * 512 == 160 * MiB
+    assert c70.gpus == 4
+    with pytest.raises(ValueError):
+        CostModel.preset("llama3-8b", byte_scale=1 << 15)  # 2 KiB pages: below the 4 KiB floor
+    with pytest.raises(ValueError):
+        CostModel.preset("nope")
+
+
+def test_prefill_decode_link_arithmetic() -> None:
+    c = CostModel.preset("llama3-8b")
+    # 2 x params x tokens / (FLOP/s x MFU)
+    assert c.prefill_s(1000) == pytest.approx(2 * 8.03e9 * 1000 / (989e12 * 0.5))
+    assert c.prefill_s(0) == 0.0
+    # decode: (weights + KV of the mid-point context) / HBM per token
+    per_token = (8.03e9 * 2 + 128 * 1024 * (1000 + 50)) / 3.35e12
+    assert c.decode_s(1000, 100) == pytest.approx(100 * per_token)
+    assert c.decode_s(1000, 0) == 0.0
+    # link: unscaled bytes / 50 GB/s
+    assert c.link_s(3) == pytest.approx(3 * 64 * MiB / 50e9)
+    assert CostModel.preset("llama3-8b", link_gbs=100).link_s(1) == pytest.approx(64 * MiB / 100e9)
+    # tensor parallelism divides compute and bandwidth time
+    c70, c70x8 = CostModel.preset("llama3-70b"), CostModel.preset("llama3-70b-tp8")
+    assert c70.prefill_s(512) == pytest.approx(2 * c70x8.prefill_s(512))
+    # uncached tokens: whole cached blocks come off; at least one token is computed
+    assert c.uncached_tokens(1300, 2) == 1300 - 1024
+    assert c.uncached_tokens(1024, 2) == 1
+
+
+# ---- routers -------------------------------------------------------------------
+
+def _views(loads, prefixes, hinted=None):  # type: ignore[no-untyped-def]
+    hinted = hinted or [0] * len(loads)
+    return [NodeView(f"n{i}", load, p, h) for i, (load, p, h) in enumerate(zip(loads, prefixes, hinted))]
+
+
+def test_round_robin_and_least_load() -> None:
+    rr = RoundRobin()
+    assert [rr.choose(_views([0, 0, 0], [0, 0, 0]), 4)[0] for _ in range(4)] == [0, 1, 2, 0]
+    ll = LeastLoad()
+    assert ll.choose(_views([3, 1, 2], [0, 0, 0]), 4)[0] == 1
+    # ties rotate so equal nodes share work
+    assert {ll.choose(_views([0, 0, 0], [0, 0, 0]), 4)[0] for _ in range(3)} == {0, 1, 2}
+
+
+def test_cache_aware_prefix_affinity_until_imbalanced() -> None:
+    r = CacheAware(abs_threshold=32, rel_threshold=1.5)
+    # the node with the longest prefix wins even when busier (balanced cluster)
+    assert r.choose(_views([10, 0, 0], [8, 2, 0]), 10) == (0, "affinity")
+    # max - min = 40 > 32 and 40 > 1.5 x 0: imbalanced -> least load
+    assert r.choose(_views([40, 0, 5], [8, 0, 0]), 10) == (1, "imbalance")
+    # difference above abs but max not above rel x min: still affinity
+    assert r.choose(_views([100, 70, 80], [8, 0, 0]), 10)[1] == "affinity"
+    # difference below abs: affinity
+    assert r.choose(_views([30, 0, 0], [8, 0, 0]), 10)[1] == "affinity"
+    # no node holds anything: least load
+    assert r.choose(_views([2, 1, 3], [0, 0, 0]), 10) == (1, "no-match")
+    # equal prefixes: the less loaded holder
+    assert r.choose(_views([5, 2, 0], [8, 8, 0]), 10) == (1, "affinity")
+    # thresholds are configurable
+    assert CacheAware(abs_threshold=4, rel_threshold=1.5).choose(_views([6, 1, 1], [8, 0, 0]), 10)[1] == "imbalance"
+    # match threshold: a short match goes to least load
+    assert CacheAware(match_threshold=0.5).choose(_views([3, 0, 1], [1, 0, 0]), 10) == (1, "no-match")
+
+
+def test_cache_aware_uses_placement_hints_to_spread_a_burst() -> None:
+    # n0 computed the prefix; n1 and n2 have a pending / live speculative copy of (most of) it
+    views = _views([6, 0, 1, 0], [17, 1, 17, 1], [0, 16, 17, 0])
+    assert CacheAware().choose(views, 19) == (1, "affinity-hint")        # 16/17 >= hint_cover: credited
+    assert CacheAware(use_hints=False).choose(views, 19) == (2, "affinity")  # live replica is real; pending is not
+    assert CacheAware(hint_cover=0.99).choose(views, 19)[0] == 2         # 16/17 not enough: real holders only
+    # from the Lookup answer: pending -> hinted only; a live speculative replica -> held and hinted
+    entries = [SimpleNamespace(node_id="n0", prefix_length=17, pending=False, expires_in_seconds=0.0),
+               SimpleNamespace(node_id="n1", prefix_length=16, pending=True, expires_in_seconds=60.0),
+               SimpleNamespace(node_id="n2", prefix_length=17, pending=False, expires_in_seconds=42.0),
+               SimpleNamespace(node_id="zz", prefix_length=3, pending=False, expires_in_seconds=0.0)]
+    v = views_from_lookup(["n0", "n1", "n2", "n3"], [6, 0, 1, 0], entries)
+    assert [(x.prefix, x.hinted) for x in v] == [(17, 0), (0, 16), (17, 17), (0, 0)]
+    assert CacheAware().choose(v, 19) == (1, "affinity-hint")
+
+
+# ---- oracle --------------------------------------------------------------------
+
+def test_oracle_lookahead() -> None:
+    assert schedule([0.5, 10.0, 3.0], lead_s=2.0) == [(0.0, 0), (1.0, 2), (8.0, 1)]
+    views = oracle_views(_views([0, 3, 1], [5, 0, 0]), want=5)
+    assert [v.hinted for v in views] == [5, 5, 5]
+    # every node is credited: the least loaded one is picked, and gets the copy
+    assert CacheAware().choose(views, 8)[0] == 0
+    entries = [SimpleNamespace(node_id="n0", prefix_length=5, pending=False),
+               SimpleNamespace(node_id="n1", prefix_length=7, pending=True),
+               SimpleNamespace(node_id="n2", prefix_length=2, pending=False)]
+    assert copy_source(entries, "n2", want=5) == ("n0", 5)
+    assert copy_source(entries, "n0", want=5) is None       # already holds it
+    assert copy_source(entries, "n1", want=3) == ("n0", 3)  # pending entries hold nothing
+    res = Reservations(3)
+    res.reserve(7, 2)
+    assert res.count == [0, 0, 1]
+    assert res.arrive(7) == 2 and res.count == [0, 0, 0] and res.arrive(7) is None
+
+
+# ---- workloads -------------------------------------------------------------------
+
+def test_synth_generator_and_trace_synth_cli(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from bench.replay.cli import trace_main
+
+    spec = SynthSpec(bursts=3, requests=5, prefix_tokens=1500, window_s=4, decoys=2, background=0.0,
+                     duration_s=30, suffix_tokens=600, output_tokens=77, seed=1)
+    reqs = synth_requests(spec)
+    assert spec.prefix_blocks == 3 and spec.suffix_blocks == 2
+    assert len(reqs) == 3 * 5 + 2 * 2
+    assert all(r.output_length == 77 and r.input_length == len(r.hash_ids) * 512 for r in reqs)
+    assert [r.t for r in reqs] == sorted(r.t for r in reqs)
+    # each burst's requests share block 0 + 3 prefix blocks, then 2 blocks of their own
+    by_prefix: dict[tuple[int, ...], int] = {}
+    for r in reqs:
+        assert len(r.hash_ids) == 1 + 3 + 2
+        by_prefix[r.hash_ids[:4]] = by_prefix.get(r.hash_ids[:4], 0) + 1
+    assert sorted(by_prefix.values()) == [2, 2, 5, 5, 5]
+    out = tmp_path / "synth.jsonl"
+    assert trace_main(["synth", "--bursts", "3", "--requests", "5", "--prefix-tokens", "1500", "--window", "4",
+                       "--decoys", "2", "--background", "0", "--duration", "30", "--suffix-tokens", "600",
+                       "--output-tokens", "77", "--seed", "1", "--out", str(out)]) == 0
+    loaded = load_mooncake(out)  # the Mooncake format, read by the project's loader
+    assert [r.hash_ids for r in loaded] == [r.hash_ids for r in reqs]
+    assert [r.t for r in loaded] == pytest.approx([r.t for r in reqs], abs=1e-3)
+    write_mooncake(reqs[:2], tmp_path / "two.jsonl")
+    assert len(load_mooncake(tmp_path / "two.jsonl")) == 2
+
+
+def test_window_and_reusable_blocks() -> None:
+    reqs = [Request(1.0, 1024, 5, (1, 2)), Request(2.0, 1536, 5, (1, 2, 3)), Request(3.0, 1024, 5, (1, 9)),
+            Request(9.0, 512, 5, (4,))]
+    assert reusable_blocks(reqs) == [0, 2, 1, 0]
+    win = cut_window(reqs, start_s=1.5, duration_s=2.0)
+    assert [r.t for r in win] == [0.5, 1.5] and [r.hash_ids for r in win] == [(1, 2, 3), (1, 9)]
+    assert len(cut_window(reqs, max_requests=3)) == 3
+
+
+# ---- pages and aggregates ---------------------------------------------------------
+
+def test_page_content_is_checkable() -> None:
+    words = page_words(np.array([5, 6, 7], dtype=np.uint64))
+    pages = make_pages(words, 4096)
+    assert pages.shape == (3, 4096) and pages.dtype == np.uint8
+    assert bad_pages(pages, words) == 0
+    pages[1, 100] ^= 1
+    assert bad_pages(pages, words) == 1
+    assert bad_pages(pages[:0], words[:0]) == 0
+
+
+def test_aggregate_counts_and_ratios() -> None:
+    recs = [RequestRecord(idx=0, t=0.0, blocks=4, local=2, remote=1, miss=1, queue_s=0.5, fetch_s=0.01,
+                          prefill_s=0.2, link_s=0.003, done=True, node="n0", route_reason="affinity"),
+            RequestRecord(idx=1, t=1.0, blocks=6, local=0, remote=0, miss=6, prefill_s=0.4, done=True, node="n1"),
+            RequestRecord(idx=2, t=2.0, blocks=3, error="Unavailable: x")]
+    s = aggregate(recs, {"spec_bytes": 10})
+    assert (s["requests"], s["completed"], s["errors"], s["unfinished"]) == (3, 2, 1, 0)
+    assert s["blocks"] == 10 and (s["local_blocks"], s["remote_blocks"], s["miss_blocks"]) == (2, 1, 7)
+    assert s["local_hit_ratio"] == 0.2 and s["remote_hit_ratio"] == 0.1 and s["miss_ratio"] == 0.7
+    assert s["ttft_mean_s"] == pytest.approx((0.5 + 0.01 + 0.2 + 0.4) / 2)
+    assert s["spec_bytes"] == 10 and s["requests_per_node"] == {"n0": 1, "n1": 1}
+    assert check(s) == ["1 errors, 0 unfinished"]
+    text = ('kvstore_replication_bytes_total{kind="speculative"} 4096.0\n'
+            'kvstore_replication_bytes_total{kind="replica"} 8192.0\n# HELP x\n')
+    assert metric_sum(text, "kvstore_replication_bytes_total", {"kind": "replica"}) == 8192
+    ns = SimpleNamespace(speculative_wasted_bytes=4096, speculative_slots=2, speculative_hits=3, remote_hits=1,
+                         evictions={"lru": 1}, used_bytes=0)
+    c = cluster_summary("predictive", [SimpleNamespace(namespaces=[ns])], text, 4096, 1024)
+    assert c["spec_bytes"] == 4096 and c["spec_wasted_bytes"] == 4096 + 2 * 4096
+    assert c["spec_bytes_unscaled"] == 4096 * 1024
+    full = cluster_summary("full", [SimpleNamespace(namespaces=[ns])], text, 4096, 1024, placed_used_pages=1)
+    assert full["spec_bytes"] == 8192 and full["spec_wasted_bytes"] == 4096
+
+
+# ---- end to end: real processes, a few seconds ----------------------------------------
+
+def _kvstored_children() -> list[int]:
+    """kvstored processes whose parent is this test process (Linux /proc)."""
+    import os
+
+    out = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == os.getpid() and b"kvstored" in (d / "cmdline").read_bytes():
+                out.append(int(d.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def test_replay_smoke_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """2 real nodes, ~20 requests, 2 policies, high speedup, 4 KiB pages: structure, not speed."""
+    from bench.replay.cli import replay_main
+
+    out = tmp_path / "replay"
+    rc = replay_main(["--trace", "synth", "--synth-bursts", "2", "--synth-requests", "6", "--synth-prefix-tokens",
+                      "2048", "--synth-window", "3", "--synth-decoys", "1", "--synth-background", "0.6",
+                      "--synth-duration", "12", "--synth-output-tokens", "64", "--nodes", "2",
+                      "--policies", "predictive,oracle", "--speedup", "12", "--byte-scale", "16384",
+                      "--capacity", "16MiB", "--heartbeat", "0.1", "--planner-tick", "0.1", "--oracle-lead", "2",
+                      "--drain-timeout", "30", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    assert not _kvstored_children(), "daemons left behind"
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["nodes"] == 2 and results["config"]["cost"]["page_bytes_scaled"] == 4096
+    (name, w), = results["workloads"].items()
+    n = w["workload"]["requests"]
+    assert 14 <= n <= 30
+    assert set(w["policies"]) == {"predictive", "oracle"}
+    for policy, s in w["policies"].items():
+        assert w["problems"][policy] == [], (policy, w["problems"][policy])
+        for key in ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s", "kv_fetch_p99_s", "local_hit_ratio",
+                    "remote_hit_ratio", "miss_ratio", "spec_bytes", "spec_wasted_bytes", "requests"):
+            assert isinstance(s[key], (int, float)) and math.isfinite(s[key]), (policy, key)
+        assert s["requests"] == n and s["completed"] == n
+        assert s["local_blocks"] + s["remote_blocks"] + s["miss_blocks"] == s["blocks"] == w["workload"]["blocks"]
+        ratios = [s["local_hit_ratio"], s["remote_hit_ratio"], s["miss_ratio"]]
+        assert all(0.0 <= r <= 1.0 for r in ratios) and sum(ratios) == pytest.approx(1.0)
+        assert s["ttft_p50_s"] <= s["ttft_p95_s"] <= s["ttft_p99_s"]
+        assert s["corrupt_pages"] == 0
+        assert 0 <= s["spec_wasted_bytes"] <= s["spec_bytes"]
+        assert sum(s["requests_per_node"].values()) == n
+    oracle = w["policies"]["oracle"]["oracle"]  # the oracle looked ahead for every request with a reusable prefix
+    assert oracle.get("satisfied", 0) + oracle.get("unsatisfied", 0) >= n // 2
+    rows = [json.loads(line) for line in (out / "requests" / f"{name}-oracle.jsonl").read_text().splitlines()]
+    assert len(rows) == n
+    for r in rows:
+        assert r["ttft_s"] >= r["prefill_s"] > 0
+        assert r["local"] + r["remote"] + r["miss"] == r["blocks"]
+    report = (out / "report.md").read_text()
+    assert "predictive/oracle" in report and "| oracle |" in report
+    assert (out / f"{name}_ttft_cdf.png").stat().st_size > 0
+    assert (out / f"{name}_predictive_timeline.png").stat().st_size > 0
