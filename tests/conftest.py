@@ -21,6 +21,18 @@ from kvstore.ops.numpy_ops import NumpyPageOps
 from kvstore.server.app import NodeServer
 
 
+def require_gpu():  # type: ignore[no-untyped-def]
+    """CuPy with a usable CUDA device, or skip the calling test module cleanly."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        usable = bool(cupy.is_available())
+    except Exception:  # CUDA libraries present but unusable
+        usable = False
+    if not usable:
+        pytest.skip("CuPy is installed but no CUDA device is available", allow_module_level=True)
+    return cupy
+
+
 class StagedNumpyOps(NumpyPageOps):
     """numpy memory driven like a device pool: every byte goes through the
     staging buffer and the pack/unpack kernels, as on a GPU."""

@@ -12,13 +12,9 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-cupy = pytest.importorskip("cupy")
-try:
-    _GPU_OK = bool(cupy.is_available())
-except Exception:  # CUDA libraries present but unusable
-    _GPU_OK = False
-if not _GPU_OK:
-    pytest.skip("CuPy is installed but no CUDA device is available", allow_module_level=True)
+from conftest import require_gpu  # noqa: E402
+
+cupy = require_gpu()
 
 from kvstore.ops import KernelArgumentError, NumpyPageOps, select  # noqa: E402
 
