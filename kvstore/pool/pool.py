@@ -107,6 +107,9 @@ class PagePool:
         self._lru: OrderedDict[bytes, Entry] = OrderedDict()
         self._held = 0  # entries out of the queues (pinned or read)
         self.evictions: Counter[str] = Counter()
+        # Kept in step with the table, so stats and heartbeats need no scan.
+        self._kinds: Counter[PageKind] = Counter()
+        self._pinned = 0
         self.spec_hits = 0  # reads that found a speculative replica (promoting it)
         self.spec_wasted = 0  # speculative replicas evicted or expired unread
         # on_change(added, removed): the directory outbox listens here.
@@ -119,11 +122,11 @@ class PagePool:
 
     @property
     def speculative_slots(self) -> int:
-        return sum(1 for e in self._table.values() if e.kind is PageKind.SPECULATIVE)
+        return self._kinds[PageKind.SPECULATIVE]
 
     @property
     def pinned_slots(self) -> int:
-        return sum(1 for e in self._table.values() if e.pins)
+        return self._pinned
 
     def __len__(self) -> int:
         return len(self._table)
@@ -154,7 +157,7 @@ class PagePool:
 
     @property
     def replica_slots(self) -> int:
-        return sum(1 for e in self._table.values() if e.kind is PageKind.REPLICA)
+        return self._kinds[PageKind.REPLICA]
 
     def kind_of(self, key: bytes) -> PageKind | None:
         entry = self._table.get(key)
@@ -199,6 +202,7 @@ class PagePool:
                           expires_at if kind is PageKind.SPECULATIVE else 0.0)
             self._table[key] = entry
             self._queue_of(entry)[key] = entry
+            self._kinds[kind] += 1
             added.append(key)
         if added and self._on_change:
             self._on_change(added, [])
@@ -252,6 +256,8 @@ class PagePool:
                 self._dequeue(entry)
             if promote and entry.kind is PageKind.SPECULATIVE:
                 entry.kind, entry.expires_at = PageKind.REPLICA, 0.0
+                self._kinds[PageKind.SPECULATIVE] -= 1
+                self._kinds[PageKind.REPLICA] += 1
                 self.spec_hits += 1
             entry.readers += 1
             entries.append(entry)
@@ -277,6 +283,8 @@ class PagePool:
                 continue
             if entry.readers == 0 and entry.pins == 0:
                 self._dequeue(entry)
+            if entry.pins == 0:
+                self._pinned += 1
             entry.pins += 1
             pinned.append(key)
         return pinned, missing
@@ -289,6 +297,8 @@ class PagePool:
             if entry is None or entry.pins == 0:
                 continue
             entry.pins -= 1
+            if entry.pins == 0:
+                self._pinned -= 1
             released += 1
             self._maybe_requeue(entry)
         return released
@@ -351,6 +361,7 @@ class PagePool:
 
     def _remove(self, entry: Entry) -> None:
         del self._table[entry.key]
+        self._kinds[entry.kind] -= 1
         if entry.readers:
             entry.deleted = True  # the last reader frees the slot
             return
@@ -361,6 +372,7 @@ class PagePool:
         queue, reason = (self._spec, "speculative") if self._spec else (self._lru, "lru")
         key, entry = queue.popitem(last=False)
         del self._table[key]
+        self._kinds[entry.kind] -= 1
         self._free.append(entry.slot)
         self.evictions[reason] += 1
         if entry.kind is PageKind.SPECULATIVE:
@@ -403,6 +415,9 @@ class PagePool:
 
     def check_invariants(self) -> None:
         """Every slot is free, held by one entry, or reserved (tests)."""
+        for kind in PageKind:
+            assert self._kinds[kind] == sum(1 for e in self._table.values() if e.kind is kind), f"{kind} count"
+        assert self._pinned == sum(1 for e in self._table.values() if e.pins), "pinned count"
         live = [e.slot for e in self._table.values()]
         assert len(set(live)) == len(live), "two keys share a slot"
         assert not set(live) & set(self._free), "a live slot is on the free list"
