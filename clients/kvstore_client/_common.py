@@ -57,6 +57,27 @@ class GetResult:
         return self.pages[i] if self.found[i] else None
 
 
+class GetAssembler:
+    """Places the pages of a gRPC Get stream into ``out`` in request order
+    (a key asked for twice fills both rows)."""
+
+    def __init__(self, keys: list[bytes], out: np.ndarray) -> None:
+        self.keys, self.out = keys, out
+        self.found = np.zeros(len(keys), dtype=bool)
+        self._rows: dict[bytes, list[int]] = {}
+        for i, key in enumerate(keys):
+            self._rows.setdefault(key, []).append(i)
+
+    def add(self, msg: pb.GetResponse) -> None:
+        for key, page in zip(msg.keys, msg.pages):
+            i = next(j for j in self._rows[key] if not self.found[j])
+            self.out[i] = np.frombuffer(page, dtype=np.uint8)
+            self.found[i] = True
+
+    def result(self) -> "GetResult":
+        return GetResult(self.keys, self.found, self.out)
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     lease_id: str
@@ -139,5 +160,5 @@ def parse_result(header_bytes: bytes | bytearray) -> pb.DataHeader:
     return header
 
 
-__all__ = ["GetResult", "Lease", "PutResult", "decode_prefix", "page_views", "as_out", "put_messages",
+__all__ = ["GetAssembler", "GetResult", "Lease", "PutResult", "decode_prefix", "page_views", "as_out", "put_messages",
            "translate", "put_frame", "get_frame", "parse_result"]

@@ -20,7 +20,7 @@ from kvstore.errors import InvalidArgument, KvError, Unavailable
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client._common import (
-    GRPC_OPTIONS, GetResult, Lease, PageData, PutResult, as_out, get_frame, page_views, parse_result,
+    GRPC_OPTIONS, GetAssembler, GetResult, Lease, PageData, PutResult, as_out, get_frame, page_views, parse_result,
     put_frame, put_messages, translate,
 )
 
@@ -205,20 +205,14 @@ class AsyncKvClient:
         if conn is not None:
             found = await conn.request(get_frame(namespace, keys, timeout, local_only), (), out)
             return GetResult(keys, found, out)
-        found = np.zeros(len(keys), dtype=bool)
-        index: dict[bytes, list[int]] = {}
-        for i, key in enumerate(keys):
-            index.setdefault(key, []).append(i)
+        pages = GetAssembler(keys, out)
         try:
             request = pb.GetRequest(namespace=namespace, keys=keys, local_only=local_only)
             async for msg in self._stub.Get(request, timeout=timeout or self.timeout):
-                for key, page in zip(msg.keys, msg.pages):
-                    i = next(j for j in index[key] if not found[j])
-                    out[i] = np.frombuffer(page, dtype=np.uint8)
-                    found[i] = True
+                pages.add(msg)
         except grpc.RpcError as exc:
             raise translate(exc) from None
-        return GetResult(keys, found, out)
+        return pages.result()
 
     async def lookup(self, namespace: str, keys: Sequence[bytes], *, record: bool = False) -> int:
         return (await self.lookup_nodes(namespace, keys, record=record)).prefix_length

@@ -20,7 +20,7 @@ from kvstore.errors import InvalidArgument, KvError, Unavailable
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client._common import (
-    GRPC_OPTIONS, GetResult, Lease, PageData, PutResult, as_out, get_frame, page_views, parse_result,
+    GRPC_OPTIONS, GetAssembler, GetResult, Lease, PageData, PutResult, as_out, get_frame, page_views, parse_result,
     put_frame, put_messages, translate,
 )
 
@@ -60,12 +60,7 @@ class _DataConn:
         header_len, payload_len = decode_prefix(prefix)
         body = bytearray(header_len)
         self._recv_exact(memoryview(body))
-        try:
-            return parse_result(body), payload_len
-        except KvError:
-            if payload_len:
-                raise Unavailable("data channel: error frame with a payload")
-            raise
+        return parse_result(body), payload_len
 
     def put(self, frame: bytes, views: Sequence[memoryview], whole: memoryview | None) -> pb.DataHeader:
         with self._lock:
@@ -239,20 +234,14 @@ class KvClient:
         if conn is not None:
             found = conn.get(get_frame(namespace, keys, timeout, local_only), out)
             return GetResult(keys, found, out)
-        found = np.zeros(len(keys), dtype=bool)
-        index: dict[bytes, list[int]] = {}
-        for i, key in enumerate(keys):
-            index.setdefault(key, []).append(i)
+        pages = GetAssembler(keys, out)
         try:
             request = pb.GetRequest(namespace=namespace, keys=keys, local_only=local_only)
             for msg in self._stub.Get(request, timeout=timeout or self.timeout):
-                for key, page in zip(msg.keys, msg.pages):
-                    i = next(j for j in index[key] if not found[j])
-                    out[i] = np.frombuffer(page, dtype=np.uint8)
-                    found[i] = True
+                pages.add(msg)
         except grpc.RpcError as exc:
             raise translate(exc) from None
-        return GetResult(keys, found, out)
+        return pages.result()
 
     def lookup(self, namespace: str, keys: Sequence[bytes], *, record: bool = False) -> int:
         """Length of the longest prefix of the key chain cached on this node.

@@ -210,11 +210,12 @@ class ClusterAgent:
         horizon = 10 * self.config.heartbeat_timeout
         self._learned = {a: t for a, t in self._learned.items() if now - t < horizon}
         targets = (self._static | set(self._learned)) - {self.node.address}
-        await asyncio.gather(*(self._beat(addr, addr == coordinator_addr and coordinator != self.node.node_id)
+        known = self.membership.view()  # the same gossip for every peer this round
+        await asyncio.gather(*(self._beat(addr, addr == coordinator_addr and coordinator != self.node.node_id, known)
                                for addr in targets))
 
-    async def _beat(self, address: str, report: bool) -> None:
-        request = pb.HeartbeatRequest(sender=self.self_info, known=self.membership.view())
+    async def _beat(self, address: str, report: bool, known: Sequence[pb.MemberInfo]) -> None:
+        request = pb.HeartbeatRequest(sender=self.self_info, known=known)
         if report:
             request.has_directory = True
             request.seq, request.full, batches = self._take_report()

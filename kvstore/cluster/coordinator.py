@@ -141,12 +141,8 @@ class Coordinator:
         rows = set(select_candidates(scores.probs, self.plan_cfg.keep_threshold,
                                      self.plan_cfg.max_decisions * 2).tolist())
         if self.speculative:
-            index = {pid: i for i, pid in enumerate(scores.ids)} if len(self.speculative) > 64 else None
-            for pid in self.speculative:
-                i = index.get(pid) if index is not None else next(
-                    (j for j, other in enumerate(scores.ids) if other == pid), None)
-                if i is not None:
-                    rows.add(i)
+            index = {pid: i for i, pid in enumerate(scores.ids)}
+            rows.update(index[pid] for pid in self.speculative if pid in index)
         candidates = [c for c in (self._candidate(scores, int(i)) for i in sorted(rows)) if c is not None]
         nodes = self._node_states()
         pending = {pid: set(nodes_) for pid, nodes_ in self.pending.items()}
