@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import check_pools_sound, keys_for, random_pages
-from kvstore.datapath.wire import encode_header
+from kvstore.framing import encode_header
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client import (

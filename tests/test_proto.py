@@ -18,7 +18,7 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
 
 
 def test_wire_version_is_in_the_prefix() -> None:
-    from kvstore.datapath.wire import PREFIX, WIRE_VERSION, WireError, decode_prefix, encode_prefix
+    from kvstore.framing import PREFIX, WIRE_VERSION, WireError, decode_prefix, encode_prefix
 
     prefix = encode_prefix(b"hdr", 10)
     assert len(prefix) == PREFIX.size and decode_prefix(prefix) == (3, 10)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from kvstore.datapath.wire import decode_header, decode_prefix, encode_header
+from kvstore.framing import decode_header, decode_prefix, encode_header
 from kvstore.hostmem import populated_empty
 from kvstore.node import MESSAGE_OVERHEAD
 from kvstore.errors import KvError, Unavailable, error_for_code

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.datapath.wire import PREFIX, decode_prefix
+from kvstore.framing import PREFIX, decode_prefix
 from kvstore.errors import InvalidArgument, KvError, Unavailable
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc

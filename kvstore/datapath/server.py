@@ -17,8 +17,8 @@ import time
 import grpc
 
 from kvstore.cluster.agent import ClusterAgent
-from kvstore.datapath.wire import (
-    PREFIX, ChannelClosed, WireError, decode_header, decode_prefix, encode_header,
+from kvstore.framing import (
+    PREFIX, ChannelClosed, WireError, decode_header, decode_prefix, encode_header, recv_exact,
 )
 from kvstore.errors import InvalidArgument, KvError, ResourceExhausted
 from kvstore.metrics import NodeMetrics
@@ -28,18 +28,6 @@ from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
 _DRAIN_CHUNK = 1 << 20
-
-
-async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock`` or raise :class:`ChannelClosed`."""
-    while view.nbytes:
-        try:
-            n = await loop.sock_recv_into(sock, view)
-        except OSError as exc:
-            raise ChannelClosed(str(exc)) from None
-        if n == 0:
-            raise ChannelClosed("peer closed the connection mid-frame")
-        view = view[n:]
 
 
 class DataServer:

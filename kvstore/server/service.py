@@ -15,7 +15,7 @@ import grpc
 
 import kvstore
 from kvstore.cluster.agent import ClusterAgent
-from kvstore.datapath.wire import WIRE_VERSION
+from kvstore.framing import WIRE_VERSION
 from kvstore.errors import InvalidArgument, KvError
 from kvstore.metrics import NodeMetrics
 from kvstore.node import MESSAGE_OVERHEAD, Namespace, Node

@@ -15,21 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.datapath.server import recv_exact
-from kvstore.datapath.wire import PREFIX, ChannelClosed, WireError, decode_header, decode_prefix, encode_header
+from kvstore.framing import ChannelClosed, WireError, encode_header, read_frame, recv_exact
 from kvstore.transport.base import AllocFn, ServeFn, Transport, TransportError
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-
-async def _read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[pb.DataHeader, int]:
-    prefix = bytearray(PREFIX.size)
-    await recv_exact(loop, sock, memoryview(prefix))
-    header_len, payload_len = decode_prefix(prefix)
-    body = bytearray(header_len)
-    await recv_exact(loop, sock, memoryview(body))
-    return decode_header(body), payload_len
 
 
 class TcpTransport(Transport):
@@ -86,7 +76,7 @@ class TcpTransport(Transport):
         try:
             while True:
                 try:
-                    request, payload_len = await _read_frame(loop, conn)
+                    request, payload_len = await read_frame(loop, conn)
                 except ChannelClosed:
                     return
                 if request.op != pb.DataHeader.GET or payload_len:
@@ -130,7 +120,7 @@ class TcpTransport(Transport):
             sock = await self._connect(addr)
             self._busy.add(sock)
             await loop.sock_sendall(sock, encode_header(request, 0))
-            reply, payload_len = await _read_frame(loop, sock)
+            reply, payload_len = await read_frame(loop, sock)
             found = sum(reply.found)
             if payload_len != found * reply.page_bytes or reply.op != pb.DataHeader.RESULT:
                 raise WireError(f"reply of {payload_len} bytes for {found} pages of {reply.page_bytes}")

@@ -134,7 +134,7 @@ import sys
 from collections.abc import MutableMapping
 from typing import Any
 
-from kvstore.datapath.wire import (
+from kvstore.framing import (
     MAX_HEADER_BYTES, PREFIX, ChannelClosed, WireError, decode_header, decode_prefix, encode_header,
 )
 from kvstore.transport.base import AllocFn, ServeFn, Transport, TransportError

@@ -1,4 +1,5 @@
-"""Frame format of the data channel.
+"""Framing shared by the data channel and the TCP peer transport: the frame
+format and the socket helpers that read and skip frames.
 
 A frame is a fixed 20-byte prefix, a ``kvstore.v1.DataHeader`` protobuf of
 ``header_len`` bytes, then ``payload_len`` bytes of pages (in key order)::
@@ -19,6 +20,8 @@ Version history:
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import struct
 
 from kvstore.v1 import kvstore_pb2 as pb
@@ -65,3 +68,48 @@ def decode_header(body: bytes | memoryview) -> pb.DataHeader:
     except Exception as exc:  # protobuf raises DecodeError; any failure is a bad frame
         raise WireError(f"undecodable header: {exc}") from None
     return header
+
+
+
+async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` or raise :class:`ChannelClosed`."""
+    while view.nbytes:
+        try:
+            n = await loop.sock_recv_into(sock, view)
+        except OSError as exc:
+            raise ChannelClosed(str(exc)) from None
+        if n == 0:
+            raise ChannelClosed("peer closed the connection mid-frame")
+        view = view[n:]
+
+
+async def drain(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
+    """Read and drop ``nbytes`` through ``scratch`` so the connection stays in step."""
+    while nbytes:
+        chunk = min(nbytes, scratch.nbytes)
+        await recv_exact(loop, sock, scratch[:chunk])
+        nbytes -= chunk
+
+
+async def read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                     max_header: int = MAX_HEADER_BYTES) -> tuple[pb.DataHeader, int]:
+    """Read one prefix and header: (header, announced payload length).
+
+    The header is read only once its declared length passed the check, so a
+    hostile prefix cannot make the reader allocate more than ``max_header``."""
+    prefix = bytearray(PREFIX.size)
+    await recv_exact(loop, sock, memoryview(prefix))
+    header_len, payload_len = decode_prefix(prefix)
+    if header_len > max_header:
+        raise WireError(f"header of {header_len} bytes is over {max_header}")
+    body = bytearray(header_len)
+    await recv_exact(loop, sock, memoryview(body))
+    return decode_header(body), payload_len
+
+
+async def send_views(loop: asyncio.AbstractEventLoop, sock: socket.socket, header: pb.DataHeader,
+                     views: list[memoryview]) -> None:
+    """Send one frame: ``header`` then ``views`` back to back, without joining them."""
+    await loop.sock_sendall(sock, encode_header(header, sum(v.nbytes for v in views)))
+    for view in views:
+        await loop.sock_sendall(sock, view)
