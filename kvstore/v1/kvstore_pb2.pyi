@@ -427,14 +427,24 @@ class MemberInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[TransportEndpoint, _Mapping]]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., remote_hits: _Optional[int] = ..., role: _Optional[str] = ..., last_seen_seconds_ago: _Optional[float] = ..., alive: _Optional[bool] = ..., speculative_bytes: _Optional[int] = ...) -> None: ...
 
 class DirectoryBatch(_message.Message):
-    __slots__ = ("namespace", "adds", "removes")
+    __slots__ = ("namespace", "adds", "removes", "speculative")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     ADDS_FIELD_NUMBER: _ClassVar[int]
     REMOVES_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     adds: _containers.RepeatedScalarFieldContainer[bytes]
     removes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[str] = ..., adds: _Optional[_Iterable[bytes]] = ..., removes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    speculative: _containers.RepeatedCompositeFieldContainer[SpeculativePage]
+    def __init__(self, namespace: _Optional[str] = ..., adds: _Optional[_Iterable[bytes]] = ..., removes: _Optional[_Iterable[bytes]] = ..., speculative: _Optional[_Iterable[_Union[SpeculativePage, _Mapping]]] = ...) -> None: ...
+
+class SpeculativePage(_message.Message):
+    __slots__ = ("key", "expires_in_seconds")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    expires_in_seconds: float
+    def __init__(self, key: _Optional[bytes] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
 
 class AccessEvent(_message.Message):
     __slots__ = ("namespace", "keys", "age_seconds", "outcome", "total_blocks", "local_blocks")
