@@ -221,6 +221,12 @@ class AsyncKvClient:
         return await self._call(self._stub.Lookup, pb.LookupRequest(namespace=namespace, keys=list(keys),
                                                                     record=record))
 
+    async def lookup_lease(self, namespace: str, keys: Sequence[bytes], *, ttl: float, lease_id: str = "",
+                           record: bool = False) -> pb.LookupResponse:
+        """One call that looks up and leases (see ``KvClient.lookup_lease``)."""
+        return await self._call(self._stub.Lookup, pb.LookupRequest(
+            namespace=namespace, keys=list(keys), record=record, lease_ttl_seconds=ttl, lease_id=lease_id))
+
     async def exists(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         reply = await self._call(self._stub.Exists, pb.KeysRequest(namespace=namespace, keys=list(keys)))
         return list(reply.exists)

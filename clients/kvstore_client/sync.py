@@ -100,6 +100,34 @@ class _DataConn:
                 raise Unavailable(f"data channel to {self._addr[0]}:{self._addr[1]} failed: {exc}") from None
 
 
+def _lease_request(namespace: str, keys: Sequence[bytes], ttl: float, lease_id: str,
+                   record: bool) -> pb.LookupRequest:
+    return pb.LookupRequest(namespace=namespace, keys=list(keys), record=record, lease_ttl_seconds=ttl,
+                            lease_id=lease_id)
+
+
+class LookupFuture:
+    """A leasing Lookup in flight (:meth:`KvClient.lookup_lease_future`)."""
+
+    def __init__(self, call: grpc.Future) -> None:
+        self._call = call
+
+    def done(self) -> bool:
+        return self._call.done()
+
+    def result(self, timeout: float | None = None) -> pb.LookupResponse:
+        """The reply; a failed call raises its typed :class:`KvError`."""
+        try:
+            return self._call.result(timeout)
+        except grpc.FutureTimeoutError:
+            raise Unavailable("lookup still in flight") from None
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+
+    def cancel(self) -> bool:
+        return self._call.cancel()
+
+
 class KvClient:
     """Blocking kvstore client for one node."""
 
@@ -256,6 +284,22 @@ class KvClient:
         placement hints (``pending``: a speculative copy is on its way;
         ``expires_in_seconds``: a speculative replica's remaining life)."""
         return self._call(self._stub.Lookup, pb.LookupRequest(namespace=namespace, keys=list(keys), record=record))
+
+    def lookup_lease(self, namespace: str, keys: Sequence[bytes], *, ttl: float, lease_id: str = "",
+                     record: bool = False, timeout: float | None = None) -> pb.LookupResponse:
+        """One call that looks up and leases: :meth:`lookup_nodes`, plus a pin
+        of this node's answer for ``ttl`` seconds (``reply.lease_id``,
+        ``reply.leased_length``). A repeat with the same ``lease_id`` neither
+        pins nor records again."""
+        return self._call(self._stub.Lookup, _lease_request(namespace, keys, ttl, lease_id, record),
+                          timeout=timeout or self.timeout)
+
+    def lookup_lease_future(self, namespace: str, keys: Sequence[bytes], *, ttl: float, lease_id: str = "",
+                            record: bool = False, timeout: float | None = None) -> "LookupFuture":
+        """:meth:`lookup_lease` without blocking: poll ``done()``, then ``result()``."""
+        call = self._stub.Lookup.future(_lease_request(namespace, keys, ttl, lease_id, record),
+                                        timeout=timeout or self.timeout)
+        return LookupFuture(call)
 
     def exists(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         return list(self._call(self._stub.Exists, pb.KeysRequest(namespace=namespace, keys=list(keys))).exists)

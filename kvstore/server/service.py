@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -25,6 +27,15 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _NamedLease:
+    """What a leasing Lookup with an idempotency key pinned, kept for repeats."""
+
+    lease_id: str
+    leased_length: int
+    expires_at: float
 
 
 def _handler(op: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
@@ -69,6 +80,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         self.metrics = metrics
         self.agent = agent
         self._data_port = data_port
+        self._named_leases: OrderedDict[tuple[str, str], _NamedLease] = OrderedDict()
 
     # ---- namespaces ----------------------------------------------------
     @_handler("create_namespace")
@@ -151,7 +163,48 @@ class KvStoreService(pb_grpc.KvStoreServicer):
 
     @_handler("lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+        if request.lease_ttl_seconds or request.lease_id:
+            return await self._lookup_and_lease(request)
         return await self.agent.lookup(request.namespace, list(request.keys), request.record)
+
+    async def _lookup_and_lease(self, request: pb.LookupRequest) -> pb.LookupResponse:
+        """Lookup that pins this node's answer in the same call, idempotent
+        per ``lease_id``: a repeat neither pins nor records again.
+
+        The check and the pin run without an await between them, so two
+        concurrent calls with one key on the loop cannot both pin.
+        """
+        name, keys, client_id = request.namespace, list(request.keys), request.lease_id
+        if len(client_id.encode()) > 128:
+            raise InvalidArgument("lease_id must be at most 128 bytes")
+        now = time.monotonic()
+        while self._named_leases and next(iter(self._named_leases.values())).expires_at <= now:
+            self._named_leases.popitem(last=False)  # oldest first; a longer-lived one waits its turn
+        held = self._named_leases.get((name, client_id)) if client_id else None
+        if held is not None and held.expires_at <= now:
+            held = None
+        if held is None:
+            local = self.node.lookup(name, keys)
+            lease_id, pinned = "", 0
+            ttl = request.lease_ttl_seconds
+            if local:
+                lease, _ = self.node.pin(name, keys[:local], ttl)  # validates ttl
+                lease_id, pinned = lease.lease_id, len(lease.keys)
+            elif not (0 < ttl <= self.node.config.max_pin_ttl):
+                raise InvalidArgument(f"lease_ttl_seconds must be in (0, {self.node.config.max_pin_ttl}], got {ttl}")
+            held = _NamedLease(lease_id, pinned, now + ttl)
+            if client_id:
+                self._named_leases[(name, client_id)] = held
+                self._named_leases.move_to_end((name, client_id))
+            first = True
+        else:
+            first = False
+        reply = await self.agent.lookup(name, keys, request.record and first)
+        reply.lease_id, reply.leased_length = held.lease_id, held.leased_length
+        reply.lease_expires_in_seconds = max(0.0, held.expires_at - time.monotonic())
+        if first:
+            self.metrics.pages.labels("lookup", "leased").inc(held.leased_length)
+        return reply
 
     @_handler("exists")
     async def Exists(self, request: pb.KeysRequest, context: Any) -> pb.ExistsResponse:

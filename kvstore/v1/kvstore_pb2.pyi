@@ -150,14 +150,18 @@ class GetResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[bytes]] = ..., missing_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "record")
+    __slots__ = ("namespace", "keys", "record", "lease_ttl_seconds", "lease_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     record: bool
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., record: _Optional[bool] = ...) -> None: ...
+    lease_ttl_seconds: float
+    lease_id: str
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., record: _Optional[bool] = ..., lease_ttl_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class NodePrefix(_message.Message):
     __slots__ = ("node_id", "address", "prefix_length", "pending", "expires_in_seconds")
@@ -174,12 +178,18 @@ class NodePrefix(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., prefix_length: _Optional[int] = ..., pending: _Optional[bool] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("prefix_length", "nodes")
+    __slots__ = ("prefix_length", "nodes", "lease_id", "leased_length", "lease_expires_in_seconds")
     PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     prefix_length: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodePrefix]
-    def __init__(self, prefix_length: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodePrefix, _Mapping]]] = ...) -> None: ...
+    lease_id: str
+    leased_length: int
+    lease_expires_in_seconds: float
+    def __init__(self, prefix_length: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodePrefix, _Mapping]]] = ..., lease_id: _Optional[str] = ..., leased_length: _Optional[int] = ..., lease_expires_in_seconds: _Optional[float] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
     __slots__ = ("namespace", "keys")
