@@ -9,6 +9,11 @@
 // [num_layers][2 (K=0, V=1)][block_bytes], so page_bytes ==
 // num_layers * 2 * block_bytes (validated on the host).
 //
+// The host also passes other engine layouts as segments (kvstore/ops/base.py):
+// a [2, num_blocks, ...] layer as its two halves, and a fused "blocks" layer
+// as one segment, with num_layers = segments / 2. Only the pointer table and
+// block_bytes change; the kernels copy 2 * num_layers equal segments per page.
+//
 // One unit of work is one (page i, segment r) pair, r = 2 * l + t, and it
 // copies block_bytes bytes. Units of the same page are adjacent, so
 // neighbouring thread blocks write neighbouring pool bytes. Each unit is cut

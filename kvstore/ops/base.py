@@ -1,10 +1,25 @@
 """The page-op interface every backend implements, and its argument checks.
 
 A node's page pool is one contiguous uint8 array ``[num_slots, page_bytes]``.
-One page holds the KV of one prefix block for all layers, laid out as
-``[num_layers][2 (K=0, V=1)][block_bytes]``. An engine's paged KV cache is,
-per layer, a ``(K, V)`` pair of C-contiguous ``[num_blocks, block_tokens,
-kv_heads, head_dim]`` tensors of any dtype, moved here as raw bytes.
+One page holds the KV of one prefix block for all layers. An engine's paged
+KV cache comes in one of three layouts (``layout=`` of gather/scatter), any
+dtype, moved as raw bytes:
+
+- ``"pairs"``: per layer a ``(K, V)`` pair of C-contiguous ``[num_blocks,
+  block_tokens, kv_heads, head_dim]`` tensors. Page: ``[num_layers][2 (K=0,
+  V=1)][block_bytes]``.
+- ``"kv_first"``: per layer one C-contiguous tensor ``[2, num_blocks, ...]``
+  with K and V stacked in front (vLLM's FlashAttention layout). Its halves
+  are used as the pair without a copy; page as for ``"pairs"``.
+- ``"blocks"``: per layer one C-contiguous tensor ``[num_blocks, ...]`` whose
+  block rows hold that layer's K and V together in the engine's own order
+  (vLLM's CPU backend ``[num_blocks, kv_heads, block_size, 2 * head_size]``,
+  FlashInfer's ``[num_blocks, 2, ...]``). Page: ``[num_layers][layer_block_bytes]``.
+  The namespace must name the layout: pages of different layouts never mix.
+
+Every layout reduces to a list of *segment* tensors of equal block size
+(K0, V0, K1, V1, ... or L0, L1, ...), and page ``i`` is the concatenation of
+segment block ``block_ids[i]`` of each, in that order.
 
 :class:`PageOps` holds all validation, written once against the array API
 shared by numpy and CuPy, and calls the backend's ``_pack``/``_unpack``/
@@ -23,11 +38,16 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "ENGINE_LAYOUTS",
     "BackendUnavailableError",
     "EngineLayout",
     "KernelArgumentError",
     "PageOps",
 ]
+
+
+ENGINE_LAYOUTS = ("pairs", "kv_first", "blocks")
+"""Engine KV layouts gather/scatter accept (see the module docstring)."""
 
 
 class KernelArgumentError(ValueError):
@@ -45,8 +65,11 @@ class EngineLayout:
     num_layers: int
     num_blocks: int
     block_bytes: int
+    """Bytes of one block of one segment tensor."""
     shape: tuple[int, ...]
     dtype: Any
+    segments: int = 2
+    """Segment tensors per layer: 2 (K, V) or 1 (a fused ``"blocks"`` layer)."""
 
 
 def _int_arg(value: Any, what: str, minimum: int) -> int:
@@ -150,26 +173,29 @@ class PageOps(abc.ABC):
         if n:
             self._unpack(staging, ids, pool)
 
-    def gather(self, kv_caches: Sequence[tuple[Any, Any]], block_ids: Any,
-               pool: Any, slots: Any) -> None:
+    def gather(self, kv_caches: Sequence[Any], block_ids: Any,
+               pool: Any, slots: Any, *, layout: str = "pairs") -> None:
         """Engine -> pages: page ``pool[slots[i]]`` = all layers' K/V bytes of
-        engine block ``block_ids[i]``. Target slots must be unique."""
+        engine block ``block_ids[i]``. Target slots must be unique.
+        ``layout`` is one of :data:`ENGINE_LAYOUTS`."""
         self._check_pool(pool, writable=True)
-        caches = self._kv_list(kv_caches)
-        layout = self._check_engine(caches, int(pool.shape[1]), writable=False)
+        caches = self._segment_list(kv_caches, layout)
+        layout = self._check_engine(caches, int(pool.shape[1]), writable=False,
+                                    strict_rank=layout == "pairs")
         blocks = self._ids(block_ids, "block_ids", layout.num_blocks, unique=False)
         ids = self._ids(slots, "slots", pool.shape[0], unique=True)
         self._check_paired(blocks, ids)
         if ids.shape[0]:
             self._gather(layout, caches, blocks, pool, ids)
 
-    def scatter(self, pool: Any, slots: Any, kv_caches: Sequence[tuple[Any, Any]],
-                block_ids: Any) -> None:
+    def scatter(self, pool: Any, slots: Any, kv_caches: Sequence[Any],
+                block_ids: Any, *, layout: str = "pairs") -> None:
         """Pages -> engine: the inverse of :meth:`gather`. Target block ids
         must be unique."""
         self._check_pool(pool)
-        caches = self._kv_list(kv_caches)
-        layout = self._check_engine(caches, int(pool.shape[1]), writable=True)
+        caches = self._segment_list(kv_caches, layout)
+        layout = self._check_engine(caches, int(pool.shape[1]), writable=True,
+                                    strict_rank=layout == "pairs")
         ids = self._ids(slots, "slots", pool.shape[0], unique=False)
         blocks = self._ids(block_ids, "block_ids", layout.num_blocks, unique=True)
         self._check_paired(blocks, ids)
@@ -283,16 +309,49 @@ class PageOps(abc.ABC):
             caches.append((k, v))
         return caches
 
-    def _check_engine(self, caches: list[tuple[Any, Any]], page_bytes: int,
-                      writable: bool) -> EngineLayout:
-        """All engine tensors share one 4-D C-contiguous shape and dtype, and
-        ``num_layers * 2 * block_bytes == page_bytes``."""
+    def _segment_list(self, kv_caches: Any, layout: str) -> list[tuple[Any, ...]]:
+        """Per layer, the tuple of its segment tensors for ``layout``."""
+        if layout == "pairs":
+            return self._kv_list(kv_caches)
+        if layout not in ENGINE_LAYOUTS:
+            raise KernelArgumentError(f"layout must be one of {ENGINE_LAYOUTS}, got {layout!r}")
+        try:
+            layers = list(kv_caches)
+        except TypeError:
+            raise KernelArgumentError("kv_caches must be a sequence of one tensor per layer") from None
+        out: list[tuple[Any, ...]] = []
+        for l, tensor in enumerate(layers):
+            what = f"kv_caches[{l}]"
+            self._check_array(tensor, what)
+            if not tensor.flags.c_contiguous:
+                raise KernelArgumentError(f"{what} must be C-contiguous")
+            if layout == "blocks":
+                if tensor.ndim < 2:
+                    raise KernelArgumentError(f"{what} must be [num_blocks, ...], got shape {tuple(tensor.shape)}")
+                out.append((tensor,))
+            else:
+                if tensor.ndim < 3 or tensor.shape[0] != 2:
+                    raise KernelArgumentError(
+                        f"{what} must be [2 (K, V), num_blocks, ...], got shape {tuple(tensor.shape)}")
+                out.append((tensor[0], tensor[1]))  # C-contiguous halves, no copy
+        return out
+
+    def _check_engine(self, caches: list[tuple[Any, ...]], page_bytes: int,
+                      writable: bool, strict_rank: bool = True) -> EngineLayout:
+        """All segment tensors share one C-contiguous shape and dtype (4-D
+        for (K, V) pairs), every layer has as many, and
+        ``num_layers * segments * block_bytes == page_bytes``."""
         if not caches:
             raise KernelArgumentError("kv_caches must hold at least one layer")
         first = caches[0][0]
         self._check_array(first, "kv_caches[0][0]")
         shape, dtype = tuple(first.shape), first.dtype
-        if len(shape) != 4:
+        segments = len(caches[0])
+        if any(len(pair) != segments for pair in caches):
+            raise KernelArgumentError("every layer must have the same number of segment tensors")
+        if segments == 1 and len(shape) < 2:
+            raise KernelArgumentError(f"engine tensors must be [num_blocks, ...], got shape {shape}")
+        if segments == 2 and (len(shape) != 4 if strict_rank else len(shape) < 2):
             raise KernelArgumentError(
                 f"engine tensors must be 4-D [num_blocks, block_tokens, kv_heads, "
                 f"head_dim], got shape {shape}")
@@ -318,12 +377,13 @@ class PageOps(abc.ABC):
                     ptrs[ptr] = what
         block_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
         num_layers = len(caches)
-        if num_layers * 2 * block_bytes != page_bytes:
+        if num_layers * segments * block_bytes != page_bytes:
             raise KernelArgumentError(
                 f"page_bytes mismatch: pool pages are {page_bytes} bytes but "
-                f"{num_layers} layers x 2 x {block_bytes} block bytes = "
-                f"{num_layers * 2 * block_bytes} (engine shape {shape}, {dtype})")
-        return EngineLayout(num_layers, int(shape[0]), block_bytes, shape, dtype)
+                f"{num_layers} layers x {segments} x {block_bytes} block bytes = "
+                f"{num_layers * segments * block_bytes} (engine shape {shape}, {dtype})")
+        return EngineLayout(num_layers, int(shape[0]), block_bytes, shape, dtype, segments)
+
 
     def _check_empty_pool_args(self, num_slots: int, page_bytes: int) -> tuple[int, int]:
         """Validate :meth:`empty_pool` arguments."""

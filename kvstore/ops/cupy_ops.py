@@ -145,7 +145,7 @@ class CupyPageOps(PageOps):
         steady-state calls skip the host-to-device copy. Content depends only
         on the key, so a reused address can never make an entry stale.
         """
-        key = tuple(int(t.data.ptr) for pair in kv_caches for t in pair)
+        key = tuple(int(t.data.ptr) for pair in kv_caches for t in pair)  # every segment, in page order
         with self._ptr_lock:
             table = self._ptr_tables.get(key)
             if table is None:
@@ -178,15 +178,38 @@ class CupyPageOps(PageOps):
     def _engine_launch(self, kernel: str, layout: EngineLayout,
                        kv_caches: list[tuple[Any, Any]], block_ids: Any, pool: Any,
                        slots: Any) -> None:
-        """Launch ``gather_blocks``/``scatter_blocks`` (same signature)."""
+        """Launch ``gather_blocks``/``scatter_blocks`` (same signature).
+
+        The kernels copy ``2 * num_layers`` equal segments per page from a
+        pointer table, so any even segment count runs on them as it is (a
+        fused ``"blocks"`` layer is one segment); an odd one takes
+        :meth:`_segment_copy`.
+        """
         n = int(slots.shape[0])
-        units = n * 2 * layout.num_layers
+        total = layout.segments * layout.num_layers
+        if total % 2:
+            self._segment_copy(kernel == "gather_blocks", layout, kv_caches, block_ids, pool, slots)
+            return
+        units = n * total
         table = self._layer_table(kv_caches)
         with self._device:
             self._kernels[kernel](
                 (_grid(units, layout.block_bytes),), (THREADS,),
-                (table, block_ids, slots, np.int64(n), np.int64(layout.num_layers),
+                (table, block_ids, slots, np.int64(n), np.int64(total // 2),
                  np.int64(layout.block_bytes), pool, np.int64(pool.shape[1])))
+
+    def _segment_copy(self, gather: bool, layout: EngineLayout, kv_caches: list[tuple[Any, ...]],
+                      block_ids: Any, pool: Any, slots: Any) -> None:
+        """Odd segment counts: one CuPy fancy-index copy per segment."""
+        pages = pool.reshape(pool.shape[0], layout.num_layers, layout.segments, layout.block_bytes)
+        with self._device:
+            for l, pair in enumerate(kv_caches):
+                for t, tensor in enumerate(pair):
+                    rows = tensor.view(self.xp.uint8).reshape(layout.num_blocks, layout.block_bytes)
+                    if gather:
+                        pages[slots, l, t] = rows[block_ids]
+                    else:
+                        rows[block_ids] = pages[slots, l, t]
 
     def _gather(self, layout: EngineLayout, kv_caches: list[tuple[Any, Any]],
                 block_ids: Any, pool: Any, slots: Any) -> None:

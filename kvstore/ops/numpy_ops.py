@@ -22,8 +22,8 @@ def _block_rows(tensor: np.ndarray, layout: EngineLayout) -> np.ndarray:
 
 
 def _page_segments(pool: np.ndarray, layout: EngineLayout) -> np.ndarray:
-    """View the pool as ``[num_slots, num_layers, 2, block_bytes]`` (no copy)."""
-    return pool.reshape(pool.shape[0], layout.num_layers, 2, layout.block_bytes)
+    """View the pool as ``[num_slots, num_layers, segments, block_bytes]`` (no copy)."""
+    return pool.reshape(pool.shape[0], layout.num_layers, layout.segments, layout.block_bytes)
 
 
 class NumpyPageOps(PageOps):
