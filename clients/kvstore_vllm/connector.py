@@ -127,11 +127,7 @@ class KvstoreConnector(KVConnectorBase_V1):
             self.worker.ops = select_ops("cupy", f"cuda:{tensors[0].device.index or 0}")
         else:
             self.worker.ops = select_ops("numpy", "cpu")
-        model = self._vllm_config.model_config
-        describe = {"block_tokens": self.block_size, "num_layers": len(names),
-                    "kv_heads": model.get_num_kv_heads(self._vllm_config.parallel_config),
-                    "head_dim": model.get_head_size()}
-        self.worker.register(names, [byte_view(t) for t in tensors], layout, describe=describe)
+        self.worker.register(names, [byte_view(t) for t in tensors], layout)
         log.info("kvstore: %d layers, layout %s, %d-byte pages, namespace %s", len(names), layout,
                  self.worker.page_bytes, self.worker.namespace)
 

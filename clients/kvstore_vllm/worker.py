@@ -83,8 +83,8 @@ class WorkerCore:
         """Called with a step's loads before its Get is sent (tracing, tests)."""
         self.loaded: OrderedDict[str, LoadSpec] = OrderedDict()
         """The last load per request (what was asked; the latest 1024), for inspection."""
-        self.saved: dict[str, list[SaveSpec]] = {}
-        """Saves per request, for inspection."""
+        self.saved: OrderedDict[str, list[SaveSpec]] = OrderedDict()
+        """Saves per request (the latest 1024 requests), for inspection."""
 
     # ---- registration -------------------------------------------------------
     def register(self, names: Sequence[str], layers: Sequence[Any], layout: str, *,
@@ -189,6 +189,8 @@ class WorkerCore:
                 self._pending_saves[spec.req_id] = self._pending_saves.get(spec.req_id, 0) + 1
                 self._saved_reqs.add(spec.req_id)
             self.saved.setdefault(spec.req_id, []).append(spec)
+            while len(self.saved) > 1024:
+                self.saved.popitem(last=False)
             self._save_pool.submit(self._save_one, spec, ready)
 
     def _save_one(self, spec: SaveSpec, ready: Callable[[], None] | None) -> None:
@@ -221,7 +223,6 @@ class WorkerCore:
                 self._finishing.discard(r)
                 self._saved_reqs.discard(r)
                 self._pending_saves.pop(r, None)
-                self.saved.pop(r, None)
         return done
 
     def flush(self, timeout: float = 30.0) -> bool:
