@@ -28,7 +28,8 @@ from kvstore.pool.pool import PagePool
 from kvstore.transport.auto import make_transport, resolve_transport
 from kvstore.transport.base import Served, ServeFn, Transport, TransportError
 from kvstore.transport.tcp import TcpTransport
-from kvstore.transport.ucx import UcxTransport, configure_ucx_env, ucx_context_created
+from kvstore.transport.ucx import UcxTransport
+from kvstore.transport.ucx_progress import configure_ucx_env, ucx_context_created
 from kvstore.v1 import kvstore_pb2 as pb
 
 # UCX reads its environment once per process (at import and when ucxx creates
@@ -323,30 +324,110 @@ def test_holder_process_killed_mid_pull_raises(backend: str, loop_name: str) -> 
         proc.join(10)
 
 
-def test_cancelled_fetch_drops_its_connection(backend: str, loop_name: str) -> None:
-    """A pull cancelled mid-transfer (a deadline) closes its connection; the
-    connection count does not grow and the next pull works."""
+def _paced_holder(q: Any, commands: Any, backend: str, loop_name: str) -> None:
+    """A slow holder process, so a 64 MiB payload arrives piece by piece:
+    its event loop stalls 2 ms per iteration (it sends only between stalls),
+    and under UCX it may use only UCX's TCP transport (shared memory would
+    move the whole payload in one copy; within one process it even lands in
+    a single worker progress, before any cancel could). Answers "readers"
+    on ``commands`` with its pool's read holds."""
+    os.environ["UCX_TLS"] = "tcp,self"  # read when this process's ucxx context is made
     store = Store(64, MiB, seed=4)
 
-    async def body() -> None:
-        async with pair(backend, store) as (_, client, endpoint):
-            reply, payload = await client.fetch(endpoint, request_for(store.keys[:1]), alloc)
-            check_reply(store, store.keys[:1], reply, payload)
-            assert client.connections() == 1
-            cancelled = 0
-            for _ in range(3):
-                try:
-                    await asyncio.wait_for(client.fetch(endpoint, request_for(store.keys), alloc), 0.002)
-                except TimeoutError:
-                    cancelled += 1
-                assert client.connections() <= 1
-            assert cancelled >= 1, "the 64 MiB pull never outlived a 2 ms deadline"
-            reply, payload = await client.fetch(endpoint, request_for(store.keys), alloc)
-            check_reply(store, store.keys, reply, payload)
-            assert client.connections() == 1
-            await eventually(lambda: store.readers() == 0)  # the server saw the aborts
+    async def stall() -> None:
+        while True:
+            time.sleep(0.002)  # a busy holder: its loop (and UCX progress) runs in between
+            await asyncio.sleep(0)
 
-    run(loop_name, body)
+    async def main() -> None:
+        stalling = asyncio.ensure_future(stall())  # noqa: F841  (runs until the process is killed)
+        transport = make_transport(backend)
+        endpoint = await transport.start("127.0.0.1", 0, store.serve)
+        q.put(endpoint.port)
+        loop = asyncio.get_running_loop()
+        while True:
+            if await loop.run_in_executor(None, commands.get) == "readers":
+                q.put(store.readers())
+
+    run(loop_name, main, timeout=120)
+
+
+def test_cancelled_fetch_drops_its_connection(backend: str, loop_name: str) -> None:
+    """A pull cancelled while its payload is on the wire (a deadline)
+    closes its connection. Once the cancelled fetch has raised, nothing
+    writes into the buffer ``alloc`` gave any more; the connection count
+    does not grow, the holder releases its read hold, and the next pull
+    works."""
+    ctx = multiprocessing.get_context("spawn")
+    q, commands = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_paced_holder, args=(q, commands, backend, loop_name), daemon=True)
+    proc.start()
+    try:
+        port = q.get(timeout=60)
+        ref = Store(64, MiB, seed=4)  # the holder's pages
+
+        async def body() -> None:
+            loop = asyncio.get_running_loop()
+            client = make_transport(backend)
+            endpoint = pb.TransportEndpoint(kind=backend, host="127.0.0.1", port=port)
+            try:
+                reply, payload = await client.fetch(endpoint, request_for(ref.keys[:1]), alloc)
+                check_reply(ref, ref.keys[:1], reply, payload)
+                assert client.connections() == 1
+                mid_payload = 0  # cancels that landed while payload bytes were on the wire
+                for _ in range(6):
+                    started = asyncio.Event()
+                    buffers: list[np.ndarray] = []
+
+                    def signalling_alloc(n: int, page_bytes: int, reply: pb.DataHeader | None = None) -> np.ndarray:
+                        buffers.append(np.zeros((n, page_bytes), dtype=np.uint8))
+                        started.set()  # the reply header is in; the payload receive starts now
+                        return buffers[-1]
+
+                    pull = asyncio.ensure_future(client.fetch(endpoint, request_for(ref.keys), signalling_alloc))
+                    await asyncio.wait_for(started.wait(), 10)
+                    buf = buffers[0]
+                    # cancel only once payload bytes are landing: the first page is in ...
+                    deadline = loop.time() + 5
+                    while not buf[0, -64:].any() and not pull.done():
+                        assert loop.time() < deadline, "no payload byte arrived within 5 s"
+                        await asyncio.sleep(0)
+                    landing = not buf[-1, -64:].any()  # ... and the last is not (else UCX moved it in one step)
+                    pull.cancel()
+                    try:
+                        await pull
+                    except asyncio.CancelledError:
+                        pass
+                    else:  # it had already ended: no cancel happened
+                        assert not landing, "a pull cancelled mid-payload returned normally"
+                        continue
+                    settled = buf.copy()
+                    await asyncio.sleep(0.05)  # the loop (and UCX's progress) runs meanwhile
+                    assert np.array_equal(settled, buf), "the transport wrote into the buffer after fetch raised"
+                    assert client.connections() == 0, "the cancelled pull's connection was kept"
+                    mid_payload += landing
+                    if mid_payload == 2:
+                        break
+                assert mid_payload == 2, f"only {mid_payload} of 6 cancels landed while the payload was on the wire"
+                reply, payload = await client.fetch(endpoint, request_for(ref.keys), alloc)
+                check_reply(ref, ref.keys, reply, payload)
+                assert client.connections() == 1
+                deadline = loop.time() + 5
+                while True:  # the holder saw the aborts and released every read hold
+                    commands.put("readers")
+                    readers = await loop.run_in_executor(None, q.get, True, 10)
+                    if readers == 0:
+                        break
+                    assert loop.time() < deadline, f"the holder still has {readers} read holds"
+                    await asyncio.sleep(0.05)
+            finally:
+                await client.close()
+            assert client.connections() == 0
+
+        run(loop_name, body)
+    finally:
+        proc.kill()
+        proc.join(10)
 
 
 def test_bad_reply_raises_and_drops_connection(backend: str, loop_name: str) -> None:
