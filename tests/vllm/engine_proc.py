@@ -48,6 +48,7 @@ def main(spec_path: str) -> None:
     llm = LLM(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True, block_size=spec["block_size"],
               enforce_eager=True, max_model_len=spec.get("max_model_len", 2048), dtype="float32", seed=0,
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096),
+              enable_prefix_caching=spec.get("enable_prefix_caching", True),
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvstoreConnector", kv_connector_module_path="kvstore_vllm.connector",
                   kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra))
