@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 from kvstore.units import parse_size
 
-DEVICES_HELP = "auto (a GPU when CuPy finds one, else cpu), cpu, or cuda:N"
+DEVICES_HELP = ("auto (a GPU when CuPy finds one, else cpu), cpu, cuda:N, or cpu-staged (host memory driven "
+                "like a GPU pool, through staging copies: tests and CI)")
 
 
 def parse_hostport(text: str, *, allow_zero_port: bool = True) -> tuple[str, int]:
@@ -55,7 +56,7 @@ def parse_peers(value: str | list[str]) -> tuple[str, ...]:
 def parse_device(value: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"bad device {value!r}: {DEVICES_HELP}")
-    if value in ("auto", "cpu") or (value.startswith("cuda:") and value[5:].isdigit()):
+    if value in ("auto", "cpu", "cpu-staged") or (value.startswith("cuda:") and value[5:].isdigit()):
         return value
     raise ValueError(f"bad device {value!r}: {DEVICES_HELP}")
 
@@ -105,69 +106,6 @@ def _parse_namespaces(value: Any) -> tuple[NamespaceSpec, ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class Setting:
-    name: str
-    parse: Callable[[Any], Any]
-    default: Any
-    help: str
-    metavar: str | None = None
-    repeat: bool = False  # flag may repeat; values accumulate
-
-
-SETTINGS: tuple[Setting, ...] = (
-    Setting("listen", str, "127.0.0.1:7400", "gRPC address HOST:PORT (port 0 picks a free one)", "HOST:PORT"),
-    Setting("node_id", str, "", "this node's id in the cluster (default: the listen address)", "ID"),
-    Setting("capacity", parse_size, parse_size("1GiB"), "bytes of page memory for all namespaces, e.g. 4GiB", "SIZE"),
-    Setting("device", parse_device, "auto", f"where pages live: {DEVICES_HELP}", "DEVICE"),
-    Setting("peers", parse_peers, (), "other nodes, HOST:PORT,HOST:PORT,... (used by the cluster layer)", "LIST"),
-    Setting("namespace", _parse_namespaces, (), "create a namespace at start-up, NAME:PAGE_BYTES[:CAPACITY]; repeatable",
-            "SPEC", repeat=True),
-    Setting("prefault", parse_bool, True, "touch host pool memory at namespace creation so first puts don't "
-            "page-fault (true/false)", "BOOL"),
-    Setting("checksum", parse_bool, True, "xxh3 checksum of every page at put, verified on peer transfers",
-            "BOOL"),
-    Setting("data_port", int, 0, "port of the bulk data channel on the listen host (0: pick one, -1: off)", "PORT"),
-    Setting("heartbeat_interval", float, 0.5, "seconds between heartbeats to each peer", "SECONDS"),
-    Setting("heartbeat_timeout", float, 2.0, "a peer silent this long is dead: its directory entries are dropped",
-            "SECONDS"),
-    Setting("transport", parse_choice("auto", "ucx", "tcp"), "auto",
-            "peer page transport: auto prefers UCX (ucxx) when it imports, else TCP", "NAME"),
-    Setting("transport_port", int, 0, "port of the peer transport listener (0: pick one)", "PORT"),
-    Setting("replication", parse_choice("none", "reactive", "predictive", "full"), "reactive",
-            "none: a Get serves local pages only; reactive: a Get pulls missing pages from the peers that hold "
-            "them; predictive: reactive, plus the coordinator copies prefixes it forecasts to nodes before "
-            "their requests arrive; full: every page is copied to every node (the cost ceiling)", "POLICY"),
-    Setting("predictor_model", str, "", "LightGBM model file from `kvctl train` (default: momentum rule until "
-            "the online retraining has enough data)", "FILE"),
-    Setting("predictor_depths", lambda v: tuple(int(x) for x in (v.split(",") if isinstance(v, str) else v)),
-            (1, 2, 4, 8), "prefix depths in blocks the predictor tracks", "LIST"),
-    Setting("predictor_horizon", float, 300.0, "H: the predictor forecasts requests within this many seconds",
-            "SECONDS"),
-    Setting("planner_tick", float, 1.0, "seconds between planner ticks on the coordinator", "SECONDS"),
-    Setting("spec_threshold", float, 0.5, "replicate a prefix when its forecast probability is at least this",
-            "P"),
-    Setting("spec_budget", float, 0.2, "share of each node's capacity that speculative replicas may use",
-            "FRACTION"),
-    Setting("spec_bandwidth", parse_size, parse_size("1GB"), "bytes/s the planner may spend on speculative "
-            "copies, cluster-wide", "BYTES"),
-    Setting("spec_ttl", float, 120.0, "seconds an unread speculative replica lives unless renewed", "SECONDS"),
-    Setting("keep_fetched", parse_bool, True, "keep pages a Get pulled from a peer as local replicas", "BOOL"),
-    Setting("fetch_timeout", float, 5.0, "longest a Get waits for remote pages when the client gives no deadline; "
-            "what has not arrived by then is reported missing", "SECONDS"),
-    Setting("max_pull_bytes", parse_size, parse_size("64MiB"), "largest single peer transfer; bigger pulls are "
-            "chunked so a deadline keeps what arrived", "SIZE"),
-    Setting("metrics_port", int, -1, "Prometheus metrics port on the listen host (0: pick one, -1: off)", "PORT"),
-    Setting("log_level", parse_choice("debug", "info", "warning", "error"), "info", "logging level", "LEVEL"),
-    Setting("loop", parse_choice("auto", "uvloop", "asyncio"), "auto", "event loop: auto prefers uvloop", "LOOP"),
-    Setting("max_message_bytes", parse_size, parse_size("64MiB"), "largest gRPC message either way", "SIZE"),
-    Setting("max_batch_pages", int, 65536, "most pages in one Put/Get batch", "N"),
-    Setting("max_batch_bytes", parse_size, parse_size("1GiB"), "most page bytes in one Put/Get batch", "SIZE"),
-    Setting("max_pin_ttl", float, 3600.0, "longest lease a Pin may ask for, seconds", "SECONDS"),
-    Setting("grace", float, 5.0, "seconds in-flight calls get to finish on SIGTERM", "SECONDS"),
-)
-
-
-@dataclass(frozen=True, slots=True)
 class NodeConfig:
     """Everything a node needs to start; validated on construction."""
 
@@ -204,6 +142,10 @@ class NodeConfig:
     max_batch_bytes: int = 1 << 30
     max_pin_ttl: float = 3600.0
     grace: float = 5.0
+    deadline_share: float = 0.8
+    control_timeout: float = 5.0
+    transfer_timeout: float = 30.0
+    predictor_momentum_window: float = 60.0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -235,6 +177,10 @@ class NodeConfig:
             raise ValueError("spec_bandwidth must be > 0")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise ValueError("need 0 < heartbeat_interval < heartbeat_timeout")
+        if not 0 < self.deadline_share <= 1:
+            raise ValueError("deadline_share must be in (0, 1]")
+        if not (self.control_timeout > 0 and self.transfer_timeout > 0 and self.predictor_momentum_window > 0):
+            raise ValueError("control_timeout, transfer_timeout and predictor_momentum_window must be > 0")
         if not self.fetch_timeout >= 0:
             raise ValueError("fetch_timeout must be >= 0")
         if self.max_pull_bytes < 1 << 20:
@@ -248,6 +194,87 @@ class NodeConfig:
     @property
     def host(self) -> str:
         return parse_hostport(self.listen)[0]
+
+
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(NodeConfig) if f.name != "extra"}
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """How one :class:`NodeConfig` field is set from a flag, the file or env.
+
+    The default lives once, on the field; :attr:`default` reads it there."""
+
+    name: str
+    parse: Callable[[Any], Any]
+    help: str
+    metavar: str | None = None
+    repeat: bool = False  # flag may repeat; values accumulate
+
+    @property
+    def default(self) -> Any:
+        return _DEFAULTS[self.name]
+
+
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("listen", str, "gRPC address HOST:PORT (port 0 picks a free one)", "HOST:PORT"),
+    Setting("node_id", str, "this node's id in the cluster (default: the listen address)", "ID"),
+    Setting("capacity", parse_size, "bytes of page memory for all namespaces, e.g. 4GiB", "SIZE"),
+    Setting("device", parse_device, f"where pages live: {DEVICES_HELP}", "DEVICE"),
+    Setting("peers", parse_peers, "other nodes, HOST:PORT,HOST:PORT,... (used by the cluster layer)", "LIST"),
+    Setting("namespace", _parse_namespaces, "create a namespace at start-up, NAME:PAGE_BYTES[:CAPACITY]; repeatable",
+            "SPEC", repeat=True),
+    Setting("prefault", parse_bool, "touch host pool memory at namespace creation so first puts don't "
+            "page-fault (true/false)", "BOOL"),
+    Setting("checksum", parse_bool, "xxh3 checksum of every page at put, verified on peer transfers",
+            "BOOL"),
+    Setting("data_port", int, "port of the bulk data channel on the listen host (0: pick one, -1: off)", "PORT"),
+    Setting("heartbeat_interval", float, "seconds between heartbeats to each peer", "SECONDS"),
+    Setting("heartbeat_timeout", float, "a peer silent this long is dead: its directory entries are dropped",
+            "SECONDS"),
+    Setting("transport", parse_choice("auto", "ucx", "tcp"), "peer page transport: auto prefers UCX (ucxx) when it imports, else TCP", "NAME"),
+    Setting("transport_port", int, "port of the peer transport listener (0: pick one)", "PORT"),
+    Setting("replication", parse_choice("none", "reactive", "predictive", "full"), "none: a Get serves local pages only; reactive: a Get pulls missing pages from the peers that hold "
+            "them; predictive: reactive, plus the coordinator copies prefixes it forecasts to nodes before "
+            "their requests arrive; full: every page is copied to every node (the cost ceiling)", "POLICY"),
+    Setting("predictor_model", str, "LightGBM model file from `kvctl train` (default: momentum rule until "
+            "the online retraining has enough data)", "FILE"),
+    Setting("predictor_depths", lambda v: tuple(int(x) for x in (v.split(",") if isinstance(v, str) else v)),
+            "prefix depths in blocks the predictor tracks", "LIST"),
+    Setting("predictor_horizon", float, "H: the predictor forecasts requests within this many seconds",
+            "SECONDS"),
+    Setting("planner_tick", float, "seconds between planner ticks on the coordinator", "SECONDS"),
+    Setting("spec_threshold", float, "replicate a prefix when its forecast probability is at least this",
+            "P"),
+    Setting("spec_budget", float, "share of each node's capacity that speculative replicas may use",
+            "FRACTION"),
+    Setting("spec_bandwidth", parse_size, "bytes/s the planner may spend on speculative "
+            "copies, cluster-wide", "BYTES"),
+    Setting("spec_ttl", float, "seconds an unread speculative replica lives unless renewed", "SECONDS"),
+    Setting("keep_fetched", parse_bool, "keep pages a Get pulled from a peer as local replicas", "BOOL"),
+    Setting("fetch_timeout", float, "longest a Get waits for remote pages when the client gives no deadline; "
+            "what has not arrived by then is reported missing", "SECONDS"),
+    Setting("max_pull_bytes", parse_size, "largest single peer transfer; bigger pulls are "
+            "chunked so a deadline keeps what arrived", "SIZE"),
+    Setting("metrics_port", int, "Prometheus metrics port on the listen host (0: pick one, -1: off)", "PORT"),
+    Setting("log_level", parse_choice("debug", "info", "warning", "error"), "logging level", "LEVEL"),
+    Setting("loop", parse_choice("auto", "uvloop", "asyncio"), "event loop: auto prefers uvloop", "LOOP"),
+    Setting("max_message_bytes", parse_size, "largest gRPC message either way", "SIZE"),
+    Setting("max_batch_pages", int, "most pages in one Put/Get batch", "N"),
+    Setting("max_batch_bytes", parse_size, "most page bytes in one Put/Get batch", "SIZE"),
+    Setting("max_pin_ttl", float, "longest lease a Pin may ask for, seconds", "SECONDS"),
+    Setting("grace", float, "seconds in-flight calls get to finish on SIGTERM", "SECONDS"),
+    Setting("deadline_share", float, "share of a Get's deadline spent fetching from peers; the rest is left to "
+            "send what arrived", "FRACTION"),
+    Setting("control_timeout", float, "timeout of the coordinator's control calls to nodes (Replicate, "
+            "DropSpeculative), seconds", "SECONDS"),
+    Setting("transfer_timeout", float, "longest a Put or a peer transfer may hold reserved slots waiting for its "
+            "bytes; then it aborts and frees them", "SECONDS"),
+    Setting("predictor_momentum_window", float, "W of the momentum rule: a prefix seen at least twice within W "
+            "seconds is forecast to recur", "SECONDS"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -36,11 +36,18 @@ class Unavailable(KvError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DeadlineExceeded(KvError):
+    """A transfer ran past its deadline (e.g. a Put whose bytes never came)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class PoolExhausted(ResourceExhausted):
     """No free or evictable slot: every page is pinned or being read."""
 
 
-_BY_VALUE = {cls.code.value[0]: cls for cls in (InvalidArgument, NotFound, AlreadyExists, ResourceExhausted, Unavailable)}
+_BY_VALUE = {cls.code.value[0]: cls for cls in (InvalidArgument, NotFound, AlreadyExists, ResourceExhausted, Unavailable,
+                                               DeadlineExceeded)}
 
 
 def error_for_code(code: int, message: str) -> KvError:

@@ -12,6 +12,7 @@ from .numpy_ops import NumpyPageOps
 __all__ = ["cupy_available", "select"]
 
 _NUMPY_NAMES = frozenset({"numpy", "cpu"})
+_STAGED_NAMES = frozenset({"numpy-staged", "cpu-staged"})
 _CUPY_NAMES = frozenset({"cupy", "cuda", "gpu"})
 
 
@@ -28,29 +29,35 @@ def cupy_available() -> bool:
 
 
 def _parse_device(device: str) -> int | None:
-    """``"auto"`` -> -1, ``"cpu"`` -> None, ``"cuda"``/``"cuda:N"`` -> N."""
+    """``"auto"`` -> -1, ``"cpu"``/``"cpu-staged"`` -> None, ``"cuda"``/``"cuda:N"`` -> N."""
     text = str(device).strip().lower()
     if text == "auto":
         return -1
-    if text == "cpu":
+    if text in ("cpu", "cpu-staged"):
         return None
     if text == "cuda":
         return 0
     if text.startswith("cuda:") and text[5:].isdigit():
         return int(text[5:])
     raise KernelArgumentError(
-        f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        f"device must be 'auto', 'cpu', 'cpu-staged', 'cuda' or 'cuda:N', got {device!r}")
 
 
 def select(name: str = "auto", device: str = "auto") -> PageOps:
-    """Return page ops for ``name`` ("auto", "numpy"/"cpu", "cupy"/"cuda")
-    on ``device`` ("auto", "cpu", "cuda:N").
+    """Return page ops for ``name`` ("auto", "numpy"/"cpu", "cupy"/"cuda",
+    "numpy-staged") on ``device`` ("auto", "cpu", "cpu-staged", "cuda:N").
 
     "auto" picks CuPy when it imports and a GPU is available (device "auto"
     meaning cuda:0), else numpy. Asking for CuPy or a CUDA device where
     neither is usable raises BackendUnavailableError.
     """
     backend = str(name).strip().lower()
+    if str(device).strip().lower() == "cpu-staged" or backend in _STAGED_NAMES:
+        if backend not in _STAGED_NAMES | {"auto"} or str(device).strip().lower() not in ("cpu-staged", "auto"):
+            raise KernelArgumentError(f"backend {name!r} cannot run on device {device!r}")
+        from .staged import StagedNumpyPageOps
+
+        return StagedNumpyPageOps()
     if backend not in _NUMPY_NAMES | _CUPY_NAMES | {"auto"}:
         raise KernelArgumentError(
             f"unknown page-ops backend {name!r}; use 'auto', 'numpy' or 'cupy'")
