@@ -39,7 +39,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvstore.predict.planner import plan, select_candidates  # noqa: E402
-from kvstore.predict.types import Candidate, NodeState, PlannerConfig, PlanResult, PrefixId  # noqa: E402
+from kvstore.predict.planner_types import Candidate, NodeState, PlannerConfig, PlanResult  # noqa: E402
+from kvstore.predict.types import PrefixId  # noqa: E402
 
 DEPTHS = (1, 2, 4, 8)
 NAMESPACES = ("llama-8b", "llama-70b", "qwen-32b", "mistral-7b")

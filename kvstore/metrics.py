@@ -8,15 +8,18 @@ themselves rather than kept in step by hand.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-if TYPE_CHECKING:
-    from kvstore.node import Node
+
+class HasNamespaces(Protocol):
+    """What the pool collector reads of a node (``kvstore.node.Node``)."""
+
+    namespaces: Mapping[str, Any]
 
 _LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -24,7 +27,7 @@ _LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0
 class _PoolCollector:
     """Occupancy and eviction counts, read from the pools at scrape time."""
 
-    def __init__(self, node: "Node") -> None:
+    def __init__(self, node: HasNamespaces) -> None:
         self._node = node
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -81,7 +84,7 @@ class _CoordinatorCollector:
 class NodeMetrics:
     """Operation counters, byte counters and latency histograms."""
 
-    def __init__(self, node: "Node") -> None:
+    def __init__(self, node: HasNamespaces) -> None:
         self.registry = CollectorRegistry()
         self.ops = Counter("kvstore_operations", "Client operations by result code",
                            ["op", "code"], registry=self.registry)
@@ -107,6 +110,14 @@ class NodeMetrics:
 
     def watch_coordinator(self, coordinator: Any) -> None:
         self.registry.register(_CoordinatorCollector(coordinator))
+
+    def count_get(self, path: str, hits: int, misses: int, page_bytes: int, seconds: float) -> None:
+        """One served Get (gRPC or data channel): result, pages, bytes, latency."""
+        self.ops.labels("get", "OK").inc()
+        self.pages.labels("get", "hit").inc(hits)
+        self.pages.labels("get", "miss").inc(misses)
+        self.bytes.labels("get", path).inc(hits * page_bytes)
+        self.latency.labels("get", path).observe(seconds)
 
     @contextmanager
     def timed(self, op: str, path: str = "grpc") -> Iterator[None]:

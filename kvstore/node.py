@@ -15,17 +15,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import xxhash
-
 from kvstore.config import NodeConfig
-
-# Room for protobuf framing around the pages of one gRPC message.
-MESSAGE_OVERHEAD = 64 << 10
 from kvstore.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.ops.base import PageOps
 from kvstore.pool.layout import PageLayout, check_keys, check_namespace
-from kvstore.pool.pool import PageKind, PagePool, ReadHandle, Reservation
+from kvstore.pool.movement import SOCKET, Carrier, Landing, page_checksum
+from kvstore.pool.pool import Entry, PageKind, PagePool, ReadHandle, Reservation
+
+__all__ = ["MESSAGE_OVERHEAD", "Lease", "Namespace", "Node", "PutBatch", "PutResult", "page_checksum"]
+
+# Room for protobuf framing around the pages of one gRPC message.
+MESSAGE_OVERHEAD = 64 << 10
 
 
 @dataclass(slots=True)
@@ -59,11 +59,7 @@ class _Part:
     res: Reservation
     keys: list[bytes]  # the new keys, in slot order
     checksums: list[int] | None = None
-
-
-def page_checksum(page: Any) -> int:
-    """xxh3_64 of a page's bytes: computed when stored, verified by peers."""
-    return xxhash.xxh3_64_intdigest(page)
+    ready: bool = False  # its landing finished: all its bytes are in the slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,21 +70,31 @@ class PutResult:
 
 
 class PutBatch:
-    """One Put: chunks are reserved and filled as they come; keys become
-    visible only at :meth:`commit`. :meth:`abort` undoes every reservation."""
+    """One Put: chunks reserve slots as their bytes arrive (:meth:`write_in`);
+    keys become visible only at :meth:`commit`, with the batch's ``kind``
+    and (speculative pages) ``expires_at``. :meth:`abort` undoes every
+    reservation. ``deadline`` (monotonic seconds, 0 = none) bounds how long
+    the batch may hold reserved slots: its carrier stops receiving then and
+    aborts (:meth:`time_left`)."""
 
-    def __init__(self, node: "Node", ns: Namespace, kind: PageKind) -> None:
+    def __init__(self, node: "Node", ns: Namespace, kind: PageKind, expires_at: float = 0.0,
+                 deadline: float = 0.0) -> None:
         self._node = node
         self.ns = ns
         self.kind = kind
+        self.expires_at = expires_at if kind is PageKind.SPECULATIVE else 0.0
+        self.deadline = deadline
         self._seen: set[bytes] = set()
         self._parts: list[_Part] = []
         self._closed = False
-        self.expires_at = 0.0  # for SPECULATIVE batches: when unread copies expire
 
     @property
     def pages(self) -> int:
         return len(self._seen)
+
+    def time_left(self) -> float | None:
+        """Seconds until the reservation deadline (None: no deadline)."""
+        return max(0.0, self.deadline - time.monotonic()) if self.deadline else None
 
     def _reserve(self, keys: Sequence[bytes]) -> tuple[list[int], Reservation]:
         if self._closed:
@@ -117,8 +123,23 @@ class PutBatch:
         self._parts.append(_Part(res, [keys[i] for i in new]))
         return new, res
 
+    def write_in(self, keys: Sequence[bytes], carrier: Carrier = SOCKET) -> Landing:
+        """Reserve slots for the next chunk of keys and return where its
+        bytes land (see :class:`~kvstore.pool.movement.Landing`); call the
+        landing's ``finish`` once they have all arrived."""
+        new, res = self._reserve(keys)
+        part = self._parts[-1]
+
+        def done(stored: list[bytes], sums: list[int], bad: set[bytes]) -> None:
+            part.checksums = sums if (self._node.config.checksum or any(sums)) else None
+            part.ready = True
+            if bad:
+                self.discard(bad)
+
+        return Landing(self.ns.pool, keys, new, res.slots, carrier, self._node.config.checksum, done)
+
     def add(self, keys: Sequence[bytes], pages: Sequence[bytes]) -> None:
-        """Validate and copy one chunk of (key, page bytes)."""
+        """Validate and copy one chunk of (key, page bytes) (gRPC Put)."""
         if len(keys) != len(pages):
             raise InvalidArgument(f"{len(keys)} keys but {len(pages)} pages")
         page_bytes = self.ns.layout.page_bytes
@@ -127,46 +148,10 @@ class PutBatch:
                 raise InvalidArgument(
                     f"page #{i} has {len(page)} bytes; namespace {self.ns.name!r} pages are {page_bytes} bytes"
                 )
-        new, res = self._reserve(keys)
-        fresh = [pages[i] for i in new]
-        self.ns.pool.write(res.slots, fresh)
-        if self._node.config.checksum:
-            self._parts[-1].checksums = [page_checksum(p) for p in fresh]
-
-    def add_landing(self, keys: Sequence[bytes]) -> tuple[list[memoryview | None], Callable[[], None]]:
-        """Reserve slots for a chunk whose bytes arrive later (data channel).
-
-        Returns one buffer per key to receive into (``None`` for a key the
-        node already holds: its bytes are to be drained) and a finisher to
-        call once all bytes have arrived.
-        """
-        new, res = self._reserve(keys)
-        views, upload = self.ns.pool.landing(res.slots)
-        part = self._parts[-1]
-        out: list[memoryview | None] = [None] * len(keys)
-        for i, view in zip(new, views):
-            out[i] = view
-
-        def finish() -> None:
-            if self._node.config.checksum:
-                part.checksums = [page_checksum(v) for v in views]
-            upload()
-
-        return out, finish
-
-    def add_packed(self, keys: Sequence[bytes], staging: Any, checksums: Sequence[int]) -> None:
-        """Store pages that arrive packed in one staging array (a peer pull):
-        ``staging[i]`` holds ``keys[i]``, already checksum-verified."""
-        new, res = self._reserve(keys)
-        if new:
-            rows = staging if len(new) == len(keys) else staging[new]
-            ops = self.ns.pool.ops
-            if not ops.host_visible and isinstance(rows, np.ndarray):
-                rows = ops.from_host(np.ascontiguousarray(rows))
-            elif ops.host_visible and not isinstance(rows, np.ndarray):
-                rows = ops.to_host(rows)
-            ops.unpack(rows, res.slots, self.ns.pool.buffer)
-        self._parts[-1].checksums = [checksums[i] for i in new]
+        landing = self.write_in(keys)
+        for target, page in zip(landing.targets, pages):
+            target[:] = page
+        landing.finish()
 
     def discard(self, keys: set[bytes]) -> int:
         """Drop ``keys`` from the batch before commit (e.g. a failed
@@ -185,23 +170,19 @@ class PutBatch:
         self._seen -= keys
         return dropped
 
-    @property
-    def last_slots(self) -> list[int]:
-        """Slots reserved by the last chunk, in the order of its new keys."""
-        return self._parts[-1].res.slots if self._parts else []
-
-    def checksums(self) -> dict[bytes, int]:
-        """Checksums computed so far for the new keys of this batch."""
-        return {k: c for part in self._parts if part.checksums is not None
-                for k, c in zip(part.keys, part.checksums)}
-
     def commit(self) -> PutResult:
-        """Publish every reserved page; report what was new."""
+        """Publish every page whose bytes have all arrived; report what was
+        new. A chunk whose landing never finished is not published: its
+        slots go back (no partial write is ever visible)."""
         self._closed = True
         stored = evicted = 0
         for part in self._parts:
-            stored += self.ns.pool.commit(part.res, part.keys, self.kind, part.checksums, self.expires_at)
             evicted += len(part.res.evicted)
+            if not part.ready:
+                self.ns.pool.abort(part.res)
+                self._seen.difference_update(part.keys)
+                continue
+            stored += self.ns.pool.commit(part.res, part.keys, self.kind, part.checksums, self.expires_at)
         self.ns.counters.puts += stored
         return PutResult(stored, len(self._seen) - stored, evicted)
 
@@ -283,8 +264,12 @@ class Node:
             listener(namespace, added, removed)
 
     # ---- pages ---------------------------------------------------------
-    def begin_put(self, name: str, kind: PageKind = PageKind.PRIMARY) -> PutBatch:
-        return PutBatch(self, self.namespace(name), kind)
+    def begin_put(self, name: str, kind: PageKind = PageKind.PRIMARY, *, expires_at: float = 0.0,
+                  timeout: float | None = None) -> PutBatch:
+        """A put batch; ``timeout`` (default ``--transfer-timeout``) bounds how
+        long it may hold reserved slots waiting for bytes."""
+        timeout = self.config.transfer_timeout if timeout is None else timeout
+        return PutBatch(self, self.namespace(name), kind, expires_at, time.monotonic() + timeout)
 
     def check_read_batch(self, ns: Namespace, keys: Sequence[bytes]) -> None:
         check_keys(keys, allow_duplicates=True)

@@ -12,23 +12,13 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import keys_for, random_pages
+from conftest import DEVICE_FLAG, keys_for, random_pages, wait_until
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client import KvClient
 
 MiB = 1 << 20
 FAST = ("--heartbeat-interval", "0.1", "--heartbeat-timeout", "0.8")
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll ``cond`` until true (bounded); returns the seconds it took."""
-    start = time.monotonic()
-    while not cond():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-    return time.monotonic() - start
 
 
 def status(address: str) -> pb.ClusterStatusResponse:
@@ -52,7 +42,7 @@ def transport(request) -> str:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def cluster(daemon, transport):  # type: ignore[no-untyped-def]
+def cluster(daemon, transport, pool_ops):  # type: ignore[no-untyped-def]
     """Start nodes a, b, c; b and c know only a (they learn each other by gossip)."""
 
     def start(*extra: str, ids: str = "abc", capacity: str = "128MiB"):  # type: ignore[no-untyped-def]
@@ -60,6 +50,7 @@ def cluster(daemon, transport):  # type: ignore[no-untyped-def]
         seed = None
         for node_id in ids:
             args = ["--node-id", node_id, "--transport", transport, "--capacity", capacity,
+                    "--device", DEVICE_FLAG[pool_ops],
                     "--namespace", f"m:{MiB}", *FAST, *extra]
             if seed is not None:
                 args += ["--peers", seed]

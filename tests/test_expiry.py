@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import check_pools_sound, keys_for, random_pages
+from conftest import check_pools_sound, keys_for, random_pages, wait_until
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client import KvClient, chain_keys
@@ -29,18 +29,10 @@ SLACK = 1.5  # how late past its expiry a replica may still be seen (many heartb
 
 
 # ---- helpers ---------------------------------------------------------------------
-def wait_until(cond: Callable[[], bool], deadline: float, what: str,
-               state: Callable[[], Any] | None = None) -> float:
-    """Poll ``cond`` until it holds or ``deadline`` (time.monotonic()) passes;
-    returns the time it first held. Fails with ``what`` and the last state."""
-    while True:
-        now = time.monotonic()
-        if cond():
-            return now
-        if now > deadline:
-            detail = f"; last state: {state()}" if state is not None else ""
-            raise AssertionError(f"timed out waiting for {what}{detail}")
-        time.sleep(0.01)
+def wait_by(cond: Callable[[], bool], deadline: float, what: str, state: Callable[[], Any] | None = None) -> float:
+    """:func:`conftest.wait_until` with a deadline on time.monotonic(); returns when ``cond`` first held."""
+    now = time.monotonic()
+    return now + wait_until(cond, deadline - now, what, state)
 
 
 def sleep_until(when: float) -> None:
@@ -78,20 +70,20 @@ def wait_members(servers: list[Any], timeout: float = 10.0) -> None:
         with KvClient(srv.address) as kv:
             return {m.node_id for m in kv.stats().members if m.alive}
 
-    wait_until(lambda: all(seen(s) == ids for s in servers), time.monotonic() + timeout, "membership",
+    wait_by(lambda: all(seen(s) == ids for s in servers), time.monotonic() + timeout, "membership",
                lambda: {s.address: sorted(seen(s)) for s in servers})
 
 
 # ---- fixtures --------------------------------------------------------------------
 @pytest.fixture(params=["tcp", "ucx"])
-def pair(request, make_server):  # type: ignore[no-untyped-def]
+def pair(request, make_server, pool_ops):  # type: ignore[no-untyped-def]
     """Nodes a (the source, holding primaries) and b (the target), both with namespace m."""
     if request.param == "ucx":
         pytest.importorskip("ucxx")
     common = dict(transport=request.param, heartbeat_interval=HEARTBEAT, heartbeat_timeout=2.0,
                   capacity=16 << 20)
-    a = make_server(node_id="a", **common)
-    b = make_server(node_id="b", peers=(a.address,), **common)
+    a = make_server(ops=pool_ops, node_id="a", **common)
+    b = make_server(ops=pool_ops, node_id="b", peers=(a.address,), **common)
     for srv in (a, b):
         with KvClient(srv.address) as kv:
             kv.create_namespace("m", PAGE)
@@ -116,7 +108,7 @@ def test_speculative_replica_expires_at_its_ttl(pair) -> None:  # type: ignore[n
         assert ns.speculative_wasted_bytes == 0
         assert all(kb.exists("m", keys))
 
-        gone = wait_until(lambda: ns_stats(kb).speculative_slots == 0, start + ttl + SLACK,
+        gone = wait_by(lambda: ns_stats(kb).speculative_slots == 0, start + ttl + SLACK,
                           f"the speculative replicas on b to expire ({ttl:g} s TTL, {SLACK:g} s slack)",
                           lambda: spec_state(kb, keys))
         assert gone >= start + ttl, f"expired {start + ttl - gone:.3f} s before its TTL"
@@ -150,10 +142,10 @@ def test_renewal_extends_a_speculative_replica(pair) -> None:  # type: ignore[no
         assert (again.copied, again.already_present, again.missing) == (0, n, 0)
 
         # the unrenewed prefix goes at the first TTL, counted as waste
-        wait_until(lambda: not any(kb.exists("m", control)), start + ttl1 + SLACK,
+        wait_by(lambda: not any(kb.exists("m", control)), start + ttl1 + SLACK,
                    f"the unrenewed replicas on b to expire at the first TTL ({ttl1:g} s)",
                    lambda: spec_state(kb, control))
-        wait_until(lambda: ns_stats(kb).speculative_wasted_bytes == n * PAGE, start + ttl1 + SLACK,
+        wait_by(lambda: ns_stats(kb).speculative_wasted_bytes == n * PAGE, start + ttl1 + SLACK,
                    "the expired replicas to be counted as waste", lambda: spec_state(kb, control))
         # the renewed one is still there past the first TTL ...
         sleep_until(start + ttl1 + 0.3)
@@ -162,7 +154,7 @@ def test_renewal_extends_a_speculative_replica(pair) -> None:  # type: ignore[no
         assert ns_stats(kb).speculative_slots == n
 
         # ... and gone after the second
-        gone = wait_until(lambda: ns_stats(kb).speculative_slots == 0, renew_at + ttl2 + SLACK,
+        gone = wait_by(lambda: ns_stats(kb).speculative_slots == 0, renew_at + ttl2 + SLACK,
                           f"the renewed replicas on b to expire at the renewed TTL ({ttl2:g} s)",
                           lambda: spec_state(kb, renewed))
         assert gone >= renew_at + ttl2, f"the renewed replicas expired {renew_at + ttl2 - gone:.3f} s early"
@@ -196,11 +188,11 @@ def test_planner_drop_of_a_decayed_prefix_empties_the_target(make_server) -> Non
         assert ka.lookup("m", keys, record=True) == n
         assert kb.lookup("m", keys, record=True) == 0
         last_request = time.monotonic()
-        wait_until(lambda: ns_stats(kb).speculative_slots == n and ns_stats(kc).speculative_slots == n,
+        wait_by(lambda: ns_stats(kb).speculative_slots == n and ns_stats(kc).speculative_slots == n,
                    last_request + 5.0, "the coordinator's speculative copies on b and c",
                    lambda: {"b": spec_state(kb, keys), "c": spec_state(kc, keys)})
         # traffic has stopped: after the momentum window the prefix has decayed
-        wait_until(lambda: ns_stats(kb).speculative_slots == 0 and ns_stats(kc).speculative_slots == 0,
+        wait_by(lambda: ns_stats(kb).speculative_slots == 0 and ns_stats(kc).speculative_slots == 0,
                    last_request + window + 3.0,
                    f"the planner to drop the decayed prefix from b and c (momentum window {window:g} s, "
                    "spec_ttl 120 s)", lambda: {"b": spec_state(kb, keys), "c": spec_state(kc, keys)})

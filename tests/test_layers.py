@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("node", ("node",)),
     ("pool", ("pool",)),
     ("ops", ("ops",)),
-    ("bottom", ("config", "errors", "units", "metrics", "framing", "hostmem", "loops", "v1", "protogen", "")),
+    ("bottom", ("config", "errors", "units", "metrics", "framing", "rpc", "hostmem", "loops", "v1", "protogen",
+                "")),
 ]
 RANK = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}
 LAYER_NAME = {top: name for name, tops in LAYERS for top in tops}

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.predict.planner import SKIP_REASONS, plan, renew_or_drop, select_candidates
-from kvstore.predict.types import Candidate, Drop, NodeState, PlannerConfig, PlanResult, Renewal
+from kvstore.predict.planner_types import Candidate, Drop, NodeState, PlannerConfig, PlanResult, Renewal
 
 MB = 1_000_000
 GB = 1_000_000_000

@@ -10,18 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from conftest import check_pools_sound, random_pages
+from conftest import check_pools_sound, random_pages, wait_until
 from kvstore_client import KvClient, chain_keys
 
 PAGE = 64 << 10
-
-
-def wait_until(cond, timeout: float, what: str) -> float:  # type: ignore[no-untyped-def]
-    start = time.monotonic()
-    while not cond():
-        assert time.monotonic() - start < timeout, f"timed out waiting for {what}"
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 @pytest.fixture
@@ -92,8 +84,8 @@ def test_spec_budget_zero_places_nothing(make_server) -> None:  # type: ignore[n
         ka.put("m", keys, random_pages(4, PAGE))
         for _ in range(4):
             assert ka.lookup("m", keys, record=True) == 4
-        ticks = a.call(lambda: len(a.server.agent.coordinator.tick_seconds))
-        wait_until(lambda: a.call(lambda: len(a.server.agent.coordinator.tick_seconds)) >= ticks + 5, 10,
+        ticks = a.call(lambda: len(a.server.coordinator.tick_seconds))
+        wait_until(lambda: a.call(lambda: len(a.server.coordinator.tick_seconds)) >= ticks + 5, 10,
                    "planner ticks")
         assert kb.lookup("m", keys) == 0
         skipped = a.call(lambda: a.server.metrics.decisions.labels("skip_no_room")._value.get())

@@ -18,13 +18,13 @@ PAGE = 64 << 10
 
 
 @pytest.fixture(params=["tcp", "ucx"])
-def pair(request, make_server):  # type: ignore[no-untyped-def]
+def pair(request, make_server, pool_ops):  # type: ignore[no-untyped-def]
     """Nodes a and b (b seeded with a), both with namespace m."""
     if request.param == "ucx":
         pytest.importorskip("ucxx")
     common = dict(transport=request.param, heartbeat_interval=0.05, heartbeat_timeout=2.0, capacity=16 << 20)
-    a = make_server(node_id="a", **common)
-    b = make_server(node_id="b", peers=(a.address,), **common)
+    a = make_server(ops=pool_ops, node_id="a", **common)
+    b = make_server(ops=pool_ops, node_id="b", peers=(a.address,), **common)
     for srv in (a, b):
         with KvClient(srv.address) as kv:
             kv.create_namespace("m", PAGE)

@@ -17,7 +17,8 @@ PB = 64
 
 def fill(pool: PagePool, keys: list[bytes], kind: PageKind, expires_at: float = 0.0) -> None:
     res = pool.reserve(len(keys))
-    pool.write(res.slots, [bytes([i]) * PB for i in range(len(keys))])
+    for i, slot in enumerate(res.slots):
+        pool.buffer[slot] = i
     pool.commit(res, keys, kind, expires_at=expires_at)
 
 

@@ -82,7 +82,7 @@ class Store:
         self.keys = [b"page-%06d" % i for i in range(n)]
         self.pages = np.random.default_rng(seed).integers(0, 256, (n, page_bytes), dtype=np.uint8)
         res = self.pool.reserve(n)
-        self.pool.write(res.slots, list(self.pages))
+        self.pool.buffer[res.slots] = self.pages  # a raw fill: this pool has no node around it
         assert self.pool.commit(res, self.keys) == n
         self.served = 0
 

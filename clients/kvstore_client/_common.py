@@ -11,23 +11,14 @@ import numpy as np
 
 from kvstore.framing import decode_header, decode_prefix, encode_header
 from kvstore.hostmem import populated_empty
-from kvstore.node import MESSAGE_OVERHEAD
+from kvstore.node import MESSAGE_OVERHEAD, PutResult
 from kvstore.errors import KvError, Unavailable, error_for_code
+from kvstore.rpc import CHANNEL_OPTIONS
 from kvstore.v1 import kvstore_pb2 as pb
 
 PageData = np.ndarray | Sequence[bytes | bytearray | memoryview | np.ndarray]
 DEFAULT_MAX_MESSAGE = 64 << 20
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 1 << 30),
-    ("grpc.max_send_message_length", 1 << 30),
-]
-
-
-@dataclass(frozen=True, slots=True)
-class PutResult:
-    stored: int
-    already_present: int
-    evicted: int
+GRPC_OPTIONS = CHANNEL_OPTIONS
 
 
 @dataclass(slots=True)

@@ -7,9 +7,18 @@ Policies (``--replication``): ``none`` and ``reactive`` place nothing here;
 ``predictive`` places speculative replicas ahead of forecast bursts;
 ``full`` copies every new page to every other node (the cost ceiling).
 
-All of it is soft state on the coordinator: a new coordinator starts with an
-empty predictor (or the ``--predictor-model`` file) and an empty placement
-map, and the nodes' speculative replicas simply expire.
+Inputs are narrow: the directory (who holds what, and the speculative
+replicas nodes report with their expiry), the membership view, a
+:class:`PeerClient` to send Replicate and DropSpeculative, and the page size
+of each namespace. The agent feeds it through the ``Placement`` calls
+(``observe``, ``on_report``, ``hints``) and does not import this module.
+
+Expiry has one path: a node enforces each speculative replica's TTL and
+reports it; the replica map the planner renews and drops from is the
+directory's report-built map, restricted to the prefixes this coordinator
+placed. All of it is soft state: a new coordinator starts with an empty
+predictor (or the ``--predictor-model`` file); the replicas the old one
+placed simply expire on their nodes.
 """
 
 from __future__ import annotations
@@ -18,18 +27,21 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
-import grpc
 import numpy as np
 
+from kvstore.cluster.directory import Directory
+from kvstore.cluster.membership import Membership
+from kvstore.cluster.peers import PeerClient
+from kvstore.config import NodeConfig
+from kvstore.errors import KvError
+from kvstore.metrics import NodeMetrics
 from kvstore.pool.pool import PageKind
-from kvstore.predict.types import Access, Candidate, NodeState, Outcome, PlannerConfig, PredictorConfig
+from kvstore.predict.planner_types import Candidate, NodeState, PlannerConfig
+from kvstore.predict.types import Access, Outcome, PredictorConfig
 from kvstore.v1 import kvstore_pb2 as pb
-
-if TYPE_CHECKING:
-    from kvstore.cluster.agent import ClusterAgent
 
 log = logging.getLogger(__name__)
 decision_log = logging.getLogger("kvstore.decisions")
@@ -39,34 +51,39 @@ _BANDWIDTH_ALPHA = 0.3
 class Coordinator:
     """Predictive and full replication, run on whichever node coordinates."""
 
-    def __init__(self, agent: "ClusterAgent") -> None:
-        self.agent = agent
-        cfg = agent.config
-        self.policy = cfg.replication
-        self.pcfg = PredictorConfig(depths=cfg.predictor_depths, horizon_s=cfg.predictor_horizon)
-        self.plan_cfg = PlannerConfig(threshold=cfg.spec_threshold, spec_budget=cfg.spec_budget,
-                                      spec_bandwidth=cfg.spec_bandwidth, tick_s=cfg.planner_tick,
-                                      ttl_s=cfg.spec_ttl)
+    def __init__(self, config: NodeConfig, directory: Directory, membership: Membership, peers: PeerClient,
+                 metrics: NodeMetrics, page_bytes: Callable[[str], int]) -> None:
+        self.directory = directory
+        self.membership = membership
+        self.peers = peers
+        self.metrics = metrics
+        self._page_bytes = page_bytes
+        self.policy = config.replication
+        self.control_timeout = config.control_timeout
+        self.pcfg = PredictorConfig(depths=config.predictor_depths, horizon_s=config.predictor_horizon,
+                                    momentum_window_s=config.predictor_momentum_window)
+        self.plan_cfg = PlannerConfig(threshold=config.spec_threshold, spec_budget=config.spec_budget,
+                                      spec_bandwidth=config.spec_bandwidth, tick_s=config.planner_tick,
+                                      ttl_s=config.spec_ttl)
         self.predictor = None
         if self.policy == "predictive":
-            from kvstore.predict.online import Predictor
+            from kvstore.predict.online import Predictor  # LightGBM loads only for this policy
 
-            self.predictor = Predictor(self.pcfg, model_path=cfg.predictor_model or None,
+            self.predictor = Predictor(self.pcfg, model_path=config.predictor_model or None,
                                        holders_count=self._holders_count)
-        # (namespace, deepest key) -> {node: expires_at (monotonic)}
-        self.speculative: dict[tuple[str, bytes], dict[str, float]] = {}
-        self._spec_depth: dict[tuple[str, bytes], int] = {}  # blocks each placed prefix spans
-        # (namespace, deepest key) -> {node: expected ready time}
+        # prefixes this coordinator placed: (namespace, deepest key) -> when last copied or renewed
+        self._placed: dict[tuple[str, bytes], float] = {}
+        # (namespace, deepest key) -> {node: expected ready time}: copies in flight
         self.pending: dict[tuple[str, bytes], dict[str, float]] = {}
-        self.bandwidth = cfg.spec_bandwidth  # bytes/s per copy, refined by measurement
+        self.bandwidth = float(config.spec_bandwidth)  # bytes/s per copy, refined by measurement
         self._in_flight_bytes = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._full_queue: deque[tuple[str, str, list[bytes]]] = deque(maxlen=100_000)
         self.tick_seconds: list[float] = []
 
-    # ---- inputs ------------------------------------------------------------
+    # ---- inputs (the agent's Placement calls) --------------------------------
     def _holders_count(self, namespace: str, key: bytes) -> int:
-        return len(self.agent.directory.holders(namespace, key))
+        return len(self.directory.holders(namespace, key))
 
     def observe(self, node: str, event: pb.AccessEvent) -> None:
         """One recorded request (from a heartbeat or from this node)."""
@@ -77,7 +94,7 @@ class Coordinator:
             outcome=Outcome(min(event.outcome, 2)), page_bytes=self._page_bytes(event.namespace),
             total_blocks=event.total_blocks or len(event.keys), local_blocks=event.local_blocks))
 
-    def added(self, node: str, batches: Sequence[pb.DirectoryBatch]) -> None:
+    def on_report(self, node: str, batches: Sequence[pb.DirectoryBatch]) -> None:
         """Directory adds from ``node``: under ``full``, copy them everywhere."""
         if self.policy != "full":
             return
@@ -85,9 +102,19 @@ class Coordinator:
             if batch.adds:
                 self._full_queue.append((batch.namespace, node, list(batch.adds)))
 
-    def _page_bytes(self, namespace: str) -> int:
-        ns = self.agent.node.namespaces.get(namespace)
-        return ns.layout.page_bytes if ns is not None else 0
+    @property
+    def speculative(self) -> dict[tuple[str, bytes], dict[str, float]]:
+        """The replicas of the prefixes this coordinator placed, as their nodes
+        report them: ``{(namespace, deepest key): {node: expires_at}}``."""
+        reported, now = self.directory.speculative, time.monotonic()
+        out = {}
+        for pid, touched in list(self._placed.items()):
+            nodes = reported.get(pid)
+            if nodes:
+                out[pid] = {n: t for n, t in nodes.items() if self.membership.alive(n)}
+            elif pid not in self.pending and now - touched > self.plan_cfg.ttl_s:
+                del self._placed[pid]  # reported by no node for a whole TTL: nothing left to renew
+        return {pid: nodes for pid, nodes in out.items() if nodes}
 
     # ---- placement hints ---------------------------------------------------
     def hints(self, namespace: str, chain: Sequence[bytes]) -> list[pb.NodePrefix]:
@@ -101,11 +128,11 @@ class Coordinator:
                 if node not in out:
                     out[node] = pb.NodePrefix(node_id=node, prefix_length=depth, pending=True,
                                               expires_in_seconds=self.plan_cfg.ttl_s)
-            for node, expires in self.speculative.get(key, {}).items():
+            for node, expires in self.directory.speculative.get(key, {}).items():
                 if node not in out and expires > now:
                     out[node] = pb.NodePrefix(node_id=node, prefix_length=depth, expires_in_seconds=expires - now)
         for node_id, hint in out.items():
-            member = self.agent.membership.member(node_id)
+            member = self.membership.member(node_id)
             hint.address = member.address if member is not None else ""
         return list(out.values())
 
@@ -113,7 +140,7 @@ class Coordinator:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.plan_cfg.tick_s)
-            if not self.agent.membership.is_coordinator or self.policy in ("none", "reactive"):
+            if not self.membership.is_coordinator or self.policy in ("none", "reactive"):
                 continue
             start = time.perf_counter()
             try:
@@ -121,7 +148,7 @@ class Coordinator:
             except Exception:  # a bad tick must not stop placement
                 log.exception("planner tick failed")
             took = time.perf_counter() - start
-            self.agent.metrics.tick_latency.observe(took)
+            self.metrics.tick_latency.observe(took)
             self.tick_seconds.append(took)
             del self.tick_seconds[:-1000]
 
@@ -133,38 +160,36 @@ class Coordinator:
 
         assert self.predictor is not None
         now = time.monotonic()
-        self._expire(now)
+        speculative = self.speculative
         scores = await self.predictor.score_async(now)
         self.predictor.maybe_retrain(now)
         # Candidates at the keep threshold (hysteresis), plus every prefix
         # that holds replicas now, so hot replicas are renewed, not dropped.
         rows = set(select_candidates(scores.probs, self.plan_cfg.keep_threshold,
                                      self.plan_cfg.max_decisions * 2).tolist())
-        if self.speculative:
+        if speculative:
             index = {pid: i for i, pid in enumerate(scores.ids)}
-            rows.update(index[pid] for pid in self.speculative if pid in index)
+            rows.update(index[pid] for pid in speculative if pid in index)
         candidates = [c for c in (self._candidate(scores, int(i)) for i in sorted(rows)) if c is not None]
         nodes = self._node_states()
         pending = {pid: set(nodes_) for pid, nodes_ in self.pending.items()}
-        result = plan(candidates, nodes, self.bandwidth, self.plan_cfg, now, self.speculative,
+        result = plan(candidates, nodes, self.bandwidth, self.plan_cfg, now, speculative,
                       self._in_flight_bytes, pending=pending)
         for decision in result.decisions:
             decision_log.info("replicate %s depth=%d %s -> %s: %s", decision.keys[-1].hex()[:12], decision.depth,
                               decision.source, ",".join(decision.targets), decision.reason)
-            self.agent.metrics.decisions.labels("replicate").inc()
+            self.metrics.decisions.labels("replicate").inc()
             for target in decision.targets:
                 self._spawn(self._copy(target, decision.namespace, list(decision.keys), decision.source,
                                        PageKind.SPECULATIVE, decision.ttl_s, decision.bytes // max(1, len(decision.targets))))
-        for namespace, key, node, expires in getattr(result, "renewals", []):
-            self.speculative.setdefault((namespace, key), {})[node] = expires
+        for namespace, key, node, expires in result.renewals:
             self._spawn(self._renew(node, namespace, key, expires - now))
-        for namespace, key, node, reason in getattr(result, "drops", []):
+        for namespace, key, node, reason in result.drops:
             decision_log.info("drop %s on %s: %s", key.hex()[:12], node, reason)
-            self.agent.metrics.decisions.labels("drop").inc()
-            self.speculative.get((namespace, key), {}).pop(node, None)
+            self.metrics.decisions.labels("drop").inc()
             self._spawn(self._drop(node, namespace, key))
         for reason, count in result.skipped.items():
-            self.agent.metrics.decisions.labels(f"skip_{reason}").inc(count)
+            self.metrics.decisions.labels(f"skip_{reason}").inc(count)
 
     def _candidate(self, scores: Any, row: int) -> Candidate | None:
         namespace, key = scores.ids[row]
@@ -174,34 +199,26 @@ class Coordinator:
             return None
         depth = len(chain)
         options = tuple(d for d in self.pcfg.depths if d <= depth) or (depth,)
-        live = set(self.agent.membership.live_ids())
-        holders = {d: frozenset(self.agent.directory.holders(namespace, chain[d - 1]) & live) for d in options}
+        live = set(self.membership.live_ids())
+        holders = {d: frozenset(self.directory.holders(namespace, chain[d - 1]) & live) for d in options}
         return Candidate(namespace=namespace, chain=tuple(chain), depth_options=options, holders=holders,
                          prob=float(scores.probs[row]), need_in_s=float(scores.need_in_s[row]),
                          page_bytes=page_bytes)
 
     def _node_states(self) -> list[NodeState]:
-        spec: dict[str, int] = {}
-        for (namespace, key), nodes in self.speculative.items():
-            nbytes = self._spec_depth.get((namespace, key), 1) * self._page_bytes(namespace)
+        """Live nodes as their heartbeats describe them, plus the speculative
+        bytes on their way to each (copies in flight)."""
+        coming: dict[str, int] = {}
+        for (namespace, _), nodes in self.pending.items():
             for node in nodes:
-                spec[node] = spec.get(node, 0) + nbytes
+                coming[node] = coming.get(node, 0) + self._page_bytes(namespace)
         return [NodeState(node_id=m.node_id, capacity_bytes=m.capacity_bytes, used_bytes=m.used_bytes,
-                          spec_bytes=max(spec.get(m.node_id, 0), m.speculative_bytes))
-                for m in self.agent.membership.view()]
-
-    def _expire(self, now: float) -> None:
-        for key in list(self.speculative):
-            nodes = {n: t for n, t in self.speculative[key].items() if t > now and self.agent.membership.alive(n)}
-            if nodes:
-                self.speculative[key] = nodes
-            else:
-                del self.speculative[key]
-                self._spec_depth.pop(key, None)
+                          spec_bytes=m.speculative_bytes + coming.get(m.node_id, 0))
+                for m in self.membership.view()]
 
     def _tick_full(self) -> None:
         """Copy every newly added page to every live node lacking it."""
-        live = self.agent.membership.live_ids()
+        live = self.membership.live_ids()
         groups: dict[tuple[str, str], list[bytes]] = {}
         while self._full_queue:
             namespace, source, keys = self._full_queue.popleft()
@@ -209,9 +226,9 @@ class Coordinator:
         for (namespace, source), keys in groups.items():
             for target in live:
                 if target != source:
-                    missing = [k for k in keys if target not in self.agent.directory.holders(namespace, k)]
+                    missing = [k for k in keys if target not in self.directory.holders(namespace, k)]
                     if missing:
-                        self.agent.metrics.decisions.labels("full").inc()
+                        self.metrics.decisions.labels("full").inc()
                         self._spawn(self._copy(target, namespace, missing, source, PageKind.REPLICA, 0.0,
                                                len(missing) * self._page_bytes(namespace)))
 
@@ -232,10 +249,13 @@ class Coordinator:
         request = pb.ReplicateRequest(namespace=namespace, keys=keys, source_node_id=source, kind=kind,
                                       ttl_seconds=ttl)
         start = time.perf_counter()
+        if kind is PageKind.SPECULATIVE:
+            self._placed[key] = now
         try:
-            reply = await self.agent.call(target, "Replicate", request, timeout=max(5.0, 4 * self.plan_cfg.tick_s))
-        except grpc.RpcError as exc:
-            log.warning("replicate to %s failed: %s", target, exc.code())
+            reply = await self.peers.replicate(target, request,
+                                               timeout=max(self.control_timeout, 4 * self.plan_cfg.tick_s))
+        except KvError as exc:
+            log.warning("replicate to %s failed: %s", target, exc)
             return
         finally:
             self._in_flight_bytes -= nbytes
@@ -248,28 +268,26 @@ class Coordinator:
         moved = reply.copied * (nbytes // max(1, len(keys)))
         if moved and took > 0:
             self.bandwidth = (1 - _BANDWIDTH_ALPHA) * self.bandwidth + _BANDWIDTH_ALPHA * moved / took
-        self.agent.metrics.spec_bytes.labels(kind.name.lower()).inc(moved)
-        if kind is PageKind.SPECULATIVE and reply.copied + reply.already_present:
-            self.speculative.setdefault(key, {})[target] = time.monotonic() + ttl
-            self._spec_depth[key] = len(keys)
+        self.metrics.spec_bytes.labels(kind.name.lower()).inc(moved)
 
     async def _renew(self, node: str, namespace: str, key: bytes, ttl: float) -> None:
+        self._placed[(namespace, key)] = time.monotonic()
         chain = self.predictor.chain((namespace, key)) if self.predictor is not None else (key,)
         request = pb.ReplicateRequest(namespace=namespace, keys=list(chain) or [key], source_node_id=node,
                                       kind=PageKind.SPECULATIVE, ttl_seconds=ttl)
         try:
-            await self.agent.call(node, "Replicate", request, timeout=5.0)
-        except grpc.RpcError:
-            pass
+            await self.peers.replicate(node, request, timeout=self.control_timeout)
+        except KvError as exc:
+            log.debug("renewal on %s failed: %s", node, exc)
 
     async def _drop(self, node: str, namespace: str, key: bytes) -> None:
         chain = self.predictor.chain((namespace, key)) if self.predictor is not None else (key,)
         try:
-            await self.agent.call(node, "DropSpeculative",
-                                  pb.DropSpeculativeRequest(namespace=namespace, keys=list(chain) or [key]),
-                                  timeout=5.0)
-        except grpc.RpcError:
-            pass
+            await self.peers.drop_speculative(
+                node, pb.DropSpeculativeRequest(namespace=namespace, keys=list(chain) or [key]),
+                timeout=self.control_timeout)
+        except KvError as exc:
+            log.debug("drop on %s failed: %s", node, exc)
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -5,14 +5,31 @@ coordinator applies them (``Directory.report``). A batch out of sequence, an
 unknown node or a new incarnation makes the coordinator ask for a full
 snapshot, so a new coordinator rebuilds the whole directory from the nodes'
 next reports without any hand-over.
+
+Speculative replicas are reported with their remaining life, so the
+directory also holds :attr:`Directory.speculative`: which node holds which
+page as a speculative replica, and until when. The node enforces the TTL
+(it drops the page and reports the removal); the coordinator's planner
+reads this map to renew or drop replicas, so there is one expiry path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvstore.v1 import kvstore_pb2 as pb
+
+SPECULATIVE = pb.SPECULATIVE
+
+
+class PageState(Protocol):
+    """What the outbox reads of an added page (a pool ``Entry``)."""
+
+    key: bytes
+    kind: int
+    expires_at: float
 
 
 @dataclass(slots=True)
@@ -28,6 +45,8 @@ class Directory:
     def __init__(self) -> None:
         self._holders: dict[str, dict[bytes, set[str]]] = {}
         self._nodes: dict[str, _NodeState] = {}
+        # (namespace, key) -> {node: expires_at on the reader's clock}
+        self.speculative: dict[tuple[str, bytes], dict[str, float]] = {}
 
     def __len__(self) -> int:
         return sum(len(keys) for keys in self._holders.values())
@@ -36,8 +55,9 @@ class Directory:
         return sorted(self._nodes)
 
     def report(self, node_id: str, incarnation: str, seq: int, full: bool,
-               batches: Iterable[pb.DirectoryBatch]) -> bool:
-        """Apply one report; returns True when a full snapshot is needed."""
+               batches: Iterable[pb.DirectoryBatch], now: float = 0.0) -> bool:
+        """Apply one report received at ``now``; returns True when a full
+        snapshot is needed."""
         state = self._nodes.get(node_id)
         if full:
             self.drop(node_id)
@@ -48,7 +68,26 @@ class Directory:
             state.seq = seq
         for batch in batches:
             self._apply(node_id, state, batch.namespace, batch.adds, batch.removes)
+            self._apply_speculative(node_id, batch, now)
         return False
+
+    def _apply_speculative(self, node_id: str, batch: pb.DirectoryBatch, now: float) -> None:
+        ns, spec = batch.namespace, self.speculative
+        for key in batch.removes:
+            self._unspec(node_id, ns, key)
+        lives = {p.key: p.expires_in_seconds for p in batch.speculative}
+        for key in batch.adds:
+            if key in lives:
+                spec.setdefault((ns, key), {})[node_id] = now + lives[key]
+            else:
+                self._unspec(node_id, ns, key)
+
+    def _unspec(self, node_id: str, namespace: str, key: bytes) -> None:
+        nodes = self.speculative.get((namespace, key))
+        if nodes is not None:
+            nodes.pop(node_id, None)
+            if not nodes:
+                del self.speculative[(namespace, key)]
 
     def _apply(self, node_id: str, state: _NodeState, namespace: str, adds: Sequence[bytes],
                removes: Sequence[bytes]) -> None:
@@ -76,6 +115,7 @@ class Directory:
         for namespace, keys in state.keys.items():
             holders = self._holders.get(namespace, {})
             for key in keys:
+                self._unspec(node_id, namespace, key)
                 nodes = holders.get(key)
                 if nodes is not None:
                     nodes.discard(node_id)
@@ -114,35 +154,41 @@ class Outbox:
     """A node's page adds/removes not yet accepted by the coordinator."""
 
     def __init__(self) -> None:
-        self._pending: dict[str, dict[bytes, bool]] = {}  # namespace -> key -> added?
+        # namespace -> key -> (kind, expires_at) when added, None when removed
+        self._pending: dict[str, dict[bytes, tuple[int, float] | None]] = {}
         self.seq = 0
         self.need_full = True  # the first report is always a snapshot
 
-    def record(self, namespace: str, added: Iterable[bytes] = (), removed: Iterable[bytes] = ()) -> None:
+    def record(self, namespace: str, added: Iterable[PageState] = (), removed: Iterable[bytes] = ()) -> None:
         pending = self._pending.setdefault(namespace, {})
         for key in removed:
-            pending[key] = False
-        for key in added:
-            pending[key] = True
+            pending[key] = None
+        for page in added:
+            pending[page.key] = (int(page.kind), page.expires_at)
 
     def pending(self) -> int:
         return sum(len(p) for p in self._pending.values())
 
-    def take(self) -> tuple[int, list[pb.DirectoryBatch]]:
-        """The next incremental batch (seq, batches); clears the pending set."""
-        batches = []
-        for namespace, pending in self._pending.items():
-            if pending:
-                batches.append(pb.DirectoryBatch(
-                    namespace=namespace, adds=[k for k, a in pending.items() if a],
-                    removes=[k for k, a in pending.items() if not a]))
+    def take(self, now: float) -> tuple[int, list[pb.DirectoryBatch]]:
+        """The next incremental batch (seq, batches) at ``now`` (the clock of
+        the pages' ``expires_at``); clears the pending set."""
+        batches = [_batch(namespace, pending, now) for namespace, pending in self._pending.items() if pending]
         self._pending.clear()
         self.seq += 1
         return self.seq, batches
 
-    def take_full(self, snapshot: dict[str, Iterable[bytes]]) -> tuple[int, list[pb.DirectoryBatch]]:
+    def take_full(self, snapshot: dict[str, Iterable[PageState]], now: float) -> tuple[int, list[pb.DirectoryBatch]]:
         """A full snapshot report replacing everything sent before."""
         self._pending.clear()
         self.seq += 1
         self.need_full = False
-        return self.seq, [pb.DirectoryBatch(namespace=ns, adds=list(keys)) for ns, keys in snapshot.items()]
+        return self.seq, [_batch(ns, {p.key: (int(p.kind), p.expires_at) for p in pages}, now)
+                          for ns, pages in snapshot.items()]
+
+
+def _batch(namespace: str, pending: dict[bytes, tuple[int, float] | None], now: float) -> pb.DirectoryBatch:
+    adds = [k for k, state in pending.items() if state is not None]
+    spec = [pb.SpeculativePage(key=k, expires_in_seconds=max(0.0, state[1] - now))
+            for k, state in pending.items() if state is not None and state[0] == SPECULATIVE and state[1] > 0]
+    return pb.DirectoryBatch(namespace=namespace, adds=adds, removes=[k for k, s in pending.items() if s is None],
+                             speculative=spec)

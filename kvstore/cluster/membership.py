@@ -109,3 +109,31 @@ class Membership:
             if copy.alive:
                 out.append(copy)
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """What one heartbeat round does, decided without I/O (:func:`plan_round`)."""
+
+    coordinator: str              # who coordinates, in this node's view
+    coordinator_changed: bool     # since the last round: send a full snapshot
+    report_locally: bool          # this node coordinates: its report applies here
+    report_to: str                # address whose heartbeat carries the report ("" none)
+    targets: tuple[str, ...]      # every address to heartbeat, sorted
+    learned: dict[str, float]     # gossip-learned addresses still worth probing
+
+
+def plan_round(membership: Membership, self_address: str, static: set[str], learned: dict[str, float],
+               last_coordinator: str, now: float, horizon: float) -> Round:
+    """One heartbeat round: whom to probe and where the directory report goes.
+
+    Every static peer and every address learned by gossip within ``horizon``
+    seconds is probed (a dead one may come back); the report rides on the
+    heartbeat to the coordinator, or applies locally when this node is it."""
+    coordinator = membership.coordinator()
+    mine = coordinator == membership.self_id
+    member = membership.member(coordinator)
+    report_to = "" if mine or member is None else member.address
+    kept = {a: t for a, t in learned.items() if now - t < horizon}
+    targets = tuple(sorted((static | set(kept)) - {self_address}))
+    return Round(coordinator, coordinator != last_coordinator, mine, report_to, targets, kept)

@@ -41,7 +41,7 @@ class ClusterService(pb_grpc.ClusterServicer):
     async def Replicate(self, request: pb.ReplicateRequest, context: grpc.aio.ServicerContext) -> pb.ReplicateResponse:
         try:
             self.agent.node.check_read_batch(self.agent.node.namespace(request.namespace), list(request.keys))
-            return await self.agent.replicate(request.namespace, list(request.keys), request.source_node_id,
+            return await self.agent.replicator.replicate(request.namespace, list(request.keys), request.source_node_id,
                                               PageKind(request.kind or PageKind.REPLICA), request.ttl_seconds)
         except KvError as exc:
             await context.abort(exc.code, str(exc))

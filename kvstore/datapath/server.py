@@ -3,8 +3,13 @@
 Uses ``loop.sock_recv_into``/``loop.sock_sendall`` rather than asyncio
 streams: measured on this kind of machine, streams' ``readexactly`` moves
 ~0.5 GB/s while ``sock_recv_into`` into a preallocated buffer moves ~3.5 GB/s.
-Page bytes land directly in reserved pool slots (host pool) or in one
-staging buffer that the unpack kernel scatters (device pool).
+
+Bytes move through the pool's movement API only: a PUT reserves slots chunk
+by chunk, each once its first byte has arrived (``PutBatch.write_in``), so
+a header alone reserves nothing; the bytes land in the slots (host pool) or
+in staging that the unpack kernel scatters (device pool); the whole PUT must
+arrive within ``--transfer-timeout`` or it aborts and frees its slots. A GET
+sends ``PagePool.read_out``'s views.
 """
 
 from __future__ import annotations
@@ -16,26 +21,26 @@ import time
 
 import grpc
 
-from kvstore.cluster.agent import ClusterAgent
-from kvstore.framing import (
-    PREFIX, ChannelClosed, WireError, decode_header, decode_prefix, encode_header, recv_exact,
-)
+from kvstore.cluster.replicator import Replicator
 from kvstore.errors import InvalidArgument, KvError, ResourceExhausted
+from kvstore.framing import ChannelClosed, WireError, drain, encode_header, read_frame, recv_exact, send_views
 from kvstore.metrics import NodeMetrics
-from kvstore.node import Node
+from kvstore.node import Node, PutBatch
+from kvstore.pool.movement import SOCKET
 from kvstore.pool.pool import PageKind
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
 _DRAIN_CHUNK = 1 << 20
+_CHUNK_BYTES = 4 << 20  # a PUT reserves slots for about this many bytes at a time
 
 
 class DataServer:
     """Accepts data-channel connections and serves frames in order."""
 
-    def __init__(self, node: Node, metrics: NodeMetrics, agent: ClusterAgent, host: str, port: int) -> None:
+    def __init__(self, node: Node, metrics: NodeMetrics, reader: Replicator, host: str, port: int) -> None:
         self._node = node
-        self._agent = agent
+        self._reader = reader
         self._metrics = metrics
         self._host, self._port = host, port
         self._sock: socket.socket | None = None
@@ -92,17 +97,12 @@ class DataServer:
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        prefix = bytearray(PREFIX.size)
         try:
             while True:
                 try:
-                    await recv_exact(loop, conn, memoryview(prefix))
+                    header, payload_len = await read_frame(loop, conn)
                 except ChannelClosed:
-                    return  # clean end between frames
-                header_len, payload_len = decode_prefix(prefix)
-                body = bytearray(header_len)
-                await recv_exact(loop, conn, memoryview(body))
-                header = decode_header(body)
+                    return  # clean end between frames (or mid-frame: nothing was reserved yet)
                 if header.op == pb.DataHeader.PUT:
                     await self._put(loop, conn, header, payload_len)
                 elif header.op == pb.DataHeader.GET and payload_len == 0:
@@ -122,7 +122,6 @@ class DataServer:
                    header: pb.DataHeader, payload_len: int) -> None:
         start = time.perf_counter()
         keys = list(header.keys)
-        batch = None
         try:
             if payload_len != len(keys) * header.page_bytes:
                 raise WireError(f"payload of {payload_len} bytes for {len(keys)} pages of {header.page_bytes}")
@@ -134,24 +133,25 @@ class DataServer:
                 raise InvalidArgument(f"pages of {header.page_bytes} bytes; namespace {ns.name!r} pages are "
                                       f"{ns.layout.page_bytes} bytes")
             batch = self._node.begin_put(header.namespace, PageKind(header.kind or PageKind.PRIMARY))
-            views, finish = batch.add_landing(keys)
         except KvError as exc:
-            if batch is not None:
-                batch.abort()
             await self._drain(loop, conn, payload_len)
-            self._metrics.ops.labels("put", exc.code.name).inc()
-            await self._reply_error(loop, conn, exc.code, str(exc))
+            await self._refuse(loop, conn, exc)
             return
         try:
-            for view in views:
-                if view is None:
-                    await self._drain(loop, conn, header.page_bytes)
-                else:
-                    await recv_exact(loop, conn, view)
-            finish()
+            async with asyncio.timeout(batch.time_left()):
+                refused = await self._receive(loop, conn, batch, keys, header.page_bytes)
+            if refused is not None:
+                await self._refuse(loop, conn, refused)
+                return
             result = batch.commit()
+        except TimeoutError:
+            self._metrics.ops.labels("put", "DEADLINE_EXCEEDED").inc()
+            await self._reply_error(loop, conn, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"the PUT's {payload_len} bytes did not arrive within "
+                                    f"{self._node.config.transfer_timeout:g} s; its slots were freed")
+            raise ChannelClosed("put deadline") from None  # mid-frame: the connection is out of step
         finally:
-            batch.abort()  # no-op after commit; frees slots if the peer vanished
+            batch.abort()  # no-op after commit; frees slots if the peer vanished or was too slow
         self._metrics.ops.labels("put", "OK").inc()
         self._metrics.bytes.labels("put", "data").inc(payload_len)
         self._metrics.latency.labels("put", "data").observe(time.perf_counter() - start)
@@ -159,46 +159,70 @@ class DataServer:
             stored=result.stored, already_present=result.already_present, evicted=result.evicted))
         await loop.sock_sendall(conn, encode_header(reply, 0))
 
+    async def _receive(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, batch: PutBatch,
+                       keys: list[bytes], page_bytes: int) -> KvError | None:
+        """Receive a PUT's pages chunk by chunk; each chunk's slots are
+        reserved only once its first byte is here. A refusal (no room, bad
+        keys) drains the rest of the frame and is returned, not raised."""
+        per_chunk = max(1, _CHUNK_BYTES // page_bytes)
+        first = memoryview(bytearray(1))
+        for i in range(0, len(keys), per_chunk):
+            chunk = keys[i:i + per_chunk]
+            await recv_exact(loop, conn, first)  # the chunk's bytes are arriving: now reserve
+            try:
+                landing = batch.write_in(chunk, SOCKET)
+            except KvError as exc:
+                await self._drain(loop, conn, (len(keys) - i) * page_bytes - 1)
+                return exc
+            try:
+                targets = landing.targets
+                targets[0][0:1] = first
+                await recv_exact(loop, conn, targets[0][1:])
+                for view in targets[1:]:
+                    await recv_exact(loop, conn, view)
+                landing.finish()
+            finally:
+                landing.abandon()  # no-op once finished
+        return None
+
     async def _get(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, header: pb.DataHeader) -> None:
         start = time.perf_counter()
-        # leave a fifth of the caller's deadline to send what we have
-        timeout = 0.8 * header.deadline_ms / 1000 if header.deadline_ms else None
+        # leave part of the caller's deadline to send what we have
+        share = self._node.config.deadline_share
+        timeout = share * header.deadline_ms / 1000 if header.deadline_ms else None
         try:
-            ns, handle, fetched = await self._agent.read(header.namespace, list(header.keys), timeout,
-                                                         header.local_only)
+            ns, handle, fetched = await self._reader.read(header.namespace, list(header.keys), timeout,
+                                                          header.local_only)
         except KvError as exc:
-            self._metrics.ops.labels("get", exc.code.name).inc()
-            await self._reply_error(loop, conn, exc.code, str(exc))
+            await self._refuse(loop, conn, exc, op="get")
             return
+        page_bytes = ns.layout.page_bytes
         try:
-            views = ns.pool.source(handle.slots)
-            page_bytes = ns.layout.page_bytes
-            reply = pb.DataHeader(op=pb.DataHeader.RESULT, found=handle.found, page_bytes=page_bytes)
-            await loop.sock_sendall(conn, encode_header(reply, len(views) * page_bytes))
-            for view in views:
-                await loop.sock_sendall(conn, view)
+            out = ns.pool.read_out(handle, SOCKET)
+            try:
+                reply = pb.DataHeader(op=pb.DataHeader.RESULT, found=handle.found, page_bytes=page_bytes)
+                await send_views(loop, conn, reply, out.payload or [])
+            finally:
+                out.release()
         finally:
-            self._agent.end_read(ns, handle, fetched)
+            self._reader.end_read(ns, handle, fetched)
         hits = len(handle.entries)
-        self._metrics.ops.labels("get", "OK").inc()
-        self._metrics.pages.labels("get", "hit").inc(hits)
-        self._metrics.pages.labels("get", "miss").inc(len(handle.found) - hits)
-        self._metrics.bytes.labels("get", "data").inc(hits * page_bytes)
-        self._metrics.latency.labels("get", "data").observe(time.perf_counter() - start)
+        self._metrics.count_get("data", hits, len(handle.found) - hits, page_bytes, time.perf_counter() - start)
 
     async def _drain(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, nbytes: int) -> None:
         """Read and drop ``nbytes`` so the connection stays in step."""
         if nbytes > self._node.config.max_batch_bytes + _DRAIN_CHUNK:
             raise WireError(f"refusing to drain {nbytes} bytes")
-        scratch = memoryview(self._scratch)
-        while nbytes:
-            chunk = min(nbytes, len(scratch))
-            await recv_exact(loop, conn, scratch[:chunk])
-            nbytes -= chunk
+        await drain(loop, conn, nbytes, memoryview(self._scratch))
+
+    async def _refuse(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, exc: KvError,
+                      op: str = "put") -> None:
+        self._metrics.ops.labels(op, exc.code.name).inc()
+        await self._reply_error(loop, conn, exc.code, str(exc))
 
     async def _reply_error(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
                            code: grpc.StatusCode, message: str) -> None:
-        reply = pb.DataHeader(op=pb.DataHeader.RESULT, code=code.value[0], message=message)
+        reply = pb.DataHeader(op=pb.DataHeader.RESULT, code=code.value[0], message=message[:1000])
         try:
             await loop.sock_sendall(conn, encode_header(reply, 0))
         except OSError:

@@ -28,6 +28,9 @@ import numpy as np
 from kvstore.errors import PoolExhausted
 from kvstore.hostmem import populated_empty
 from kvstore.ops.base import PageOps
+from kvstore.pool.movement import Carrier, Outgoing, StagingBuffers, contiguous_run, read_out
+
+__all__ = ["Entry", "PageKind", "PagePool", "ReadHandle", "Reservation", "contiguous_run"]
 
 
 class PageKind(enum.IntEnum):
@@ -72,21 +75,11 @@ class ReadHandle:
         return [e.slot for e in self.entries]
 
 
-def contiguous_run(slots: Sequence[int]) -> slice | None:
-    """``slice(a, a+n)`` when ``slots`` are exactly a, a+1, ..., else None."""
-    if not slots:
-        return None
-    first = slots[0]
-    if slots[-1] - first + 1 != len(slots) or any(s != first + i for i, s in enumerate(slots)):
-        return None
-    return slice(first, first + len(slots))
-
-
 class PagePool:
     """Slots of ``page_bytes`` in one buffer, with a key -> slot table."""
 
     def __init__(self, ops: PageOps, num_slots: int, page_bytes: int,
-                 on_change: Callable[[list[bytes], list[bytes]], None] | None = None,
+                 on_change: Callable[[list[Entry], list[bytes]], None] | None = None,
                  prefault: bool = False) -> None:
         if num_slots <= 0:
             raise ValueError(f"a pool needs at least one slot (capacity < page_bytes={page_bytes})")
@@ -112,8 +105,11 @@ class PagePool:
         self._pinned = 0
         self.spec_hits = 0  # reads that found a speculative replica (promoting it)
         self.spec_wasted = 0  # speculative replicas evicted or expired unread
-        # on_change(added, removed): the directory outbox listens here.
+        # on_change(added entries, removed keys): the directory outbox listens
+        # here; a renewed or promoted speculative page is reported as added again.
         self._on_change = on_change
+        self.staging = StagingBuffers()  # packed transfers in and out (movement.py)
+        self._scratch: np.ndarray | None = None
 
     # ---- queries -------------------------------------------------------
     @property
@@ -203,7 +199,7 @@ class PagePool:
             self._table[key] = entry
             self._queue_of(entry)[key] = entry
             self._kinds[kind] += 1
-            added.append(key)
+            added.append(entry)
         if added and self._on_change:
             self._on_change(added, [])
         return len(added)
@@ -246,7 +242,7 @@ class PagePool:
         A client read (``promote``) of a speculative replica makes it a
         plain REPLICA: the forecast paid off, so it is no longer evicted
         first nor expired."""
-        entries, found = [], []
+        entries, found, promoted = [], [], []
         for key in keys:
             entry = self._table.get(key)
             found.append(entry is not None)
@@ -259,8 +255,11 @@ class PagePool:
                 self._kinds[PageKind.SPECULATIVE] -= 1
                 self._kinds[PageKind.REPLICA] += 1
                 self.spec_hits += 1
+                promoted.append(entry)
             entry.readers += 1
             entries.append(entry)
+        if promoted and self._on_change:
+            self._on_change(promoted, [])
         return ReadHandle(entries, found)
 
     def release(self, handle: ReadHandle) -> None:
@@ -303,46 +302,18 @@ class PagePool:
             self._maybe_requeue(entry)
         return released
 
-    # ---- bytes ---------------------------------------------------------
-    def write(self, slots: Sequence[int], pages: Sequence[bytes | memoryview | np.ndarray]) -> None:
-        """Copy host pages into reserved slots (one batched upload on a GPU)."""
-        if not slots:
-            return
-        if self.ops.host_visible:
-            for slot, page in zip(slots, pages):
-                self.buffer[slot] = np.frombuffer(page, dtype=np.uint8)
-            return
-        staging = np.empty((len(slots), self.page_bytes), dtype=np.uint8)
-        for row, page in zip(staging, pages):
-            row[:] = np.frombuffer(page, dtype=np.uint8)
-        self.ops.unpack(self.ops.from_host(staging), slots, self.buffer)
+    # ---- bytes (see kvstore.pool.movement) --------------------------
+    def read_out(self, handle: ReadHandle, carrier: Carrier) -> Outgoing:
+        """The held pages of ``handle`` in the form ``carrier`` takes; the
+        returned ``release`` ends the hold (or returns the staging)."""
+        return read_out(self, handle.slots, carrier, lambda: self.release(handle))
 
-    def landing(self, slots: Sequence[int]) -> tuple[list[memoryview], Callable[[], None]]:
-        """Host buffers to receive the pages of ``slots`` into, and a finisher.
-
-        On a host pool these are the slots themselves (zero copy); on a device
-        pool they are rows of a host staging buffer that the finisher uploads
-        and scatters with the unpack kernel.
-        """
-        if self.ops.host_visible:
-            return [memoryview(self.buffer[s]) for s in slots], lambda: None
-        staging = np.empty((len(slots), self.page_bytes), dtype=np.uint8)
-
-        def finish() -> None:
-            self.ops.unpack(self.ops.from_host(staging), list(slots), self.buffer)
-
-        return [memoryview(row) for row in staging], finish
-
-    def source(self, slots: Sequence[int]) -> list[memoryview]:
-        """Host views of the pages at ``slots`` for sending (hold a read!).
-
-        Zero copy on a host pool; on a device pool, one pack kernel and one
-        download into a staging buffer.
-        """
-        if self.ops.host_visible:
-            return [memoryview(self.buffer[s]) for s in slots]
-        staging = self.ops.to_host(self.ops.pack(self.buffer, list(slots)))
-        return [memoryview(row) for row in staging]
+    def scratch_page(self) -> np.ndarray:
+        """One host page whose bytes are never read: where bytes of a page
+        the pool already holds are received and dropped."""
+        if self._scratch is None:
+            self._scratch = np.empty(self.page_bytes, dtype=np.uint8)
+        return self._scratch
 
     # ---- internals -----------------------------------------------------
     def _queue_of(self, entry: Entry) -> OrderedDict[bytes, Entry]:
@@ -381,13 +352,15 @@ class PagePool:
 
     def renew(self, keys: Iterable[bytes], expires_at: float) -> int:
         """Push back the expiry of speculative replicas among ``keys``."""
-        renewed = 0
+        renewed = []
         for key in keys:
             entry = self._table.get(key)
             if entry is not None and entry.kind is PageKind.SPECULATIVE:
                 entry.expires_at = max(entry.expires_at, expires_at)
-                renewed += 1
-        return renewed
+                renewed.append(entry)
+        if renewed and self._on_change:
+            self._on_change(renewed, [])
+        return len(renewed)
 
     def drop_speculative(self, keys: Iterable[bytes] | None = None, now: float | None = None) -> list[bytes]:
         """Remove unread, unheld speculative replicas: those in ``keys``, or

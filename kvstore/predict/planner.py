@@ -76,16 +76,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore.predict.types import (
-    Candidate,
-    Decision,
-    Drop,
-    NodeState,
-    PlannerConfig,
-    PlanResult,
-    PrefixId,
-    Renewal,
-)
+from kvstore.predict.planner_types import Candidate, Decision, Drop, NodeState, PlannerConfig, PlanResult, Renewal
+from kvstore.predict.types import PrefixId
 from kvstore.units import format_size
 
 Speculative = Mapping[PrefixId, Mapping[str, float]]

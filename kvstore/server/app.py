@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from kvstore.cluster.agent import ClusterAgent
+from kvstore.cluster.coordinator import Coordinator
 from kvstore.cluster.service import ClusterService
 from kvstore.config import NodeConfig, parse_hostport
 from kvstore.datapath.server import DataServer
@@ -24,6 +25,7 @@ from kvstore.metrics import NodeMetrics
 from kvstore.node import Node
 from kvstore.ops.auto import select as select_ops
 from kvstore.ops.base import PageOps
+from kvstore.rpc import server_options
 from kvstore.server.service import KvStoreService
 from kvstore.transport.auto import make_transport
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -41,6 +43,8 @@ class NodeServer:
         self.node: Node | None = None
         self.metrics: NodeMetrics | None = None
         self.agent: ClusterAgent | None = None
+        self.coordinator: Coordinator | None = None
+        self._coordinator_task: asyncio.Task[None] | None = None
         self.health = health_aio.HealthServicer()
         self._grpc: grpc.aio.Server | None = None
         self._data: DataServer | None = None
@@ -67,13 +71,11 @@ class NodeServer:
         self.node = node = Node(self.config, ops)
         self.metrics = NodeMetrics(node)
         self.agent = agent = ClusterAgent(node, self.config, make_transport(self.config.transport), self.metrics)
-        self.metrics.watch_coordinator(agent.coordinator)
-        limit = self.config.max_message_bytes
-        server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0),
-        ])
+        self.coordinator = Coordinator(self.config, agent.directory, agent.membership, agent.peers, self.metrics,
+                                       page_bytes=self._page_bytes)
+        agent.placement = self.coordinator
+        self.metrics.watch_coordinator(self.coordinator)
+        server = grpc.aio.server(options=server_options(self.config.max_message_bytes))
         pb_grpc.add_KvStoreServicer_to_server(KvStoreService(node, self.metrics, agent, lambda: self.data_port),
                                               server)
         pb_grpc.add_ClusterServicer_to_server(ClusterService(agent), server)
@@ -89,9 +91,10 @@ class NodeServer:
         await server.start()
         self._grpc = server
         if self.config.data_port >= 0:
-            self._data = DataServer(node, self.metrics, agent, host, self.config.data_port)
+            self._data = DataServer(node, self.metrics, agent.replicator, host, self.config.data_port)
             await self._data.start()
         await agent.start()
+        self._coordinator_task = asyncio.get_running_loop().create_task(self.coordinator.run())
         if self.config.metrics_port >= 0:
             from prometheus_client import start_http_server
 
@@ -115,6 +118,11 @@ class NodeServer:
         if self._data is not None:
             await self._data.stop()
         await self._grpc.stop(grace)
+        if self._coordinator_task is not None:
+            self._coordinator_task.cancel()
+            await asyncio.gather(self._coordinator_task, return_exceptions=True)
+        if self.coordinator is not None:
+            await self.coordinator.close()
         if self.agent is not None:
             await self.agent.stop()
         if self._metrics_http is not None:
@@ -124,6 +132,11 @@ class NodeServer:
         self.node.close()
         log.info("kvstored %s stopped", self.node.node_id)
         self._stopped.set()
+
+    def _page_bytes(self, namespace: str) -> int:
+        assert self.node is not None
+        ns = self.node.namespaces.get(namespace)
+        return ns.layout.page_bytes if ns is not None else 0
 
     async def wait_closed(self) -> None:
         await self._stopped.wait()

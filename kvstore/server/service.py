@@ -22,6 +22,7 @@ from kvstore.errors import InvalidArgument, KvError
 from kvstore.metrics import NodeMetrics
 from kvstore.node import MESSAGE_OVERHEAD, Namespace, Node
 from kvstore.pool.layout import PageLayout
+from kvstore.pool.movement import SOCKET
 from kvstore.pool.pool import PageKind
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -131,10 +132,11 @@ class KvStoreService(pb_grpc.KvStoreServicer):
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
         start = time.perf_counter()
         try:
-            remaining = context.time_remaining()  # leave a fifth of the deadline to send what we have
-            ns, handle, fetched = await self.agent.read(request.namespace, list(request.keys),
-                                                        None if remaining is None else 0.8 * remaining,
-                                                        request.local_only)
+            remaining = context.time_remaining()  # leave part of the deadline to send what we have
+            share = self.node.config.deadline_share
+            ns, handle, fetched = await self.agent.replicator.read(request.namespace, list(request.keys),
+                                                                   None if remaining is None else share * remaining,
+                                                                   request.local_only)
         except KvError as exc:
             self.metrics.ops.labels("get", exc.code.name).inc()
             await context.abort(exc.code, str(exc))
@@ -146,20 +148,20 @@ class KvStoreService(pb_grpc.KvStoreServicer):
             page_bytes = ns.layout.page_bytes
             per_msg = max(1, limit // page_bytes)
             found_keys = [e.key for e in handle.entries]
-            views = ns.pool.source(handle.slots)
-            for i in range(0, len(views), per_msg):
-                yield pb.GetResponse(keys=found_keys[i:i + per_msg],
-                                     pages=[v.tobytes() for v in views[i:i + per_msg]])
+            out = ns.pool.read_out(handle, SOCKET)
+            try:
+                views = out.payload or []
+                for i in range(0, len(views), per_msg):
+                    yield pb.GetResponse(keys=found_keys[i:i + per_msg],
+                                         pages=[v.tobytes() for v in views[i:i + per_msg]])
+            finally:
+                out.release()
             missing = [k for k, hit in zip(request.keys, handle.found) if not hit]
             yield pb.GetResponse(missing_keys=missing)
         finally:
-            self.agent.end_read(ns, handle, fetched)
+            self.agent.replicator.end_read(ns, handle, fetched)
         hits = len(handle.entries)
-        self.metrics.ops.labels("get", "OK").inc()
-        self.metrics.pages.labels("get", "hit").inc(hits)
-        self.metrics.pages.labels("get", "miss").inc(len(handle.found) - hits)
-        self.metrics.bytes.labels("get", "grpc").inc(hits * page_bytes)
-        self.metrics.latency.labels("get", "grpc").observe(time.perf_counter() - start)
+        self.metrics.count_get("grpc", hits, len(handle.found) - hits, page_bytes, time.perf_counter() - start)
 
     @_handler("lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:

@@ -1,5 +1,10 @@
 """The peer transport interface: a pull of pages from a peer.
 
+What a transport accepts is its :attr:`Transport.carrier` (scatter lists of
+host views, device arrays): the pool's read-out and write-in
+(:mod:`kvstore.pool.movement`) hand it pages in that form, so no transport
+packs, stages or uploads on its own.
+
 One exchange: the puller sends a request header (``kvstore.v1.DataHeader``,
 op GET, ``local_only``), the server answers with a RESULT header (``found``,
 ``checksums``, ``page_bytes``) and then, as ONE message, the found pages
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import Unavailable
+from kvstore.pool.movement import Carrier
 from kvstore.v1 import kvstore_pb2 as pb
 
 
@@ -61,6 +67,11 @@ class Transport(abc.ABC):
     device_buffers: bool = False  # payloads may be device (CuPy) arrays
     scatter: bool = False  # payloads may be lists of host page views
 
+    @property
+    def carrier(self) -> Carrier:
+        """What this transport accepts, for the pool's read-out and write-in."""
+        return Carrier(scatter=self.scatter, device=self.device_buffers)
+
     @abc.abstractmethod
     async def start(self, host: str, port: int, serve: ServeFn) -> pb.TransportEndpoint:
         """Listen on ``host:port`` (0 = any free port); returns the endpoint
@@ -73,7 +84,11 @@ class Transport(abc.ABC):
         header and the payload received into ``alloc(n_found, page_bytes)``
         (None when nothing was found). Raises :class:`TransportError` on any
         failure and leaves no half-used connection behind. Cancelling it
-        (deadline) is safe: the connection used is closed."""
+        (deadline) is safe: the connection used is closed.
+
+        Buffer rule: once ``fetch`` returns or raises (cancellation
+        included), nothing writes into the buffers ``alloc`` gave any more.
+        They may be reserved pool slots that the caller frees at once."""
 
     @abc.abstractmethod
     def forget(self, endpoint: pb.TransportEndpoint) -> None:

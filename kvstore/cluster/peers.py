@@ -1,0 +1,62 @@
+"""Cluster RPCs to other nodes: one cached channel per address, and every
+failure translated into the :class:`~kvstore.errors.KvError` family.
+
+The agent heartbeats and asks the coordinator through it; the coordinator
+carries out its placements through it (:meth:`PeerClient.replicate`,
+:meth:`PeerClient.drop_speculative`), knowing nothing else of the agent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from kvstore.cluster.membership import Membership
+from kvstore.errors import Unavailable
+from kvstore.rpc import CHANNEL_OPTIONS, from_rpc_error
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+
+class PeerClient:
+    """Calls the ``kvstore.v1.Cluster`` service of peers by address or by id."""
+
+    def __init__(self, membership: Membership) -> None:
+        self._membership = membership
+        self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.ClusterStub]] = {}
+
+    def _stub(self, address: str) -> pb_grpc.ClusterStub:
+        entry = self._channels.get(address)
+        if entry is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            entry = self._channels[address] = (channel, pb_grpc.ClusterStub(channel))
+        return entry[1]
+
+    async def call_address(self, address: str, method: str, request: Any, timeout: float) -> Any:
+        """One Cluster RPC to ``address``; raises a :class:`KvError`."""
+        try:
+            return await getattr(self._stub(address), method)(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, f"{method} at {address}") from None
+
+    async def call(self, node_id: str, method: str, request: Any, timeout: float) -> Any:
+        """One Cluster RPC to a live member; :class:`Unavailable` if it is not one."""
+        member = self._membership.member(node_id)
+        if member is None:
+            raise Unavailable(f"{node_id[:100]} is not a live member")
+        return await self.call_address(member.address, method, request, timeout)
+
+    async def replicate(self, node_id: str, request: pb.ReplicateRequest, timeout: float) -> pb.ReplicateResponse:
+        """Ask ``node_id`` to copy pages to itself (it pulls them)."""
+        return await self.call(node_id, "Replicate", request, timeout)
+
+    async def drop_speculative(self, node_id: str, request: pb.DropSpeculativeRequest,
+                               timeout: float) -> pb.DropSpeculativeResponse:
+        """Ask ``node_id`` to drop unread speculative replicas."""
+        return await self.call(node_id, "DropSpeculative", request, timeout)
+
+    async def close(self) -> None:
+        for channel, _ in self._channels.values():
+            await channel.close()
+        self._channels.clear()

@@ -1,0 +1,104 @@
+"""Types of the placement planner: what it is given and what it decides.
+
+Pure data: no I/O. The coordinator builds :class:`Candidate`\\ s from the
+predictor's scores and :class:`NodeState`\\ s from heartbeats; the planner
+(:mod:`kvstore.predict.planner`) returns a :class:`PlanResult`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+@dataclass(slots=True)
+class NodeState:
+    """What the planner knows of one live node."""
+
+    node_id: str
+    capacity_bytes: int
+    used_bytes: int
+    spec_bytes: int = 0               # bytes held as speculative replicas
+    load: float = 0.0                 # recent requests/s routed to it (optional)
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A scored prefix the planner may replicate.
+
+    ``chain`` holds the prefix's keys from block 1 to ``depth`` (the deepest
+    tracked depth seen); ``holders[d]`` the nodes holding the first ``d``
+    blocks, for each ``d`` in ``depth_options``.
+    """
+
+    namespace: str
+    chain: tuple[bytes, ...]
+    depth_options: tuple[int, ...]
+    holders: dict[int, frozenset[str]]
+    prob: float                        # P(needed on a node lacking it within H)
+    need_in_s: float                   # predicted seconds until the next request
+    page_bytes: int
+    fanout: int = 1                    # distinct nodes that requested it recently
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Copy ``keys`` (a prefix of ``depth`` blocks) from ``source`` to each target."""
+
+    namespace: str
+    keys: tuple[bytes, ...]
+    depth: int
+    source: str
+    targets: tuple[str, ...]
+    prob: float
+    ttl_s: float
+    reason: str
+    bytes: int = 0                     # total over all targets
+    transfer_s: float = 0.0            # predicted time of one target's copy at the measured bandwidth
+    need_in_s: float = 0.0             # predicted lead time the copy was gated against
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    threshold: float = 0.5             # replicate when prob >= threshold
+    spec_budget: float = 0.2           # share of each node's capacity for speculative replicas
+    spec_bandwidth: float = 1e9        # bytes/s the planner may spend on copies, cluster-wide
+    tick_s: float = 1.0
+    ttl_s: float = 120.0               # lifetime of a speculative replica unless renewed
+    max_targets: int = 2               # new replicas per prefix per tick
+    safety: float = 1.5                # transfer must fit in need_in_s / safety
+    max_decisions: int = 256
+    drop_below: float | None = None    # hysteresis: keep (renew) a replica while prob >= this; None = threshold / 2
+    renew_when_left: float = 0.5       # renew a hot replica once less than this share of ttl_s is left (1.0 = every tick)
+
+    @property
+    def keep_threshold(self) -> float:
+        """Score below which an existing speculative replica is dropped."""
+        return self.threshold / 2 if self.drop_below is None else self.drop_below
+
+
+class Renewal(NamedTuple):
+    """Extend a speculative replica still predicted hot (instead of re-copying it)."""
+
+    namespace: str
+    key: bytes                         # chain key of the replica's deepest block
+    node: str
+    expires_at: float                  # new expiry, on the caller's clock
+
+
+class Drop(NamedTuple):
+    """Remove a speculative replica: its TTL ran out or its score decayed."""
+
+    namespace: str
+    key: bytes                         # chain key of the replica's deepest block
+    node: str
+    reason: str                        # "expired" | "decayed"
+
+
+@dataclass(slots=True)
+class PlanResult:
+    decisions: list[Decision] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
+    bytes_planned: int = 0
+    renewals: list[Renewal] = field(default_factory=list)
+    drops: list[Drop] = field(default_factory=list)
+    bytes_budget: int = 0              # copy bytes this tick allowed (after transfers in flight)

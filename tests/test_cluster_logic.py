@@ -1,0 +1,190 @@
+"""The cluster layer's pure logic without sockets: membership, the heartbeat
+round, the directory with its report-built speculative map, the outbox,
+source assignment, and the coordinator's view of the replicas it placed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kvstore.cluster.coordinator import Coordinator
+from kvstore.cluster.directory import Directory, Outbox
+from kvstore.cluster.membership import Membership, plan_round
+from kvstore.cluster.peers import PeerClient
+from kvstore.cluster.replicator import assign_sources
+from kvstore.config import NodeConfig
+from kvstore.metrics import NodeMetrics
+from kvstore.pool.pool import PageKind
+from kvstore.v1 import kvstore_pb2 as pb
+
+
+class Clock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class Page:  # what the outbox reads of a pool entry
+    key: bytes
+    kind: int
+    expires_at: float = 0.0
+
+
+def info(node_id: str, incarnation: str = "1") -> pb.MemberInfo:
+    return pb.MemberInfo(node_id=node_id, address=f"127.0.0.1:{7400 + ord(node_id[0])}", incarnation=incarnation)
+
+
+def membership(self_id: str = "b", timeout: float = 2.0) -> tuple[Membership, Clock]:
+    clock = Clock()
+    return Membership(info(self_id), timeout, clock=clock), clock
+
+
+# ---- membership and the round -----------------------------------------------
+def test_lowest_live_id_coordinates_and_the_role_moves_on_death() -> None:
+    m, clock = membership("b")
+    assert m.coordinator() == "b" and m.is_coordinator
+    m.observe(info("a"))
+    m.observe(info("c"))
+    assert m.live_ids() == ["a", "b", "c"] and m.coordinator() == "a"
+    clock.t += 3
+    m.observe(info("c"))
+    assert [d.node_id for d in m.expire()] == ["a"]
+    assert m.coordinator() == "b"
+
+
+def test_a_new_incarnation_is_a_restart() -> None:
+    m, _ = membership("b")
+    assert m.observe(info("a", "1")).joined
+    change = m.observe(info("a", "2"))
+    assert change is not None and change.restarted
+
+
+def test_plan_round_reports_to_the_coordinator_and_probes_everyone() -> None:
+    m, clock = membership("b")
+    m.observe(info("a"))
+    me = info("b").address
+    learned = {"127.0.0.1:9000": clock.t - 1, "127.0.0.1:9001": clock.t - 100}
+    plan = plan_round(m, me, {info("a").address, me}, learned, "", clock.t, horizon=20)
+    assert plan.coordinator == "a" and plan.coordinator_changed and not plan.report_locally
+    assert plan.report_to == info("a").address
+    assert plan.targets == tuple(sorted({info("a").address, "127.0.0.1:9000"}))  # stale gossip dropped, not self
+    assert plan.learned == {"127.0.0.1:9000": clock.t - 1}
+    again = plan_round(m, me, {info("a").address}, plan.learned, "a", clock.t, horizon=20)
+    assert not again.coordinator_changed
+
+
+def test_plan_round_applies_the_report_locally_on_the_coordinator() -> None:
+    m, clock = membership("a")
+    m.observe(info("b"))
+    plan = plan_round(m, info("a").address, {info("b").address}, {}, "a", clock.t, horizon=20)
+    assert plan.report_locally and plan.report_to == "" and plan.targets == (info("b").address,)
+
+
+# ---- directory and outbox ---------------------------------------------------------
+def test_reports_in_sequence_and_a_gap_asks_for_a_snapshot() -> None:
+    d, out = Directory(), Outbox()
+    out.record("m", [Page(b"k1", PageKind.PRIMARY), Page(b"k2", PageKind.PRIMARY)])
+    seq, batches = out.take_full({"m": [Page(b"k1", PageKind.PRIMARY)]}, now=0.0)
+    assert not d.report("a", "i1", seq, True, batches)
+    assert d.locate("m", [b"k1", b"k2"]) == [{"a"}, set()]
+    out.record("m", [Page(b"k2", PageKind.REPLICA)], [b"k1"])
+    seq, batches = out.take(now=0.0)
+    assert not d.report("a", "i1", seq, False, batches)
+    assert d.locate("m", [b"k1", b"k2"]) == [set(), {"a"}]
+    assert d.report("a", "i1", seq + 5, False, [])  # out of sequence
+    assert d.report("a", "i2", seq + 1, False, [])  # a new incarnation
+    assert d.report("z", "i1", 1, False, [])  # unknown node
+
+
+def test_prefix_lengths_per_node() -> None:
+    d = Directory()
+    d.report("a", "i", 1, True, [pb.DirectoryBatch(namespace="m", adds=[b"1", b"2", b"3"])])
+    d.report("b", "i", 1, True, [pb.DirectoryBatch(namespace="m", adds=[b"1", b"3"])])
+    assert d.prefixes("m", [b"1", b"2", b"3"]) == {"a": 3, "b": 1}
+    assert d.drop("a") == 3 and d.prefixes("m", [b"1", b"2"]) == {"b": 1}
+
+
+def test_speculative_pages_are_reported_with_their_remaining_life() -> None:
+    d, out = Directory(), Outbox()
+    spec = Page(b"s", PageKind.SPECULATIVE, expires_at=50.0)
+    out.record("m", [spec, Page(b"p", PageKind.PRIMARY)])
+    seq, batches = out.take(now=40.0)
+    assert [(p.key, p.expires_in_seconds) for p in batches[0].speculative] == [(b"s", 10.0)]
+    d.report("a", "i", seq, True, batches, now=1000.0)  # the reader's own clock
+    assert d.speculative == {("m", b"s"): {"a": 1010.0}}
+    spec.expires_at = 70.0  # renewed on the node: reported as added again
+    out.record("m", [spec])
+    seq, batches = out.take(now=45.0)
+    d.report("a", "i", seq, False, batches, now=1005.0)
+    assert d.speculative == {("m", b"s"): {"a": 1030.0}}
+    out.record("m", [Page(b"s", PageKind.REPLICA)])  # a read promoted it
+    seq, batches = out.take(now=46.0)
+    d.report("a", "i", seq, False, batches, now=1006.0)
+    assert d.speculative == {} and d.locate("m", [b"s"]) == [{"a"}]
+
+
+def test_expiry_and_death_clear_the_speculative_map() -> None:
+    d = Directory()
+    batch = pb.DirectoryBatch(namespace="m", adds=[b"s", b"t"],
+                              speculative=[pb.SpeculativePage(key=b"s", expires_in_seconds=5),
+                                           pb.SpeculativePage(key=b"t", expires_in_seconds=5)])
+    d.report("a", "i", 1, True, [batch], now=0.0)
+    d.report("b", "i", 1, True, [batch], now=0.0)
+    d.report("a", "i", 2, False, [pb.DirectoryBatch(namespace="m", removes=[b"s"])], now=6.0)  # the node dropped it
+    assert d.speculative == {("m", b"s"): {"b": 5.0}, ("m", b"t"): {"a": 5.0, "b": 5.0}}
+    d.drop("b")
+    assert d.speculative == {("m", b"t"): {"a": 5.0}}
+
+
+def test_assign_sources_batches_keys_per_holder() -> None:
+    keys = [b"1", b"2", b"3", b"4"]
+    holders = [{"a", "b"}, {"a"}, {"b"}, set()]
+    assert assign_sources(keys, holders, {"a", "b"}) == {"a": [b"1", b"2"], "b": [b"3"]}
+    assert assign_sources(keys, holders, {"b"}) == {"b": [b"1", b"3"]}
+
+
+# ---- the coordinator's replica map -------------------------------------------------
+class NoNamespaces:
+    namespaces: dict[str, object] = {}
+
+
+def test_the_coordinator_sees_only_replicas_it_placed_on_live_nodes() -> None:
+    members, clock = membership("a")
+    members.observe(info("b"))
+    members.observe(info("c"))
+    directory = Directory()
+    config = NodeConfig(listen="127.0.0.1:0", replication="full", spec_ttl=30.0)
+    coordinator = Coordinator(config, directory, members, PeerClient(members), NodeMetrics(NoNamespaces()),
+                              page_bytes=lambda ns: 4096)
+    spec = [pb.SpeculativePage(key=b"deep", expires_in_seconds=20)]
+    for node in ("b", "c"):
+        directory.report(node, "i", 1, True, [pb.DirectoryBatch(namespace="m", adds=[b"deep", b"other"],
+                                                                speculative=spec)], now=0.0)
+    assert coordinator.speculative == {}  # not placed by this coordinator
+    coordinator._placed[("m", b"deep")] = 0.0
+    assert coordinator.speculative == {("m", b"deep"): {"b": 20.0, "c": 20.0}}
+    clock.t += 5  # c falls silent past the timeout
+    members.observe(info("b"))
+    assert coordinator.speculative == {("m", b"deep"): {"b": 20.0}}
+
+
+def test_hints_name_reported_replicas_with_their_remaining_life() -> None:
+    members, _ = membership("a")
+    members.observe(info("b"))
+    directory = Directory()
+    config = NodeConfig(listen="127.0.0.1:0", replication="full")
+    coordinator = Coordinator(config, directory, members, PeerClient(members), NodeMetrics(NoNamespaces()),
+                              page_bytes=lambda ns: 4096)
+    now = time.monotonic()
+    directory.report("b", "i", 1, True, [pb.DirectoryBatch(
+        namespace="m", adds=[b"k1", b"k2"], speculative=[pb.SpeculativePage(key=b"k2", expires_in_seconds=20)])],
+        now=now)
+    (hint,) = coordinator.hints("m", [b"k1", b"k2", b"k3"])
+    assert (hint.node_id, hint.prefix_length, hint.pending) == ("b", 2, False)
+    assert 19 < hint.expires_in_seconds <= 20 and hint.address == info("b").address
+    coordinator.pending[("m", b"k3")] = {"b": now + 1}  # a deeper copy on its way
+    (hint,) = coordinator.hints("m", [b"k1", b"k2", b"k3"])
+    assert (hint.prefix_length, hint.pending) == (3, True)
