@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from kvstore_cluster import start_cluster  # noqa: E402
 
-ENGINE = ROOT / "tests" / "vllm" / "engine_proc.py"
+ENGINE = ROOT / "tests" / "engines" / "engine_proc.py"
 BLOCK = 32
 MODEL = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816,

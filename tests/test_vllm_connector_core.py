@@ -4,6 +4,7 @@ real kvstored processes (a 2-node cluster) and real gRPC do the rest."""
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 
@@ -115,15 +116,29 @@ def test_repeat_calls_are_idempotent_and_lookup_is_one_rpc(cluster) -> None:  # 
         sched.close()
 
 
-def test_lookup_never_blocks_the_scheduler(cluster) -> None:  # type: ignore[no-untyped-def]
-    sched = SchedulerCore(ConnectorConfig(address=cluster["a"].address, lookup_wait_ms=0), NS, BS, "nb")
+def test_lookup_never_blocks_the_scheduler() -> None:
+    """A node that does not answer (SIGSTOP) costs the scheduler at most
+    lookup_wait_ms per call: it answers None, and the hit once the node wakes."""
+    nodes = start_cluster("a")
+    node = nodes["a"]
+    tokens = list(range(3 * BS + 1))
+    sched = SchedulerCore(ConnectorConfig(address=node.address, lookup_wait_ms=20), NS, BS, "nb")
     try:
-        first = sched.matched_tokens("q", list(range(3 * BS)), b"", 0)
-        assert first is None                               # in flight: vLLM asks again next step
-        wait_until(lambda: sched.matched_tokens("q", list(range(3 * BS)), b"", 0) is not None, 5, "the answer")
-        assert sched.stats.lookups == 1
+        sched.client.wait_ready(10)                        # connected before the node stops
+        sched.client.create_namespace(NS, 4096)
+        node.proc.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        assert sched.matched_tokens("q", tokens, b"", 0) is None
+        assert sched.matched_tokens("q", tokens, b"", 0) is None
+        assert time.monotonic() - start < 1.0              # two calls, each bounded by the wait
+        node.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: sched.matched_tokens("q", tokens, b"", 0) is not None, 10, "the answer")
+        assert sched.matched_tokens("q", tokens, b"", 0) == 0  # nothing stored: a miss, after one RPC
+        assert (sched.stats.lookups, sched.stats.lookup_errors) == (1, 0)
     finally:
+        node.proc.send_signal(signal.SIGCONT)
         sched.close()
+        node.kill()
 
 
 def test_missing_page_is_a_load_error_and_the_rest_loads(cluster) -> None:  # type: ignore[no-untyped-def]

@@ -9,7 +9,7 @@ suffix and loads the prefix through kvstore.
 - control: one stored page corrupted, the same check reports that page;
 - node a SIGKILLed when B starts its load: B still answers, by recomputing.
 
-Each engine runs in its own process (tests/vllm/engine_proc.py). Skipped
+Each engine runs in its own process (tests/engines/engine_proc.py). Skipped
 where vLLM is not installed; ``make test-vllm`` installs it and runs these
 with none skipped.
 """
@@ -38,7 +38,7 @@ from kvstore_cluster import start_cluster, wait_until  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 BLOCK = 32
-ENGINE = Path(__file__).parent / "vllm" / "engine_proc.py"
+ENGINE = Path(__file__).parent / "engines" / "engine_proc.py"
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
