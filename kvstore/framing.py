@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+from collections.abc import Callable
 
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -113,3 +114,33 @@ async def send_views(loop: asyncio.AbstractEventLoop, sock: socket.socket, heade
     await loop.sock_sendall(sock, encode_header(header, sum(v.nbytes for v in views)))
     for view in views:
         await loop.sock_sendall(sock, view)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A non-blocking TCP listener on ``host:port`` (0: any free port)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+async def accept_loop(listener: socket.socket, on_connection: Callable[[socket.socket], None]) -> None:
+    """Hand every accepted connection (non-blocking, no Nagle) to
+    ``on_connection`` until the listener is closed."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            conn, _ = await loop.sock_accept(listener)
+        except OSError:
+            return  # listener closed
+        conn.setblocking(False)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        on_connection(conn)
+
+
+def check_pull(request: pb.DataHeader, payload_len: int) -> None:
+    """A peer's pull is a GET without payload; anything else is a bad frame."""
+    if request.op != pb.DataHeader.GET or payload_len:
+        raise WireError(f"peer sent op {request.op} with {payload_len} payload bytes")

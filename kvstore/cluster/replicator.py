@@ -261,7 +261,11 @@ class Replicator:
         found: list[bytes] = []
         bad: set[bytes] = set()
         try:
-            reply, _ = await self.transport.fetch(endpoint, request, alloc)
+            try:
+                async with asyncio.timeout(batch.time_left()):  # reserved slots are held this long at most
+                    reply, _ = await self.transport.fetch(endpoint, request, alloc)
+            except TimeoutError:
+                raise TransportError(f"pull from {source[:100]} took over {self.config.transfer_timeout:g} s") from None
             if reply.code:
                 raise TransportError(f"{source[:100]} refused the pull: {reply.message[:200]}")
             if not landed:

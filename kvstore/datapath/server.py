@@ -23,7 +23,9 @@ import grpc
 
 from kvstore.cluster.replicator import Replicator
 from kvstore.errors import InvalidArgument, KvError, ResourceExhausted
-from kvstore.framing import ChannelClosed, WireError, drain, encode_header, read_frame, recv_exact, send_views
+from kvstore.framing import (
+    ChannelClosed, WireError, accept_loop, drain, encode_header, listen, read_frame, recv_exact, send_views,
+)
 from kvstore.metrics import NodeMetrics
 from kvstore.node import Node, PutBatch
 from kvstore.pool.movement import SOCKET
@@ -56,14 +58,8 @@ class DataServer:
     async def start(self) -> None:
         if self._sock is not None:
             return
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self._host, self._port))
-        sock.listen(128)
-        sock.setblocking(False)
-        self._sock = sock
-        self._spawn(self._accept_loop())
+        self._sock = listen(self._host, self._port)
+        self._spawn(accept_loop(self._sock, self._accepted))
 
     async def stop(self) -> None:
         """Stop accepting, close connections, wait for handlers."""
@@ -82,18 +78,9 @@ class DataServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._sock is not None
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(self._sock)
-            except OSError:
-                return  # listener closed
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._conns.add(conn)
-            self._spawn(self._serve(conn))
+    def _accepted(self, conn: socket.socket) -> None:
+        self._conns.add(conn)
+        self._spawn(self._serve(conn))
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()

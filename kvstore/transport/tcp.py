@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.framing import ChannelClosed, WireError, encode_header, read_frame, recv_exact
+from kvstore.framing import (
+    ChannelClosed, WireError, accept_loop, check_pull, encode_header, listen, read_frame, recv_exact,
+)
 from kvstore.transport.base import AllocFn, ServeFn, Transport, TransportError
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -42,15 +44,9 @@ class TcpTransport(Transport):
     async def start(self, host: str, port: int, serve: ServeFn) -> pb.TransportEndpoint:
         if self._endpoint is not None:
             return self._endpoint
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-        sock.setblocking(False)
-        self._listener = sock
+        self._listener = sock = listen(host, port)
         self._endpoint = pb.TransportEndpoint(kind="tcp", host=host, port=sock.getsockname()[1])
-        self._spawn(self._accept(serve))
+        self._spawn(accept_loop(sock, lambda conn: self._accepted(conn, serve)))
         return self._endpoint
 
     def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
@@ -58,18 +54,9 @@ class TcpTransport(Transport):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _accept(self, serve: ServeFn) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._listener is not None
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(self._listener)
-            except OSError:
-                return
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._served.add(conn)
-            self._spawn(self._serve(conn, serve))
+    def _accepted(self, conn: socket.socket, serve: ServeFn) -> None:
+        self._served.add(conn)
+        self._spawn(self._serve(conn, serve))
 
     async def _serve(self, conn: socket.socket, serve: ServeFn) -> None:
         loop = asyncio.get_running_loop()
@@ -79,8 +66,7 @@ class TcpTransport(Transport):
                     request, payload_len = await read_frame(loop, conn)
                 except ChannelClosed:
                     return
-                if request.op != pb.DataHeader.GET or payload_len:
-                    raise WireError(f"peer sent op {request.op} with {payload_len} payload bytes")
+                check_pull(request, payload_len)
                 served = serve(request)
                 try:
                     views = _views(served.payload)

@@ -61,7 +61,7 @@ import os
 from typing import Any
 
 from kvstore.framing import (
-    MAX_HEADER_BYTES, PREFIX, ChannelClosed, WireError, decode_header, decode_prefix, encode_header,
+    MAX_HEADER_BYTES, PREFIX, ChannelClosed, WireError, check_pull, decode_header, decode_prefix, encode_header,
 )
 from kvstore.transport.base import AllocFn, ServeFn, Transport, TransportError
 from kvstore.transport.ucx_progress import (
@@ -230,8 +230,7 @@ class UcxTransport(Transport):
                     request, payload_len = await _recv_frame(ep, self)
                 except ChannelClosed:
                     return
-                if request.op != pb.DataHeader.GET or payload_len:
-                    raise WireError(f"peer sent op {request.op} with {payload_len} payload bytes")
+                check_pull(request, payload_len)
                 served = serve(request)
                 sending: asyncio.Task[Any] | None = None
                 try:
