@@ -4,24 +4,15 @@ node sees every other (no sleeps)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 
 import grpc
 
+from conftest import wait_until
 from kvstore.launch import NodeProcess
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 FAST = ("--heartbeat-interval", "0.1", "--heartbeat-timeout", "1.0")
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    start = time.monotonic()
-    while not cond():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def members(address: str) -> list[str]:
