@@ -134,6 +134,8 @@ class NodeConfig:
     keep_fetched: bool = True
     fetch_timeout: float = 5.0
     max_pull_bytes: int = 64 << 20
+    link_rate: float = 0.0
+    link_latency: float = 0.0
     metrics_port: int = -1
     log_level: str = "info"
     loop: str = "auto"
@@ -185,6 +187,8 @@ class NodeConfig:
             raise ValueError("fetch_timeout must be >= 0")
         if self.max_pull_bytes < 1 << 20:
             raise ValueError("max_pull_bytes must be >= 1 MiB")
+        if not (self.link_rate >= 0 and self.link_latency >= 0):
+            raise ValueError("link_rate and link_latency must be >= 0")
         if not 0 <= self.transport_port <= 65535:
             raise ValueError("transport_port must be 0..65535")
         for port_name in ("data_port", "metrics_port"):
@@ -258,6 +262,10 @@ SETTINGS: tuple[Setting, ...] = (
             "what has not arrived by then is reported missing", "SECONDS"),
     Setting("max_pull_bytes", parse_size, "largest single peer transfer; bigger pulls are "
             "chunked so a deadline keeps what arrived", "SIZE"),
+    Setting("link_rate", float, "shape peer transfers to this many bytes/s per node and direction, shared "
+            "fairly by concurrent transfers (0: unshaped; benchmarks set it)", "BYTES_PER_S"),
+    Setting("link_latency", float, "one-way latency added to each peer transfer's request and reply "
+            "(with --link-rate)", "SECONDS"),
     Setting("metrics_port", int, "Prometheus metrics port on the listen host (0: pick one, -1: off)", "PORT"),
     Setting("log_level", parse_choice("debug", "info", "warning", "error"), "logging level", "LEVEL"),
     Setting("loop", parse_choice("auto", "uvloop", "asyncio"), "event loop: auto prefers uvloop", "LOOP"),

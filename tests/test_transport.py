@@ -27,6 +27,8 @@ from kvstore.ops.numpy_ops import NumpyPageOps
 from kvstore.pool.pool import PagePool
 from kvstore.transport.auto import make_transport, resolve_transport
 from kvstore.transport.base import Served, ServeFn, Transport, TransportError
+from kvstore.transport.shaped import ShapedTransport
+from kvstore.transport.shaper import LinkShaper
 from kvstore.transport.tcp import TcpTransport
 from kvstore.transport.ucx import UcxTransport
 from kvstore.transport.ucx_progress import configure_ucx_env, ucx_context_created
@@ -48,8 +50,16 @@ KiB, MiB = 1 << 10, 1 << 20
 T = TypeVar("T")
 
 BACKENDS = [pytest.param("tcp", id="tcp"),
-            pytest.param("ucx", id="ucx", marks=pytest.mark.skipif(not HAVE_UCXX, reason="ucxx not installed"))]
+            pytest.param("ucx", id="ucx", marks=pytest.mark.skipif(not HAVE_UCXX, reason="ucxx not installed")),
+            pytest.param("shaped-tcp", id="shaped-tcp")]  # the contract holds through the link shaper too
 LOOPS = ["uvloop", "asyncio"]
+
+
+def new_transport(backend: str) -> Transport:
+    """A fresh transport of ``backend``; ``shaped-tcp`` is TCP behind a 4 GB/s, 50 us link shaper."""
+    if backend == "shaped-tcp":
+        return ShapedTransport(TcpTransport(), LinkShaper(4e9, 50e-6))
+    return make_transport(backend)
 
 
 @pytest.fixture(params=LOOPS)
@@ -137,7 +147,7 @@ async def pair(backend: str, store: Store,
                serve: ServeFn | None = None) -> AsyncIterator[tuple[Transport, Transport, pb.TransportEndpoint]]:
     """A started server transport over ``store`` and a client transport;
     both closed afterwards, and every served read hold released."""
-    server, client = make_transport(backend), make_transport(backend)
+    server, client = new_transport(backend), new_transport(backend)
     try:
         endpoint = await server.start("127.0.0.1", 0, serve or store.serve)
         yield server, client, endpoint
@@ -161,7 +171,7 @@ def test_pull_pages_gives_bytes_and_header(backend: str, loop_name: str) -> None
 
     async def body() -> None:
         async with pair(backend, store) as (server, client, endpoint):
-            assert endpoint.kind == backend and endpoint.host == "127.0.0.1" and endpoint.port > 0
+            assert endpoint.kind == backend.removeprefix("shaped-") and endpoint.host == "127.0.0.1" and endpoint.port > 0
             assert await server.start("127.0.0.1", 0, store.serve) == endpoint  # second call: same
             assert client.connections() == 0
             for keys in (store.keys, store.keys[3:7], store.keys[::-1][:5]):
@@ -284,7 +294,7 @@ def _slow_holder(q: Any, backend: str, loop_name: str) -> None:
         return store.serve(request)
 
     async def main() -> None:
-        transport = make_transport(backend)
+        transport = new_transport(backend)
         endpoint = await transport.start("127.0.0.1", 0, slow_serve)
         q.put(endpoint.port)
         await asyncio.Event().wait()
@@ -303,7 +313,7 @@ def test_holder_process_killed_mid_pull_raises(backend: str, loop_name: str) -> 
         port = q.get(timeout=60)
 
         async def body() -> float:
-            client = make_transport(backend)
+            client = new_transport(backend)
             endpoint = pb.TransportEndpoint(kind=backend, host="127.0.0.1", port=port)
             try:
                 pull = asyncio.ensure_future(client.fetch(endpoint, request_for([b"page-000000"]), alloc))
@@ -341,7 +351,7 @@ def _paced_holder(q: Any, commands: Any, backend: str, loop_name: str) -> None:
 
     async def main() -> None:
         stalling = asyncio.ensure_future(stall())  # noqa: F841  (runs until the process is killed)
-        transport = make_transport(backend)
+        transport = new_transport(backend)
         endpoint = await transport.start("127.0.0.1", 0, store.serve)
         q.put(endpoint.port)
         loop = asyncio.get_running_loop()
@@ -368,7 +378,7 @@ def test_cancelled_fetch_drops_its_connection(backend: str, loop_name: str) -> N
 
         async def body() -> None:
             loop = asyncio.get_running_loop()
-            client = make_transport(backend)
+            client = new_transport(backend)
             endpoint = pb.TransportEndpoint(kind=backend, host="127.0.0.1", port=port)
             try:
                 reply, payload = await client.fetch(endpoint, request_for(ref.keys[:1]), alloc)
@@ -495,7 +505,7 @@ def test_close_twice_is_fine(backend: str, loop_name: str) -> None:
             await server.close()
             await server.close()
             assert client.connections() == 0
-            never_started = make_transport(backend)
+            never_started = new_transport(backend)
             await never_started.close()
             await never_started.close()
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.replay.netns import NetnsLinks
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -54,16 +55,21 @@ class ClusterSpec:
     spec_ttl: float = 60.0
     predictor_depths: str = "1,2,4,8,16"
     extra: list[str] = field(default_factory=list)   # more kvstored flags
+    network: str = "none"              # none | shaped (--link-rate in the daemons) | netns (tc on veths)
+    link_rate: float = 0.0             # real bytes/s per node and direction (already scaled)
+    link_latency: float = 0.0          # real seconds, one way
 
-    def args(self, node_id: str) -> list[str]:
-        return ["--node-id", node_id, "--listen", "127.0.0.1:0", "--device", self.device,
+    def args(self, node_id: str, host: str = "127.0.0.1") -> list[str]:
+        shaped = ["--link-rate", repr(self.link_rate), "--link-latency", repr(self.link_latency)] \
+            if self.network == "shaped" else []
+        return ["--node-id", node_id, "--listen", f"{host}:0", "--device", self.device,
                 "--capacity", self.capacity, "--namespace", f"{self.namespace}:{self.page_bytes}",
                 "--replication", self.policy, "--transport", self.transport,
                 "--heartbeat-interval", str(self.heartbeat_interval),
                 "--heartbeat-timeout", str(self.heartbeat_timeout),
                 "--planner-tick", str(self.planner_tick), "--spec-ttl", str(self.spec_ttl),
                 "--predictor-depths", self.predictor_depths,
-                "--metrics-port", "0", "--log-level", "warning", *self.extra]
+                "--metrics-port", "0", "--log-level", "warning", *shaped, *self.extra]
 
 
 @dataclass(slots=True)
@@ -83,6 +89,16 @@ class LocalCluster:
         self.log_dir = Path(log_dir)
         self.start_timeout = start_timeout
         self.nodes: list[NodeProc] = []
+        self.links: NetnsLinks | None = None
+
+    def network(self) -> dict[str, object]:
+        """How node-to-node bytes are shaped in this cluster (for results.json)."""
+        if self.links is not None:
+            return self.links.describe()
+        if self.spec.network == "shaped":
+            return {"kind": "shaped", "rate_bytes_s": self.spec.link_rate, "latency_s": self.spec.link_latency,
+                    "shaping": "token buckets in each kvstored's peer transport (egress + ingress)"}
+        return {"kind": "none"}
 
     def __enter__(self) -> "LocalCluster":
         try:
@@ -99,10 +115,13 @@ class LocalCluster:
     def _spawn(self, node_id: str, seed: str | None) -> NodeProc:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{node_id}.log"
-        args = [sys.executable, "-m", "kvstore.cli.kvstored", *self.spec.args(node_id)]
+        i = len(self.nodes)
+        host = self.links.address(i) if self.links is not None else "127.0.0.1"
+        prefix = self.links.exec_prefix(i) if self.links is not None else []
+        args = [*prefix, sys.executable, "-m", "kvstore.cli.kvstored", *self.spec.args(node_id, host)]
         if seed:
             args += ["--peers", seed]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", GRPC_ENABLE_FORK_SUPPORT="0")
         with open(log, "w") as f:
             proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True,  # Ctrl-C in the terminal goes to the harness only
@@ -126,6 +145,8 @@ class LocalCluster:
 
     def start(self) -> None:
         deadline = time.monotonic() + self.start_timeout
+        if self.spec.network == "netns":
+            self.links = NetnsLinks(self.spec.nodes, self.spec.link_rate, self.spec.link_latency).__enter__()
         first = self._spawn("n0", None)
         self._wait_ready(first, deadline)
         rest = [self._spawn(f"n{i}", first.address) for i in range(1, self.spec.nodes)]
@@ -154,7 +175,8 @@ class LocalCluster:
         """The Prometheus text of node ``index`` ('' if it cannot be read)."""
         port = self.nodes[index].metrics_port
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            host = self.links.address(index) if self.links is not None else "127.0.0.1"
+            with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as r:
                 return r.read().decode()
         except OSError:
             return ""
@@ -176,4 +198,7 @@ class LocalCluster:
                 node.proc.kill()
                 node.proc.wait(10)
         self.nodes = []
+        if self.links is not None:  # after the daemons: no process holds a namespace any more
+            self.links.close()
+            self.links = None
 

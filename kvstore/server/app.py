@@ -28,6 +28,8 @@ from kvstore.ops.base import PageOps
 from kvstore.rpc import server_options
 from kvstore.server.service import KvStoreService
 from kvstore.transport.auto import make_transport
+from kvstore.transport.base import Transport
+from kvstore.transport.shaped import shape
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,10 @@ class NodeServer:
     def data_port(self) -> int | None:
         return self._data.port if self._data is not None else None
 
+    def _transport(self) -> Transport:
+        """The peer transport, shaped to ``--link-rate``/``--link-latency`` when set."""
+        return shape(make_transport(self.config.transport), self.config.link_rate, self.config.link_latency)
+
     async def start(self) -> None:
         """Bind everything and report SERVING; a second call does nothing."""
         if self._grpc is not None:
@@ -70,7 +76,7 @@ class NodeServer:
         ops = self._ops or select_ops("auto", self.config.device)
         self.node = node = Node(self.config, ops)
         self.metrics = NodeMetrics(node)
-        self.agent = agent = ClusterAgent(node, self.config, make_transport(self.config.transport), self.metrics)
+        self.agent = agent = ClusterAgent(node, self.config, self._transport(), self.metrics)
         self.coordinator = Coordinator(self.config, agent.directory, agent.membership, agent.peers, self.metrics,
                                        page_bytes=self._page_bytes)
         agent.placement = self.coordinator

@@ -20,7 +20,8 @@ The serving side never talks to the pool directly: the node hands a
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import inspect
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +53,14 @@ class Served:
     release: Callable[[], None]
 
 
-# serve(request) -> Served; runs on the event loop thread.
-ServeFn = Callable[[pb.DataHeader], Served]
+# serve(request) -> Served, or an awaitable of it (a shaped link paces the
+# reply: kvstore.transport.shaped); runs on the event loop thread.
+ServeFn = Callable[[pb.DataHeader], "Served | Awaitable[Served]"]
+
+
+async def resolve_served(result: "Served | Awaitable[Served]") -> Served:
+    """What ``serve`` returned, awaited if it is awaitable."""
+    return await result if inspect.isawaitable(result) else result  # type: ignore[return-value]
 # alloc(n_pages, page_bytes, reply) -> where to receive the payload: a
 # contiguous uint8 array [n_pages, page_bytes], or -- for a transport with
 # ``scatter`` -- a list of n_pages host page views (e.g. reserved pool slots).

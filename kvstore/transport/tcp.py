@@ -18,7 +18,7 @@ import numpy as np
 from kvstore.framing import (
     ChannelClosed, WireError, accept_loop, check_pull, encode_header, listen, read_frame, recv_exact,
 )
-from kvstore.transport.base import AllocFn, ServeFn, Transport, TransportError
+from kvstore.transport.base import AllocFn, ServeFn, Transport, TransportError, resolve_served
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class TcpTransport(Transport):
                 except ChannelClosed:
                     return
                 check_pull(request, payload_len)
-                served = serve(request)
+                served = await resolve_served(serve(request))
                 try:
                     views = _views(served.payload)
                     await loop.sock_sendall(conn, encode_header(served.header, sum(v.nbytes for v in views)))

@@ -63,7 +63,7 @@ from typing import Any
 from kvstore.framing import (
     MAX_HEADER_BYTES, PREFIX, ChannelClosed, WireError, check_pull, decode_header, decode_prefix, encode_header,
 )
-from kvstore.transport.base import AllocFn, ServeFn, Transport, TransportError
+from kvstore.transport.base import AllocFn, ServeFn, Transport, TransportError, resolve_served
 from kvstore.transport.ucx_progress import (
     UCX_DEFAULTS, UCX_LOOPBACK, _Heat, _LoopProgress, _next_message, configure_ucx_env, ucx_context_created,
     ucx_loop_progress,
@@ -231,7 +231,7 @@ class UcxTransport(Transport):
                 except ChannelClosed:
                     return
                 check_pull(request, payload_len)
-                served = serve(request)
+                served = await resolve_served(serve(request))
                 sending: asyncio.Task[Any] | None = None
                 try:
                     payload = served.payload
