@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,6 +80,8 @@ class Coordinator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._full_queue: deque[tuple[str, str, list[bytes]]] = deque(maxlen=100_000)
         self.tick_seconds: list[float] = []
+        self.decision_sources: Counter[str] = Counter()  # replicate decisions by the scorer behind them
+        self._scorer: dict[tuple[str, bytes], str] = {}
 
     # ---- inputs (the agent's Placement calls) --------------------------------
     def _holders_count(self, namespace: str, key: bytes) -> int:
@@ -156,21 +158,14 @@ class Coordinator:
         if self.policy == "full":
             self._tick_full()
             return
-        from kvstore.predict.planner import plan, select_candidates  # only the predictive policy needs them
+        from kvstore.predict.planner import plan  # only the predictive policy needs it
 
         assert self.predictor is not None
         now = time.monotonic()
         speculative = self.speculative
         scores = await self.predictor.score_async(now)
         self.predictor.maybe_retrain(now)
-        # Candidates at the keep threshold (hysteresis), plus every prefix
-        # that holds replicas now, so hot replicas are renewed, not dropped.
-        rows = set(select_candidates(scores.probs, self.plan_cfg.keep_threshold,
-                                     self.plan_cfg.max_decisions * 2).tolist())
-        if speculative:
-            index = {pid: i for i, pid in enumerate(scores.ids)}
-            rows.update(index[pid] for pid in speculative if pid in index)
-        candidates = [c for c in (self._candidate(scores, int(i)) for i in sorted(rows)) if c is not None]
+        candidates = self._candidates(scores, speculative, now)
         nodes = self._node_states()
         pending = {pid: set(nodes_) for pid, nodes_ in self.pending.items()}
         result = plan(candidates, nodes, self.bandwidth, self.plan_cfg, now, speculative,
@@ -179,6 +174,9 @@ class Coordinator:
             decision_log.info("replicate %s depth=%d %s -> %s: %s", decision.keys[-1].hex()[:12], decision.depth,
                               decision.source, ",".join(decision.targets), decision.reason)
             self.metrics.decisions.labels("replicate").inc()
+            scorer = self._scorer.get((decision.namespace, decision.keys[-1]), scores.source)
+            self.decision_sources[scorer] += 1
+            self.metrics.decisions.labels(f"scorer_{scorer}").inc()
             for target in decision.targets:
                 self._spawn(self._copy(target, decision.namespace, list(decision.keys), decision.source,
                                        PageKind.SPECULATIVE, decision.ttl_s, decision.bytes // max(1, len(decision.targets))))
@@ -191,9 +189,51 @@ class Coordinator:
         for reason, count in result.skipped.items():
             self.metrics.decisions.labels(f"skip_{reason}").inc(count)
 
-    def _candidate(self, scores: Any, row: int) -> Candidate | None:
-        namespace, key = scores.ids[row]
-        chain = self.predictor.chain(scores.ids[row]) if self.predictor is not None else ()
+    def _candidates(self, scores: Any, speculative: dict[tuple[str, bytes], dict[str, float]],
+                    now: float) -> list[Candidate]:
+        """What the planner considers this tick, from three scorers.
+
+        The classifier (LightGBM or momentum): prefixes at the keep threshold
+        (hysteresis) plus every prefix holding replicas now, so hot replicas
+        are renewed, not dropped. The rate forecaster: prefixes whose next
+        burst is due within ``forecast_lead_s`` (copied before its first
+        request), and placed prefixes whose next burst is due within a TTL
+        (kept alive between the bursts of a recurring prefix). Per prefix the
+        most confident scorer wins; ``_scorer`` remembers which, for the
+        decision counts."""
+        from kvstore.predict.planner import select_candidates
+
+        assert self.predictor is not None
+        keep = self.plan_cfg.keep_threshold
+        self._scorer = {}
+        chosen: dict[tuple[str, bytes], tuple[float, float, str]] = {}  # pid -> (prob, need_in_s, scorer)
+        rows = set(select_candidates(scores.probs, keep, self.plan_cfg.max_decisions * 2).tolist())
+        if speculative:
+            index = {pid: i for i, pid in enumerate(scores.ids)}
+            rows.update(index[pid] for pid in speculative if pid in index)
+        for i in rows:
+            chosen[scores.ids[i]] = (float(scores.probs[i]), float(scores.need_in_s[i]), scores.source)
+        soon = self.predictor.forecast(now)
+        later = self.predictor.forecast(now, self.plan_cfg.ttl_s, keys=list(speculative))
+        floor = self.pcfg.need_in_floor_s
+        for fc in (soon, later):
+            for j in np.flatnonzero(fc.p_onset >= keep):
+                pid, prob = fc.keys[j], float(fc.p_onset[j])
+                if prob > chosen.get(pid, (-1.0, 0.0, ""))[0]:
+                    need_in = max(float(fc.onset_in_s[j] - fc.sigma_s[j]), floor)
+                    chosen[pid] = (prob, need_in, "forecast")
+        out = []
+        for pid, (prob, need_in, scorer) in chosen.items():
+            c = self._candidate(pid, prob, need_in)
+            if c is not None:
+                out.append(c)
+                for d in c.depth_options:
+                    self._scorer[(c.namespace, c.chain[d - 1])] = scorer
+        return out
+
+    def _candidate(self, pid: tuple[str, bytes], prob: float, need_in_s: float) -> Candidate | None:
+        namespace, _ = pid
+        chain = self.predictor.chain(pid) if self.predictor is not None else ()
         page_bytes = self._page_bytes(namespace)
         if not chain or not page_bytes:
             return None
@@ -202,8 +242,7 @@ class Coordinator:
         live = set(self.membership.live_ids())
         holders = {d: frozenset(self.directory.holders(namespace, chain[d - 1]) & live) for d in options}
         return Candidate(namespace=namespace, chain=tuple(chain), depth_options=options, holders=holders,
-                         prob=float(scores.probs[row]), need_in_s=float(scores.need_in_s[row]),
-                         page_bytes=page_bytes)
+                         prob=prob, need_in_s=need_in_s, page_bytes=page_bytes)
 
     def _node_states(self) -> list[NodeState]:
         """Live nodes as their heartbeats describe them, plus the speculative
@@ -303,5 +342,7 @@ class Coordinator:
                "tick_p99_ms": float(np.percentile(ticks, 99) * 1e3)}
         if self.predictor is not None:
             out.update(self.predictor.stats())
+        total = sum(self.decision_sources.values())
+        out["decision_sources"] = {k: v / total for k, v in self.decision_sources.items()} if total else {}
         return out
 

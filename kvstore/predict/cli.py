@@ -27,6 +27,8 @@ import numpy as np
 from kvstore.predict.evaluate import (best_f1_threshold, build_dataset, evaluate, gate, jsonable, markdown_table,
                                       metrics, time_split)
 from kvstore.predict.features import momentum_prob
+from kvstore.predict.forecast_eval import evaluate_forecasts
+from kvstore.predict.forecast_eval import markdown as forecast_markdown
 from kvstore.predict.model import BurstModel
 from kvstore.predict.trace import ROUTERS, load_trace
 from kvstore.predict.types import PredictorConfig
@@ -197,6 +199,9 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace", action="append", required=True, help="trace file (repeatable) or 'synth'")
     ap.add_argument("--out", default=None, help="directory for eval.json, eval.md, pr_curves.png")
     ap.add_argument("--labels", default="remote,reuse", help="labels to evaluate: remote, reuse")
+    ap.add_argument("--forecast-horizon", type=float, default=10.0,
+                    help="T of the rate-forecast table: forecast the next T seconds (default 10)")
+    ap.add_argument("--forecast-bucket", type=float, default=10.0, help="seconds between forecasts (default 10)")
     add_common_args(ap)
     args = ap.parse_args(argv)
     labels = [x.strip() for x in args.labels.split(",") if x.strip()]
@@ -209,13 +214,22 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"kvctl eval-predictor: {exc}", file=sys.stderr)
         return 2
+    forecasts = [(trace_name(path), evaluate_forecasts(load_trace(path, limit=args.limit, seed=args.seed),
+                                                       max_depth=max(cfg.depths), bucket_s=args.forecast_bucket,
+                                                       horizon_s=args.forecast_horizon))
+                 for path in args.trace]
     table = markdown_table(results)
+    rates = forecast_markdown(forecasts)
+    print("Classification: P(requested on a node lacking it within H), time-held-out\n")
     print(table)
+    print(f"\nRate forecasts (next {args.forecast_horizon:g} s, held-out last 40 % of each trace)\n")
+    print(rates)
     if args.out:
         out = Path(args.out)
         write_json(out / "eval.json", {"config": asdict(cfg), "results": [{"name": n, **jsonable(r)}
-                                                                          for n, r in results]})
-        (out / "eval.md").write_text(table + "\n")
+                                                                          for n, r in results],
+                                       "forecasts": [{"name": n, **r} for n, r in forecasts]})
+        (out / "eval.md").write_text(table + "\n\n" + rates + "\n")
         plot_pr(results, out / "pr_curves.png")
         print(f"wrote {out / 'eval.json'}, {out / 'eval.md'}, {out / 'pr_curves.png'}")
     return 0

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ import numpy as np
 
 from kvstore.predict.evaluate import best_f1_threshold, gate, pr_auc, precision_recall_at, roc_auc
 from kvstore.predict.features import FeatureStore, HoldersCount, momentum_prob, need_in_s
+from kvstore.predict.forecast import CLUSTER, Forecast, RateForecaster
 from kvstore.predict.labels import EventLog, make_labels
 from kvstore.predict.model import BurstModel, ModelError
 from kvstore.predict.types import Access, PredictorConfig, PrefixId
@@ -87,6 +88,7 @@ class Predictor:
         self.cfg = cfg = cfg or PredictorConfig()
         self.clock = clock
         self.fs = FeatureStore(cfg, holders_count)
+        self.forecaster = RateForecaster()  # burst onsets per prefix: forecasts before a burst's first request
         self.names = self.fs.names
         self._mom_col = self.names.index("momentum")
         self._fan_col = self.names.index("fanout")
@@ -148,9 +150,20 @@ class Predictor:
 
     # -- event-loop side -----------------------------------------------------
     def observe(self, access: Access) -> None:
-        """Account one request (features and the label log)."""
+        """Account one request (features, the label log and the rate forecaster)."""
         self.fs.observe(access)
         self._events.append(access)
+        depth = max((d for d in self.cfg.depths if d <= len(access.keys)), default=0)
+        if depth:
+            self.forecaster.observe((access.namespace, access.keys[depth - 1]), access.t)
+        self.forecaster.observe(CLUSTER, access.t)
+
+    def forecast(self, now: float | None = None, lead_s: float | None = None,
+                 keys: Sequence[PrefixId] | None = None) -> Forecast:
+        """Per tracked prefix (or ``keys``): will its next burst start within
+        ``lead_s`` (default ``forecast_lead_s``)? See forecast.py."""
+        now = self.clock() if now is None else float(now)
+        return self.forecaster.forecast(now, self.cfg.forecast_lead_s if lead_s is None else lead_s, keys)
 
     def chain(self, prefix_id: PrefixId) -> tuple[bytes, ...]:
         """Keys of blocks 1..depth of a scored prefix (for the planner)."""

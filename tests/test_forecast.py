@@ -1,0 +1,136 @@
+"""The rate forecaster (pure): burst onsets of recurring prefixes, the
+borrowed prior, trends, its evaluation, and the coordinator using it to
+consider a recurring prefix before its burst's first request."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvstore.cluster.coordinator import Coordinator
+from kvstore.cluster.directory import Directory
+from kvstore.cluster.membership import Membership
+from kvstore.cluster.peers import PeerClient
+from kvstore.config import NodeConfig
+from kvstore.metrics import NodeMetrics
+from kvstore.predict.forecast import CLUSTER, ForecastConfig, RateForecaster
+from kvstore.predict.forecast_eval import evaluate_forecasts
+from kvstore.predict.trace import Request, hash_key
+from kvstore.predict.types import Access, Outcome
+from kvstore.v1 import kvstore_pb2 as pb
+
+
+def bursts(f: RateForecaster, key: object, starts: list[float], size: int = 20, spacing: float = 0.2) -> None:
+    for start in starts:
+        for i in range(size):
+            f.observe(key, start + i * spacing)
+
+
+def test_a_recurring_burst_is_forecast_before_it_starts() -> None:
+    f = RateForecaster()
+    bursts(f, "A", [0.0, 90.0, 181.0, 269.0])  # period ~90 s, a little jitter
+    before = f.forecast(345.0, 20.0)  # next onset due near 359
+    (i,) = [j for j, k in enumerate(before.keys) if k == "A"]
+    assert before.p_onset[i] > 0.8 and 5 < before.onset_in_s[i] < 20 and before.seasonal[i]
+    assert before.burst_size[i] == 20
+    assert 15 < before.expected[i] <= 21 and before.point[i] >= 19
+    early = f.forecast(290.0, 20.0)  # right after a burst: the next is 60+ s away
+    assert early.p_onset[i] < 0.05 and early.onset_in_s[i] > 50
+    during = f.forecast(270.0, 20.0)
+    assert during.in_burst[i] and during.p_onset[i] == 0.0
+
+
+def test_a_key_seen_once_borrows_the_recurring_period_once() -> None:
+    f = RateForecaster()
+    bursts(f, "A", [0.0, 100.0, 200.0])
+    bursts(f, "B", [0.0, 100.0, 200.0])
+    bursts(f, "new", [250.0])
+    period, spread = f.prior()
+    assert period == pytest.approx(100.0, abs=1) and spread >= 5.0
+    soon = f.forecast(340.0, 20.0, ["new"])
+    assert soon.p_onset[0] > 0.5 and not soon.seasonal[0]
+    missed = f.forecast(400.0, 20.0, ["new"])  # it did not come back at 350: no more guesses
+    assert missed.p_onset[0] == 0.0 and math.isinf(missed.onset_in_s[0])
+
+
+def test_an_own_period_rolls_over_at_most_two_missed_onsets() -> None:
+    f = RateForecaster()
+    bursts(f, "A", [0.0, 60.0, 120.0])
+    assert f.forecast(290.0, 20.0, ["A"]).p_onset[0] > 0.5  # 180 and 240 missed; 300 still expected
+    assert f.forecast(410.0, 20.0, ["A"]).p_onset[0] == 0.0  # three missed: gone quiet
+
+
+def test_a_rising_rate_is_extrapolated() -> None:
+    f = RateForecaster(ForecastConfig(gap_s=1e9))  # one long burst: the trend alone
+    t = 0.0
+    for rate in np.linspace(1, 10, 120):  # 1/s rising to 10/s over ~2 minutes
+        t += 1.0 / rate
+        f.observe("ramp", t)
+    ahead = f.forecast(t, 10.0, ["ramp"])
+    flat = f._trend(np.array([f._row["ramp"]]), t, 10.0)[0]
+    assert 60 < ahead.expected[0] < 200 and ahead.expected[0] == pytest.approx(flat)
+    assert ahead.expected[0] > 10.0 * f.rate_s[f._row["ramp"]] * 0.9  # above the flat short-rate count
+
+
+def test_keys_beyond_the_limit_drop_the_stalest() -> None:
+    f = RateForecaster(ForecastConfig(max_keys=100))
+    for i in range(250):
+        f.observe(i, float(i))
+    assert len(f) <= 100 and 249 in f._row and 0 not in f._row
+    assert len(f.forecast(300.0, 10.0)) == len(f)
+
+
+def recurring_trace(seed: int = 0, prefixes: int = 6, period: tuple[float, float] = (60.0, 120.0),
+                    duration: float = 900.0) -> list[Request]:
+    """Prefixes whose bursts of 12 requests return every 60-120 s with jitter."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in range(prefixes):
+        every = rng.uniform(*period)
+        t = rng.uniform(0, every)
+        while t < duration:
+            for _ in range(12):
+                out.append(Request(t + rng.uniform(0, 3), 4096, 64, (1000 * p + 1, 1000 * p + 2)))
+            t += every + rng.normal(0, 3)
+    return sorted(out, key=lambda r: r.t)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_on_recurring_bursts_the_forecaster_is_at_least_seasonal_naive(seed: int) -> None:
+    """Measured on these seeds: onset recall 0.59-0.82 (seasonal-naive
+    0.54-0.76), precision 0.87-0.91 (0.76-0.86), rate MAE 0.054-0.075/s
+    (seasonal 0.062-0.075, naive 0.22-0.28)."""
+    result = evaluate_forecasts(recurring_trace(seed), max_depth=2, bucket_s=5.0, horizon_s=10.0)
+    ours, seasonal, naive = (result["prefix"][k] for k in ("forecast", "seasonal", "naive"))
+    assert result["prefix"]["samples"]["onsets"] >= 20
+    assert ours["recall"] >= seasonal["recall"] and ours["recall"] > 0.55
+    assert ours["precision"] >= seasonal["precision"] and ours["precision"] > 0.8
+    assert naive["recall"] == 0.0  # persistence never sees an onset coming
+    assert ours["mae_per_s"] <= 1.1 * seasonal["mae_per_s"] and ours["mae_per_s"] < 0.5 * naive["mae_per_s"]
+
+
+class NoNamespaces:
+    namespaces: dict[str, object] = {}
+
+
+def test_the_coordinator_considers_a_recurring_prefix_before_its_burst() -> None:
+    members = Membership(pb.MemberInfo(node_id="a", address="127.0.0.1:1", incarnation="1"), 2.0)
+    config = NodeConfig(listen="127.0.0.1:0", replication="predictive", predictor_momentum_window=5.0)
+    coordinator = Coordinator(config, Directory(), members, PeerClient(members), NodeMetrics(NoNamespaces()),
+                              page_bytes=lambda ns: 4096)
+    chain = tuple(hash_key(h) for h in range(1, 9))
+    for start in (0.0, 90.0, 180.0):
+        for i in range(12):
+            coordinator.predictor.observe(Access(t=start + i * 0.3, namespace="m", node="b", keys=chain,
+                                                 outcome=Outcome.MISS, page_bytes=4096, total_blocks=8))
+    pid = ("m", chain[-1])
+    scores = coordinator.predictor.score(200.0)  # quiet, momentum has forgotten it, the next burst 70 s away
+    idle = {c.chain[-1]: c for c in coordinator._candidates(scores, {}, 200.0)}
+    assert chain[-1] not in idle
+    scores = coordinator.predictor.score(255.0)  # the next burst is due at ~270
+    soon = {(c.namespace, c.chain[-1]): c for c in coordinator._candidates(scores, {}, 255.0)}
+    assert pid in soon and soon[pid].prob > 0.5 and 5 < soon[pid].need_in_s < 20
+    assert coordinator._scorer[pid] == "forecast"
+    assert CLUSTER not in soon
