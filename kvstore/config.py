@@ -147,6 +147,9 @@ class NodeConfig:
     deadline_share: float = 0.8
     control_timeout: float = 5.0
     transfer_timeout: float = 30.0
+    read_timeout: float = 5.0
+    idle_timeout: float = 120.0
+    max_connections: int = 256
     predictor_momentum_window: float = 60.0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -183,6 +186,10 @@ class NodeConfig:
             raise ValueError("deadline_share must be in (0, 1]")
         if not (self.control_timeout > 0 and self.transfer_timeout > 0 and self.predictor_momentum_window > 0):
             raise ValueError("control_timeout, transfer_timeout and predictor_momentum_window must be > 0")
+        if not (self.read_timeout > 0 and self.idle_timeout > 0):
+            raise ValueError("read_timeout and idle_timeout must be > 0")
+        if self.max_connections <= 0:
+            raise ValueError("max_connections must be > 0")
         if not self.fetch_timeout >= 0:
             raise ValueError("fetch_timeout must be >= 0")
         if self.max_pull_bytes < 1 << 20:
@@ -280,6 +287,13 @@ SETTINGS: tuple[Setting, ...] = (
             "DropSpeculative), seconds", "SECONDS"),
     Setting("transfer_timeout", float, "longest a Put or a peer transfer may hold reserved slots waiting for its "
             "bytes; then it aborts and frees them", "SECONDS"),
+    Setting("read_timeout", float, "longest a data-channel frame, a peer pull or a gRPC Put stream may go "
+            "without a byte (a message) once it started; then it gets an error, is closed and its slots freed",
+            "SECONDS"),
+    Setting("idle_timeout", float, "a data-channel or peer-transport connection that starts no frame for this "
+            "long is closed", "SECONDS"),
+    Setting("max_connections", int, "most open connections on the data channel and on the peer transport "
+            "listener (each); one more is answered with an error and closed", "N"),
     Setting("predictor_momentum_window", float, "W of the momentum rule: a prefix seen at least twice within W "
             "seconds is forecast to recur", "SECONDS"),
 )

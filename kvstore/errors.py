@@ -7,7 +7,25 @@ never a stack trace.
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
+
+MAX_MESSAGE = 300  # longest error message sent to a client, in characters
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE) -> str:
+    """``message`` cut to ``limit`` characters (an error text leaving the node)."""
+    return message if len(message) <= limit else message[:limit - 1] + "\u2026"
+
+
+def shown(value: Any, limit: int = 40) -> str:
+    """A client's input as an error message may quote it: its repr, cut to
+    about ``limit`` characters, with its full length when it was cut."""
+    text = repr(value[:limit] if isinstance(value, (str, bytes)) else value)
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        return f"{text}... ({len(value)} {'chars' if isinstance(value, str) else 'bytes'})"
+    return bounded(text, limit + 10)
 
 
 class KvError(Exception):

@@ -24,7 +24,12 @@ import asyncio
 import socket
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import grpc
+
+from kvstore.config import NodeConfig
+from kvstore.errors import bounded
 from kvstore.v1 import kvstore_pb2 as pb
 
 MAGIC = b"KVSD"
@@ -39,6 +44,35 @@ class WireError(Exception):
 
 class ChannelClosed(Exception):
     """The connection ended (EOF or reset) in the middle of a frame."""
+
+
+class Idle(ChannelClosed):
+    """No frame started within the idle timeout: close the connection quietly."""
+
+
+class Stalled(WireError):
+    """A frame started, then no byte came for the read timeout."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a server of frames grants one connection (the data channel and
+    both peer transports): header bytes read before the header is checked,
+    seconds without a byte once a frame started (``read_timeout``) and
+    between frames (``idle_timeout``), and open connections per listener.
+    None means no limit (a puller reading its own peer's reply)."""
+
+    max_header: int = MAX_HEADER_BYTES
+    read_timeout: float | None = None
+    idle_timeout: float | None = None
+    max_connections: int = 1 << 30
+
+
+def header_cap(max_batch_pages: int) -> int:
+    """Header bytes a request of ``max_batch_pages`` keys can need: each key
+    costs at most 66 bytes on the wire (64 bytes, tag, length), a found
+    flag and a checksum at most 11 more; 64 KiB for the rest."""
+    return min(MAX_HEADER_BYTES, (64 << 10) + max_batch_pages * 80)
 
 
 def encode_prefix(header: bytes, payload_len: int) -> bytes:
@@ -67,16 +101,24 @@ def decode_header(body: bytes | memoryview) -> pb.DataHeader:
     try:
         header.ParseFromString(bytes(body))
     except Exception as exc:  # protobuf raises DecodeError; any failure is a bad frame
-        raise WireError(f"undecodable header: {exc}") from None
+        raise WireError(bounded(f"undecodable header: {exc}", 200)) from None
     return header
 
 
 
-async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock`` or raise :class:`ChannelClosed`."""
+async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview,
+                     timeout: float | None = None) -> None:
+    """Fill ``view`` from ``sock`` or raise :class:`ChannelClosed`; with
+    ``timeout``, raise :class:`Stalled` when no byte comes for that long."""
     while view.nbytes:
         try:
-            n = await loop.sock_recv_into(sock, view)
+            if timeout is None:
+                n = await loop.sock_recv_into(sock, view)
+            else:
+                async with asyncio.timeout(timeout):
+                    n = await loop.sock_recv_into(sock, view)
+        except TimeoutError:
+            raise Stalled(f"no byte for {timeout:g} s in the middle of a frame") from None
         except OSError as exc:
             raise ChannelClosed(str(exc)) from None
         if n == 0:
@@ -84,27 +126,47 @@ async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, view:
         view = view[n:]
 
 
-async def drain(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
+async def drain(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes: int, scratch: memoryview,
+                timeout: float | None = None) -> None:
     """Read and drop ``nbytes`` through ``scratch`` so the connection stays in step."""
     while nbytes:
         chunk = min(nbytes, scratch.nbytes)
-        await recv_exact(loop, sock, scratch[:chunk])
+        await recv_exact(loop, sock, scratch[:chunk], timeout)
         nbytes -= chunk
 
 
 async def read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                     max_header: int = MAX_HEADER_BYTES) -> tuple[pb.DataHeader, int]:
+                     limits: Limits = Limits()) -> tuple[pb.DataHeader, int]:
     """Read one prefix and header: (header, announced payload length).
 
-    The header is read only once its declared length passed the check, so a
-    hostile prefix cannot make the reader allocate more than ``max_header``."""
+    The first byte may take ``limits.idle_timeout`` (else :class:`Idle`);
+    every later byte ``limits.read_timeout`` (else :class:`Stalled`). The
+    header is read only once its declared length passed ``limits.max_header``,
+    and its buffer grows with the bytes that arrived (at most twice them), so
+    a prefix that promises a large header and sends nothing costs nothing."""
     prefix = bytearray(PREFIX.size)
-    await recv_exact(loop, sock, memoryview(prefix))
+    view = memoryview(prefix)
+    try:
+        if limits.idle_timeout is None:
+            n = await loop.sock_recv_into(sock, view)
+        else:
+            async with asyncio.timeout(limits.idle_timeout):
+                n = await loop.sock_recv_into(sock, view)
+    except TimeoutError:
+        raise Idle(f"no request for {limits.idle_timeout:g} s") from None
+    except OSError as exc:
+        raise ChannelClosed(str(exc)) from None
+    if n == 0:
+        raise ChannelClosed("peer closed the connection")
+    await recv_exact(loop, sock, view[n:], limits.read_timeout)
     header_len, payload_len = decode_prefix(prefix)
-    if header_len > max_header:
-        raise WireError(f"header of {header_len} bytes is over {max_header}")
-    body = bytearray(header_len)
-    await recv_exact(loop, sock, memoryview(body))
+    if header_len > limits.max_header:
+        raise WireError(f"header of {header_len} bytes is over {limits.max_header}")
+    body = bytearray()
+    while len(body) < header_len:
+        piece = bytearray(min(header_len - len(body), max(64 << 10, len(body))))
+        await recv_exact(loop, sock, memoryview(piece), limits.read_timeout)
+        body += piece
     return decode_header(body), payload_len
 
 
@@ -144,3 +206,35 @@ def check_pull(request: pb.DataHeader, payload_len: int) -> None:
     """A peer's pull is a GET without payload; anything else is a bad frame."""
     if request.op != pb.DataHeader.GET or payload_len:
         raise WireError(f"peer sent op {request.op} with {payload_len} payload bytes")
+
+
+def error_frame(code: grpc.StatusCode, message: str) -> bytes:
+    """A RESULT frame that reports ``code`` with a bounded message."""
+    return encode_header(pb.DataHeader(op=pb.DataHeader.RESULT, code=code.value[0], message=bounded(message)), 0)
+
+
+async def reply_error(loop: asyncio.AbstractEventLoop, sock: socket.socket, code: grpc.StatusCode,
+                      message: str, timeout: float | None = 1.0) -> None:
+    """Send an error frame, best effort: a peer that does not read it within
+    ``timeout`` seconds (or is gone) is not waited for."""
+    try:
+        async with asyncio.timeout(timeout):
+            await loop.sock_sendall(sock, error_frame(code, message))
+    except (OSError, TimeoutError):
+        pass
+
+
+def refuse(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
+    """Answer a just-accepted connection with an error frame and close it
+    (over a connection limit); the frame fits the empty send buffer."""
+    try:
+        sock.send(error_frame(code, message))
+    except OSError:
+        pass
+    sock.close()
+
+
+def server_limits(config: NodeConfig) -> Limits:
+    """The limits a node's frame servers (data channel, peer transports) apply."""
+    return Limits(header_cap(config.max_batch_pages), config.read_timeout, config.idle_timeout,
+                  config.max_connections)

@@ -16,16 +16,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.config import NodeConfig
-from kvstore.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from kvstore.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, shown
 from kvstore.ops.base import PageOps
 from kvstore.pool.layout import PageLayout, check_keys, check_namespace
 from kvstore.pool.movement import SOCKET, Carrier, Landing, page_checksum
 from kvstore.pool.pool import Entry, PageKind, PagePool, ReadHandle, Reservation
 
-__all__ = ["MESSAGE_OVERHEAD", "Lease", "Namespace", "Node", "PutBatch", "PutResult", "page_checksum"]
+__all__ = ["MESSAGE_OVERHEAD", "Lease", "Namespace", "Node", "PutBatch", "PutResult", "page_checksum", "page_kind"]
 
 # Room for protobuf framing around the pages of one gRPC message.
 MESSAGE_OVERHEAD = 64 << 10
+
+
+def page_kind(value: int, default: PageKind) -> PageKind:
+    """A request's ``PageKind`` field: 0 means ``default``; a value the
+    enum does not name is :class:`InvalidArgument`."""
+    if not value:
+        return default
+    try:
+        return PageKind(value)
+    except ValueError:
+        raise InvalidArgument(f"unknown page kind {shown(value)}: expected one of "
+                              f"{', '.join(f'{k.value} ({k.name})' for k in PageKind)}") from None
 
 
 @dataclass(slots=True)
@@ -226,7 +238,7 @@ class Node:
         if existing is not None:
             if exist_ok and existing.layout == layout:
                 return existing
-            raise AlreadyExists(f"namespace {name!r} exists with layout {existing.layout}")
+            raise AlreadyExists(f"namespace {shown(name)} exists with layout {existing.layout}")
         free = self.config.capacity - self.reserved_bytes
         if not capacity and free <= 0:
             raise ResourceExhausted(f"namespace {name!r}: the node's capacity is all reserved by other namespaces")
@@ -247,13 +259,14 @@ class Node:
     def namespace(self, name: str) -> Namespace:
         ns = self.namespaces.get(name)
         if ns is None:
-            raise NotFound(f"unknown namespace {name!r}")
+            check_namespace(name)
+            raise NotFound(f"unknown namespace {shown(name)}")
         return ns
 
     def delete_namespace(self, name: str) -> None:
         ns = self.namespace(name)
         if ns.pool.pinned_slots:
-            raise InvalidArgument(f"namespace {name!r} has pinned pages; unpin them first")
+            raise InvalidArgument(f"namespace {shown(name)} has pinned pages; unpin them first")
         for lease_id in [lid for lid, lease in self.leases.items() if lease.namespace == name]:
             self._drop_lease(lease_id)
         del self.namespaces[name]
@@ -322,7 +335,7 @@ class Node:
     def unpin(self, name: str, lease_id: str) -> int:
         lease = self.leases.get(lease_id)
         if lease is None or lease.namespace != name:
-            raise NotFound(f"no lease {lease_id!r} in namespace {name!r} (expired or released)")
+            raise NotFound(f"no lease {shown(lease_id)} in namespace {shown(name)} (expired or released)")
         return self._drop_lease(lease_id)
 
     def expire_leases(self) -> int:

@@ -12,7 +12,7 @@ import numpy as np
 from kvstore.framing import decode_header, decode_prefix, encode_header
 from kvstore.hostmem import populated_empty
 from kvstore.node import MESSAGE_OVERHEAD, PutResult
-from kvstore.errors import KvError, Unavailable, error_for_code
+from kvstore.errors import KvError, ResourceExhausted, Unavailable, error_for_code
 from kvstore.rpc import CHANNEL_OPTIONS
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -78,19 +78,34 @@ class Lease:
 
 
 def page_views(pages: PageData, count: int, page_bytes: int | None = None) -> list[memoryview]:
-    """One flat byte view per page, without copying."""
+    """One flat byte view per page, without copying; ValueError for a count
+    that does not match or an empty page."""
     if isinstance(pages, np.ndarray):
-        if pages.shape[0] != count:
-            raise ValueError(f"{count} keys but {pages.shape[0]} pages")
+        if pages.ndim == 0 or pages.shape[0] != count:
+            raise ValueError(f"{count} keys but {pages.shape[0] if pages.ndim else 'no'} pages")
+        if count and pages.nbytes == 0:
+            raise ValueError(f"pages of 0 bytes (array of shape {pages.shape}): a page has at least one byte")
         rows = np.ascontiguousarray(pages).reshape(count, -1).view(np.uint8) if count else pages
         return [memoryview(row).cast("B") for row in rows]
     if len(pages) != count:
         raise ValueError(f"{count} keys but {len(pages)} pages")
     out = []
-    for page in pages:
+    for i, page in enumerate(pages):
         view = memoryview(np.ascontiguousarray(page) if isinstance(page, np.ndarray) else page)
+        if view.nbytes == 0:
+            raise ValueError(f"page #{i} has 0 bytes: a page has at least one byte")
         out.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
     return out
+
+
+def check_get_batch(count: int, page_bytes: int, info: pb.NodeInfoResponse) -> None:
+    """The node's batch limits, checked before a Get allocates its output."""
+    if info.max_batch_pages and count > info.max_batch_pages:
+        raise ResourceExhausted(f"batch of {count} keys is over the node's limit of {info.max_batch_pages}; "
+                                f"split it")
+    if info.max_batch_bytes and count * page_bytes > info.max_batch_bytes:
+        raise ResourceExhausted(f"batch of {count} pages ({count * page_bytes} bytes) is over the node's limit "
+                                f"of {info.max_batch_bytes} bytes; split it")
 
 
 def as_out(out: np.ndarray | None, count: int, page_bytes: int) -> np.ndarray:
@@ -152,4 +167,5 @@ def parse_result(header_bytes: bytes | bytearray) -> pb.DataHeader:
 
 
 __all__ = ["GetAssembler", "GetResult", "Lease", "PutResult", "decode_prefix", "page_views", "as_out", "put_messages",
+           "check_get_batch",
            "translate", "put_frame", "get_frame", "parse_result"]

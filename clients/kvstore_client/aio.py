@@ -15,13 +15,13 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.framing import PREFIX, decode_prefix
+from kvstore.framing import PREFIX, WireError, decode_prefix
 from kvstore.errors import InvalidArgument, KvError, Unavailable
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client._common import (
-    GRPC_OPTIONS, GetAssembler, GetResult, Lease, PageData, PutResult, as_out, get_frame, page_views, parse_result,
-    put_frame, put_messages, translate,
+    GRPC_OPTIONS, GetAssembler, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, get_frame, page_views,
+    parse_result, put_frame, put_messages, translate,
 )
 
 
@@ -33,6 +33,7 @@ class _AsyncDataConn:
         self._timeout = timeout
         self._sock: socket.socket | None = None
         self._lock = asyncio.Lock()
+        self._got_reply = False
 
     def close(self) -> None:
         if self._sock is not None:
@@ -60,6 +61,7 @@ class _AsyncDataConn:
             n = await loop.sock_recv_into(self._sock, view)
             if n == 0:
                 raise ConnectionError("node closed the data channel")
+            self._got_reply = True
             view = view[n:]
 
     async def _result(self) -> tuple[pb.DataHeader, int]:
@@ -89,17 +91,25 @@ class _AsyncDataConn:
         return found
 
     async def request(self, frame: bytes, views: Sequence[memoryview], out: np.ndarray | None = None):  # type: ignore[no-untyped-def]
+        """One request and its answer; a pooled connection the node closed
+        while idle (``--idle-timeout``) is replaced once, as in the blocking client."""
         async with self._lock:
-            try:
-                return await asyncio.wait_for(self._exchange(frame, views, out), self._timeout)
-            except KvError:
-                raise
-            except (OSError, ValueError, asyncio.TimeoutError) as exc:
-                self.close()
-                raise Unavailable(f"data channel to {self._addr[0]}:{self._addr[1]} failed: {exc!r}") from None
-            except asyncio.CancelledError:
-                self.close()  # a half-done frame leaves the channel out of step
-                raise
+            for attempt in (0, 1):
+                reused = self._sock is not None
+                self._got_reply = False
+                try:
+                    return await asyncio.wait_for(self._exchange(frame, views, out), self._timeout)
+                except KvError:
+                    raise
+                except (OSError, ValueError, WireError, asyncio.TimeoutError) as exc:
+                    self.close()
+                    if attempt == 0 and reused and not self._got_reply and not isinstance(exc, TimeoutError):
+                        continue
+                    raise Unavailable(f"data channel to {self._addr[0]}:{self._addr[1]} failed: {exc}") from None
+                except asyncio.CancelledError:
+                    self.close()  # a half-done frame leaves the channel out of step
+                    raise
+            raise AssertionError("unreachable")
 
 
 class AsyncKvClient:
@@ -200,7 +210,9 @@ class AsyncKvClient:
     async def get(self, namespace: str, keys: Sequence[bytes], *, out: np.ndarray | None = None,
                   timeout: float | None = None, local_only: bool = False) -> GetResult:
         keys = list(keys)
-        out = as_out(out, len(keys), await self.page_bytes(namespace))
+        page_bytes = await self.page_bytes(namespace)
+        check_get_batch(len(keys), page_bytes, await self.node_info())  # before allocating the output
+        out = as_out(out, len(keys), page_bytes)
         conn = await self._data_conn()
         if conn is not None:
             found = await conn.request(get_frame(namespace, keys, timeout, local_only), (), out)
@@ -211,6 +223,8 @@ class AsyncKvClient:
             async for msg in self._stub.Get(request, timeout=timeout or self.timeout):
                 pages.add(msg)
         except grpc.RpcError as exc:
+            if timeout and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return pages.result()  # the caller's deadline: what arrived, the rest missing
             raise translate(exc) from None
         return pages.result()
 

@@ -9,20 +9,23 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.framing import PREFIX, decode_prefix
+from kvstore.framing import PREFIX, WireError, decode_prefix
 from kvstore.errors import InvalidArgument, KvError, Unavailable
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client._common import (
-    GRPC_OPTIONS, GetAssembler, GetResult, Lease, PageData, PutResult, as_out, get_frame, page_views, parse_result,
-    put_frame, put_messages, translate,
+    GRPC_OPTIONS, GetAssembler, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, get_frame, page_views,
+    parse_result, put_frame, put_messages, translate,
 )
+
+T = TypeVar("T")
 
 
 class _DataConn:
@@ -33,6 +36,7 @@ class _DataConn:
         self._timeout = timeout
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._got_reply = False
 
     def close(self) -> None:
         if self._sock is not None:
@@ -52,6 +56,7 @@ class _DataConn:
             n = self._sock.recv_into(view)
             if n == 0:
                 raise ConnectionError("node closed the data channel")
+            self._got_reply = True
             view = view[n:]
 
     def _result(self) -> tuple[pb.DataHeader, int]:
@@ -62,42 +67,52 @@ class _DataConn:
         self._recv_exact(memoryview(body))
         return parse_result(body), payload_len
 
-    def put(self, frame: bytes, views: Sequence[memoryview], whole: memoryview | None) -> pb.DataHeader:
+    def _exchange(self, send: "Callable[[socket.socket], None]", receive: "Callable[[], T]") -> T:
+        """One request and its answer. A pooled connection the node closed
+        while it sat idle (``--idle-timeout``) fails before any answer byte:
+        that request is sent once more on a fresh connection (a Put or Get
+        may repeat: keys name content)."""
         with self._lock:
-            try:
-                sock = self._socket()
-                sock.sendall(frame)
-                if whole is not None:
-                    sock.sendall(whole)
-                else:
-                    for view in views:
-                        sock.sendall(view)
-                return self._result()[0]
-            except KvError:
-                raise
-            except (OSError, ValueError) as exc:
-                self.close()
-                raise Unavailable(f"data channel to {self._addr[0]}:{self._addr[1]} failed: {exc}") from None
+            for attempt in (0, 1):
+                reused = self._sock is not None
+                self._got_reply = False
+                try:
+                    send(self._socket())
+                    return receive()
+                except KvError:
+                    raise
+                except (OSError, ValueError, WireError) as exc:
+                    self.close()
+                    if attempt == 0 and reused and not self._got_reply and not isinstance(exc, TimeoutError):
+                        continue
+                    raise Unavailable(f"data channel to {self._addr[0]}:{self._addr[1]} failed: {exc}") from None
+            raise AssertionError("unreachable")
+
+    def put(self, frame: bytes, views: Sequence[memoryview], whole: memoryview | None) -> pb.DataHeader:
+        def send(sock: socket.socket) -> None:
+            sock.sendall(frame)
+            if whole is not None:
+                sock.sendall(whole)
+            else:
+                for view in views:
+                    sock.sendall(view)
+
+        return self._exchange(send, lambda: self._result()[0])
 
     def get(self, frame: bytes, out: np.ndarray) -> np.ndarray:
-        with self._lock:
-            try:
-                self._socket().sendall(frame)
-                header, payload_len = self._result()
-                found = np.array(header.found, dtype=bool)
-                page_bytes = out.shape[1]
-                if len(found) != out.shape[0] or header.page_bytes != page_bytes \
-                        or payload_len != int(found.sum()) * page_bytes:
-                    self.close()
-                    raise Unavailable("data channel: reply does not match the request (namespace changed?)")
-                for i in np.flatnonzero(found):
-                    self._recv_exact(memoryview(out[i]))
-                return found
-            except KvError:
-                raise
-            except (OSError, ValueError) as exc:
+        def receive() -> np.ndarray:
+            header, payload_len = self._result()
+            found = np.array(header.found, dtype=bool)
+            page_bytes = out.shape[1]
+            if len(found) != out.shape[0] or header.page_bytes != page_bytes \
+                    or payload_len != int(found.sum()) * page_bytes:
                 self.close()
-                raise Unavailable(f"data channel to {self._addr[0]}:{self._addr[1]} failed: {exc}") from None
+                raise Unavailable("data channel: reply does not match the request (namespace changed?)")
+            for i in np.flatnonzero(found):
+                self._recv_exact(memoryview(out[i]))
+            return found
+
+        return self._exchange(lambda sock: sock.sendall(frame), receive)
 
 
 def _lease_request(namespace: str, keys: Sequence[bytes], ttl: float, lease_id: str,
@@ -257,7 +272,9 @@ class KvClient:
         rest instead of waiting.
         """
         keys = list(keys)
-        out = as_out(out, len(keys), self.page_bytes(namespace))
+        page_bytes = self.page_bytes(namespace)
+        check_get_batch(len(keys), page_bytes, self.node_info())  # before allocating the output
+        out = as_out(out, len(keys), page_bytes)
         conn = self._data_conn()
         if conn is not None:
             found = conn.get(get_frame(namespace, keys, timeout, local_only), out)
@@ -268,6 +285,8 @@ class KvClient:
             for msg in self._stub.Get(request, timeout=timeout or self.timeout):
                 pages.add(msg)
         except grpc.RpcError as exc:
+            if timeout and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return pages.result()  # the caller's deadline: what arrived, the rest missing
             raise translate(exc) from None
         return pages.result()
 

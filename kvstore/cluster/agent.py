@@ -24,12 +24,14 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from kvstore.cluster.checks import check_key_batch
 from kvstore.cluster.directory import Directory, Outbox
 from kvstore.cluster.membership import Membership, plan_round
 from kvstore.cluster.peers import PeerClient
 from kvstore.cluster.replicator import Replicator
 from kvstore.config import NodeConfig
 from kvstore.errors import KvError
+from kvstore.framing import server_limits
 from kvstore.metrics import NodeMetrics
 from kvstore.node import Node
 from kvstore.transport.base import Transport
@@ -95,6 +97,7 @@ class ClusterAgent:
     async def start(self) -> None:
         if self._task is not None:
             return
+        self.transport.set_limits(server_limits(self.config))
         endpoint = await self.transport.start(self.config.host, self.config.transport_port, self.replicator.serve)
         self.self_info.endpoints.append(endpoint)
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -248,6 +251,10 @@ class ClusterAgent:
             self.placement.observe(request.sender.node_id, event)
         return pb.HeartbeatResponse(receiver=self.self_info, known=self.membership.view(), need_full=need_full,
                                     accepted_seq=0 if need_full else request.seq)
+
+    def check_keys(self, namespace: str, keys: Sequence[bytes]) -> None:
+        """A peer's Locate or ClusterLookup: a valid name and a batch of keys."""
+        check_key_batch(namespace, keys, self.config.max_batch_pages)
 
     def on_locate(self, namespace: str, keys: Sequence[bytes]) -> pb.LocateResponse:
         holders = self.directory.locate(namespace, keys)

@@ -1,4 +1,9 @@
-"""The ``kvstore.v1.Cluster`` gRPC service: node-to-node control calls."""
+"""The ``kvstore.v1.Cluster`` gRPC service: node-to-node control calls.
+
+Peers are checked like clients: every request's names, keys, counts, enum
+values and durations are validated first, and a bad one is
+INVALID_ARGUMENT with a bounded message (:mod:`kvstore.cluster.checks`).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,17 @@ from typing import Any
 import grpc
 
 from kvstore.cluster.agent import ClusterAgent
-from kvstore.errors import KvError
+from kvstore.cluster.checks import check_heartbeat, check_replicate
+from kvstore.errors import KvError, bounded
+from kvstore.node import page_kind
 from kvstore.pool.pool import PageKind
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: KvError) -> None:
+    await context.abort(exc.code, bounded(str(exc)))
+    raise AssertionError("unreachable")  # abort raises
 
 
 class ClusterService(pb_grpc.ClusterServicer):
@@ -18,13 +30,28 @@ class ClusterService(pb_grpc.ClusterServicer):
         self.agent = agent
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
-        return self.agent.on_heartbeat(request)
+        try:
+            check_heartbeat(request, self.agent.config.max_batch_pages)
+            return self.agent.on_heartbeat(request)
+        except KvError as exc:
+            await _abort(context, exc)
+            raise
 
     async def Locate(self, request: pb.LocateRequest, context: Any) -> pb.LocateResponse:
-        return self.agent.on_locate(request.namespace, list(request.keys))
+        try:
+            self.agent.check_keys(request.namespace, request.keys)
+            return self.agent.on_locate(request.namespace, list(request.keys))
+        except KvError as exc:
+            await _abort(context, exc)
+            raise
 
     async def ClusterLookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
-        return pb.LookupResponse(nodes=self.agent.prefixes(request.namespace, list(request.keys)))
+        try:
+            self.agent.check_keys(request.namespace, request.keys)
+            return pb.LookupResponse(nodes=self.agent.prefixes(request.namespace, list(request.keys)))
+        except KvError as exc:
+            await _abort(context, exc)
+            raise
 
     async def Status(self, request: pb.ClusterStatusRequest, context: Any) -> pb.ClusterStatusResponse:
         return self.agent.status()
@@ -33,16 +60,19 @@ class ClusterService(pb_grpc.ClusterServicer):
                               context: grpc.aio.ServicerContext) -> pb.DropSpeculativeResponse:
         try:
             ns = self.agent.node.namespace(request.namespace)
+            self.agent.node.check_read_batch(ns, list(request.keys))
         except KvError as exc:
-            await context.abort(exc.code, str(exc))
-            raise AssertionError("unreachable")
+            await _abort(context, exc)
+            raise
         return pb.DropSpeculativeResponse(dropped=len(ns.pool.drop_speculative(list(request.keys))))
 
     async def Replicate(self, request: pb.ReplicateRequest, context: grpc.aio.ServicerContext) -> pb.ReplicateResponse:
         try:
+            kind = page_kind(request.kind, PageKind.REPLICA)
             self.agent.node.check_read_batch(self.agent.node.namespace(request.namespace), list(request.keys))
-            return await self.agent.replicator.replicate(request.namespace, list(request.keys), request.source_node_id,
-                                              PageKind(request.kind or PageKind.REPLICA), request.ttl_seconds)
+            check_replicate(request, self.agent.config.max_pin_ttl * 1000)
+            return await self.agent.replicator.replicate(request.namespace, list(request.keys),
+                                                         request.source_node_id, kind, request.ttl_seconds)
         except KvError as exc:
-            await context.abort(exc.code, str(exc))
-            raise AssertionError("unreachable")
+            await _abort(context, exc)
+            raise

@@ -5,11 +5,21 @@ streams: measured on this kind of machine, streams' ``readexactly`` moves
 ~0.5 GB/s while ``sock_recv_into`` into a preallocated buffer moves ~3.5 GB/s.
 
 Bytes move through the pool's movement API only: a PUT reserves slots chunk
-by chunk, each once its first byte has arrived (``PutBatch.write_in``), so
-a header alone reserves nothing; the bytes land in the slots (host pool) or
-in staging that the unpack kernel scatters (device pool); the whole PUT must
-arrive within ``--transfer-timeout`` or it aborts and frees its slots. A GET
-sends ``PagePool.read_out``'s views.
+by chunk, each once its first byte has arrived (``PutBatch.write_in``), and
+the chunks grow from one page (doubling up to ~4 MiB) so the slots reserved
+ahead of the bytes that arrived are never more than those bytes plus one
+page: a header alone reserves nothing, a stalled sender holds one page. The
+bytes land in the slots (host pool) or in staging that the unpack kernel
+scatters (device pool). The whole PUT must arrive within
+``--transfer-timeout``, and no gap between bytes may exceed
+``--read-timeout``, or it aborts and frees its slots. A GET sends
+``PagePool.read_out``'s views.
+
+Limits (:func:`kvstore.framing.server_limits`): at most ``--max-connections``
+connections (one more gets an error frame and is closed), headers capped
+before they are read, idle connections closed after ``--idle-timeout``.
+Every malformed or stalled frame is answered with an error frame, then the
+connection is closed; the node keeps serving.
 """
 
 from __future__ import annotations
@@ -22,12 +32,13 @@ import time
 import grpc
 
 from kvstore.cluster.replicator import Replicator
-from kvstore.errors import InvalidArgument, KvError, ResourceExhausted
+from kvstore.errors import InvalidArgument, KvError, ResourceExhausted, shown
 from kvstore.framing import (
-    ChannelClosed, WireError, accept_loop, drain, encode_header, listen, read_frame, recv_exact, send_views,
+    ChannelClosed, Idle, Stalled, WireError, accept_loop, drain, encode_header, listen, read_frame, recv_exact,
+    refuse, reply_error, send_views, server_limits,
 )
 from kvstore.metrics import NodeMetrics
-from kvstore.node import Node, PutBatch
+from kvstore.node import Node, PutBatch, page_kind
 from kvstore.pool.movement import SOCKET
 from kvstore.pool.pool import PageKind
 from kvstore.v1 import kvstore_pb2 as pb
@@ -49,6 +60,7 @@ class DataServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._conns: set[socket.socket] = set()
         self._scratch = bytearray(_DRAIN_CHUNK)
+        self._limits = server_limits(node.config)
 
     @property
     def port(self) -> int:
@@ -79,6 +91,11 @@ class DataServer:
         task.add_done_callback(self._tasks.discard)
 
     def _accepted(self, conn: socket.socket) -> None:
+        if len(self._conns) >= self._limits.max_connections:
+            self._metrics.ops.labels("connect", "RESOURCE_EXHAUSTED").inc()
+            refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   f"data channel: {len(self._conns)} connections open, the limit (--max-connections)")
+            return
         self._conns.add(conn)
         self._spawn(self._serve(conn))
 
@@ -87,20 +104,26 @@ class DataServer:
         try:
             while True:
                 try:
-                    header, payload_len = await read_frame(loop, conn)
+                    header, payload_len = await read_frame(loop, conn, self._limits)
                 except ChannelClosed:
-                    return  # clean end between frames (or mid-frame: nothing was reserved yet)
+                    return  # clean end or idle between frames (or mid-frame: nothing was reserved yet)
                 if header.op == pb.DataHeader.PUT:
                     await self._put(loop, conn, header, payload_len)
                 elif header.op == pb.DataHeader.GET and payload_len == 0:
                     await self._get(loop, conn, header)
                 else:
                     raise WireError(f"unexpected op {header.op} with {payload_len} payload bytes")
+        except Stalled as exc:
+            log.info("data channel: closing a stalled connection: %s", exc)
+            await self._reply_error(loop, conn, grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except WireError as exc:
-            log.warning("data channel: closing connection: %s", exc)
+            log.info("data channel: closing connection: %s", exc)
             await self._reply_error(loop, conn, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except (ChannelClosed, ConnectionError):
             pass
+        except Exception:  # a bug, not the peer's input: logged, answered, closed; the node keeps serving
+            log.exception("data channel: unexpected error; closing the connection")
+            await self._reply_error(loop, conn, grpc.StatusCode.INTERNAL, "internal error (logged by the node)")
         finally:
             self._conns.discard(conn)
             conn.close()
@@ -115,11 +138,12 @@ class DataServer:
             if payload_len > self._node.config.max_batch_bytes:
                 raise ResourceExhausted(f"batch of {payload_len} bytes is over the limit of "
                                         f"{self._node.config.max_batch_bytes}; split it")
+            kind = page_kind(header.kind, PageKind.PRIMARY)
             ns = self._node.namespace(header.namespace)
             if header.page_bytes != ns.layout.page_bytes:
-                raise InvalidArgument(f"pages of {header.page_bytes} bytes; namespace {ns.name!r} pages are "
+                raise InvalidArgument(f"pages of {header.page_bytes} bytes; namespace {shown(ns.name)} pages are "
                                       f"{ns.layout.page_bytes} bytes")
-            batch = self._node.begin_put(header.namespace, PageKind(header.kind or PageKind.PRIMARY))
+            batch = self._node.begin_put(header.namespace, kind)
         except KvError as exc:
             await self._drain(loop, conn, payload_len)
             await self._refuse(loop, conn, exc)
@@ -149,13 +173,17 @@ class DataServer:
     async def _receive(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, batch: PutBatch,
                        keys: list[bytes], page_bytes: int) -> KvError | None:
         """Receive a PUT's pages chunk by chunk; each chunk's slots are
-        reserved only once its first byte is here. A refusal (no room, bad
-        keys) drains the rest of the frame and is returned, not raised."""
-        per_chunk = max(1, _CHUNK_BYTES // page_bytes)
+        reserved only once its first byte is here, and chunks grow from one
+        page, doubling, so what is reserved ahead never exceeds what arrived
+        plus one page. A refusal (no room, bad keys) drains the rest of the
+        frame and is returned, not raised."""
+        most = max(1, _CHUNK_BYTES // page_bytes)
+        stall = self._limits.read_timeout
         first = memoryview(bytearray(1))
-        for i in range(0, len(keys), per_chunk):
-            chunk = keys[i:i + per_chunk]
-            await recv_exact(loop, conn, first)  # the chunk's bytes are arriving: now reserve
+        i, size = 0, 1
+        while i < len(keys):
+            chunk = keys[i:i + size]
+            await recv_exact(loop, conn, first, stall)  # the chunk's bytes are arriving: now reserve
             try:
                 landing = batch.write_in(chunk, SOCKET)
             except KvError as exc:
@@ -164,12 +192,13 @@ class DataServer:
             try:
                 targets = landing.targets
                 targets[0][0:1] = first
-                await recv_exact(loop, conn, targets[0][1:])
+                await recv_exact(loop, conn, targets[0][1:], stall)
                 for view in targets[1:]:
-                    await recv_exact(loop, conn, view)
+                    await recv_exact(loop, conn, view, stall)
                 landing.finish()
             finally:
                 landing.abandon()  # no-op once finished
+            i, size = i + len(chunk), min(most, size * 2)
         return None
 
     async def _get(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, header: pb.DataHeader) -> None:
@@ -200,7 +229,7 @@ class DataServer:
         """Read and drop ``nbytes`` so the connection stays in step."""
         if nbytes > self._node.config.max_batch_bytes + _DRAIN_CHUNK:
             raise WireError(f"refusing to drain {nbytes} bytes")
-        await drain(loop, conn, nbytes, memoryview(self._scratch))
+        await drain(loop, conn, nbytes, memoryview(self._scratch), self._limits.read_timeout)
 
     async def _refuse(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, exc: KvError,
                       op: str = "put") -> None:
@@ -209,8 +238,4 @@ class DataServer:
 
     async def _reply_error(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
                            code: grpc.StatusCode, message: str) -> None:
-        reply = pb.DataHeader(op=pb.DataHeader.RESULT, code=code.value[0], message=message[:1000])
-        try:
-            await loop.sock_sendall(conn, encode_header(reply, 0))
-        except OSError:
-            pass
+        await reply_error(loop, conn, code, message, self._limits.read_timeout)

@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, shown
 
 MAX_KEY_BYTES = 64
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
@@ -56,8 +56,9 @@ class PageLayout:
 
 def check_namespace(name: str) -> str:
     """A namespace name: 1-128 of letters, digits and ``._:/@+-``."""
-    if not _NAMESPACE.fullmatch(name or ""):
-        raise InvalidArgument(f"bad namespace name {name!r}: 1-128 chars of letters, digits, '._:/@+-'")
+    if not isinstance(name, str) or not _NAMESPACE.fullmatch(name):
+        raise InvalidArgument(f"bad namespace name {shown(name)}: 1-128 chars of letters, digits, '._:/@+-', "
+                              f"starting with a letter or digit")
     return name
 
 

@@ -25,7 +25,7 @@ from kvstore.metrics import NodeMetrics
 from kvstore.node import Node
 from kvstore.ops.auto import select as select_ops
 from kvstore.ops.base import PageOps
-from kvstore.rpc import server_options
+from kvstore.rpc import BoundaryInterceptor, server_options
 from kvstore.server.service import KvStoreService
 from kvstore.transport.auto import make_transport
 from kvstore.transport.base import Transport
@@ -81,7 +81,8 @@ class NodeServer:
                                        page_bytes=self._page_bytes)
         agent.placement = self.coordinator
         self.metrics.watch_coordinator(self.coordinator)
-        server = grpc.aio.server(options=server_options(self.config.max_message_bytes))
+        server = grpc.aio.server(options=server_options(self.config.max_message_bytes),
+                                 interceptors=[BoundaryInterceptor()])
         pb_grpc.add_KvStoreServicer_to_server(KvStoreService(node, self.metrics, agent, lambda: self.data_port),
                                               server)
         pb_grpc.add_ClusterServicer_to_server(ClusterService(agent), server)

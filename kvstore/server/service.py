@@ -1,11 +1,14 @@
 """The ``kvstore.v1.KvStore`` gRPC service: thin translation to :class:`Node`.
 
 Every handler parses the request, calls the node, builds the response, and
-turns a :class:`KvError` into the matching status code with its message.
+turns a :class:`KvError` into the matching status code with its message
+(bounded in length). :class:`kvstore.rpc.BoundaryInterceptor` stands behind
+them for undecodable bodies and unexpected errors.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections import OrderedDict
@@ -18,9 +21,9 @@ import grpc
 import kvstore
 from kvstore.cluster.agent import ClusterAgent
 from kvstore.framing import WIRE_VERSION
-from kvstore.errors import InvalidArgument, KvError
+from kvstore.errors import DeadlineExceeded, InvalidArgument, KvError, bounded, shown
 from kvstore.metrics import NodeMetrics
-from kvstore.node import MESSAGE_OVERHEAD, Namespace, Node
+from kvstore.node import MESSAGE_OVERHEAD, Namespace, Node, PutBatch, page_kind
 from kvstore.pool.layout import PageLayout
 from kvstore.pool.movement import SOCKET
 from kvstore.pool.pool import PageKind
@@ -28,6 +31,9 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+# A gRPC Get stops fetching from peers at least this long before its
+# deadline, to send what it has (besides --deadline-share).
+_SEND_MARGIN_S = 0.15
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +57,7 @@ def _handler(op: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., A
                 return await fn(self, request, context)
             except KvError as exc:
                 code = exc.code.name
-                await context.abort(exc.code, str(exc))
+                await context.abort(exc.code, bounded(str(exc)))
                 raise AssertionError("unreachable")  # abort raises
             finally:
                 self.metrics.ops.labels(op, code).inc()
@@ -108,14 +114,22 @@ class KvStoreService(pb_grpc.KvStoreServicer):
     # ---- pages ---------------------------------------------------------
     @_handler("put")
     async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context: Any) -> pb.PutResponse:
+        """One batch per stream. Each message's pages reserve their slots only
+        when the message is here; once the first one is, every next message
+        must come within ``--read-timeout`` and the stream must end within
+        ``--transfer-timeout``, or the batch aborts and frees its slots."""
         batch = None
         nbytes = 0
+        messages = request_iterator.__aiter__()
         try:
-            async for chunk in request_iterator:
+            while (chunk := await self._next_put(messages, batch)) is not None:
                 if batch is None:
-                    batch = self.node.begin_put(chunk.namespace, PageKind(chunk.kind or PageKind.PRIMARY))
+                    batch = self.node.begin_put(chunk.namespace, page_kind(chunk.kind, PageKind.PRIMARY))
                 elif chunk.namespace and chunk.namespace != batch.ns.name:
-                    raise InvalidArgument(f"one Put stream names two namespaces: {batch.ns.name!r}, {chunk.namespace!r}")
+                    raise InvalidArgument(f"one Put stream names two namespaces: {shown(batch.ns.name)}, "
+                                          f"{shown(chunk.namespace)}")
+                elif chunk.kind and page_kind(chunk.kind, batch.kind) is not batch.kind:
+                    raise InvalidArgument(f"one Put stream names two page kinds: {batch.kind.name}, {chunk.kind}")
                 batch.add(chunk.keys, chunk.pages)
                 nbytes += len(chunk.pages) * batch.ns.layout.page_bytes
             if batch is None:
@@ -129,17 +143,38 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         self.metrics.pages.labels("put", "present").inc(result.already_present)
         return pb.PutResponse(stored=result.stored, already_present=result.already_present, evicted=result.evicted)
 
+    async def _next_put(self, messages: AsyncIterator[pb.PutRequest], batch: PutBatch | None) -> pb.PutRequest | None:
+        """The stream's next message (None at its end), under the batch's limits."""
+        cfg = self.node.config
+        left = batch.time_left() if batch is not None else None
+        wait = cfg.idle_timeout if batch is None else min(cfg.read_timeout, left if left is not None else 1e9)
+        try:
+            async with asyncio.timeout(wait):
+                return await anext(messages)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            if batch is None:
+                raise DeadlineExceeded(f"the Put stream sent no message for {wait:g} s") from None
+            if left is not None and left <= cfg.read_timeout:
+                raise DeadlineExceeded(f"the Put stream did not end within {cfg.transfer_timeout:g} s "
+                                       f"(--transfer-timeout); its slots were freed") from None
+            raise DeadlineExceeded(f"the Put stream sent no message for {cfg.read_timeout:g} s "
+                                   f"(--read-timeout); its slots were freed") from None
+
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
         start = time.perf_counter()
         try:
-            remaining = context.time_remaining()  # leave part of the deadline to send what we have
-            share = self.node.config.deadline_share
-            ns, handle, fetched = await self.agent.replicator.read(request.namespace, list(request.keys),
-                                                                   None if remaining is None else share * remaining,
+            # leave part of the deadline (and at least a margin) to send what we have
+            remaining = context.time_remaining()
+            budget = None
+            if remaining is not None:
+                budget = max(0.0, min(self.node.config.deadline_share * remaining, remaining - _SEND_MARGIN_S))
+            ns, handle, fetched = await self.agent.replicator.read(request.namespace, list(request.keys), budget,
                                                                    request.local_only)
         except KvError as exc:
             self.metrics.ops.labels("get", exc.code.name).inc()
-            await context.abort(exc.code, str(exc))
+            await context.abort(exc.code, bounded(str(exc)))
             return
         try:
             limit = self.node.config.max_message_bytes - MESSAGE_OVERHEAD

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import Unavailable
+from kvstore.framing import Limits
 from kvstore.pool.movement import Carrier
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -73,6 +74,17 @@ class Transport(abc.ABC):
     name: str
     device_buffers: bool = False  # payloads may be device (CuPy) arrays
     scatter: bool = False  # payloads may be lists of host page views
+    # what the serving side grants each connection (header cap, read and idle
+    # timeouts, connection count); the node sets its own (set_limits)
+    limits: Limits = Limits()
+
+    def set_limits(self, limits: Limits) -> None:
+        """The serving side's limits (call before :meth:`start`); a transport
+        that wraps another (``inner``) passes them on."""
+        self.limits = limits
+        inner = getattr(self, "inner", None)
+        if isinstance(inner, Transport):
+            inner.set_limits(limits)
 
     @property
     def carrier(self) -> Carrier:

@@ -15,8 +15,11 @@ from typing import Any
 
 import numpy as np
 
+import grpc
+
 from kvstore.framing import (
-    ChannelClosed, WireError, accept_loop, check_pull, encode_header, listen, read_frame, recv_exact,
+    ChannelClosed, Stalled, WireError, accept_loop, check_pull, encode_header, listen, read_frame, recv_exact, refuse,
+    reply_error,
 )
 from kvstore.transport.base import AllocFn, ServeFn, Transport, TransportError, resolve_served
 from kvstore.v1 import kvstore_pb2 as pb
@@ -55,6 +58,9 @@ class TcpTransport(Transport):
         task.add_done_callback(self._tasks.discard)
 
     def _accepted(self, conn: socket.socket, serve: ServeFn) -> None:
+        if len(self._served) >= self.limits.max_connections:
+            refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, "tcp transport: too many connections")
+            return
         self._served.add(conn)
         self._spawn(self._serve(conn, serve))
 
@@ -63,7 +69,7 @@ class TcpTransport(Transport):
         try:
             while True:
                 try:
-                    request, payload_len = await read_frame(loop, conn)
+                    request, payload_len = await read_frame(loop, conn, self.limits)
                 except ChannelClosed:
                     return
                 check_pull(request, payload_len)
@@ -75,7 +81,11 @@ class TcpTransport(Transport):
                         await loop.sock_sendall(conn, view)
                 finally:
                     served.release()
-        except (WireError, ChannelClosed, OSError) as exc:
+        except WireError as exc:  # a bad or stalled request: answered, then closed
+            log.info("tcp transport: closing served connection: %s", exc)
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(exc, Stalled) else grpc.StatusCode.INVALID_ARGUMENT
+            await reply_error(loop, conn, code, str(exc), self.limits.read_timeout)
+        except (ChannelClosed, OSError) as exc:
             log.debug("tcp transport: closing served connection: %s", exc)
         finally:
             self._served.discard(conn)

@@ -60,8 +60,11 @@ import logging
 import os
 from typing import Any
 
+import grpc
+
 from kvstore.framing import (
     MAX_HEADER_BYTES, PREFIX, ChannelClosed, WireError, check_pull, decode_header, decode_prefix, encode_header,
+    error_frame,
 )
 from kvstore.transport.base import AllocFn, ServeFn, Transport, TransportError, resolve_served
 from kvstore.transport.ucx_progress import (
@@ -90,10 +93,11 @@ class _AllocFailed(Exception):
         self.exc = exc
 
 
-async def _recv_frame(ep: Any, transport: "UcxTransport") -> tuple[pb.DataHeader, int]:
+async def _recv_frame(ep: Any, transport: "UcxTransport",
+                      max_header: int = MAX_HEADER_BYTES) -> tuple[pb.DataHeader, int]:
     """Receive one header message: (header, announced payload length)."""
     length = await _next_message(ep, transport._heat, transport._driver)
-    if length < PREFIX.size or length > PREFIX.size + MAX_HEADER_BYTES:
+    if length < PREFIX.size or length > PREFIX.size + max_header:
         raise WireError(f"header message of {length} bytes")
     frame = bytearray(length)
     await transport._run(ep.recv(frame))
@@ -215,8 +219,8 @@ class UcxTransport(Transport):
 
     def _on_connect(self, ep: Any) -> None:
         """ucxx listener callback, on the loop that created the listener."""
-        if self._closed or self._serve_fn is None:
-            _abort(ep)
+        if self._closed or self._serve_fn is None or len(self._served) >= self.limits.max_connections:
+            _abort(ep)  # closed, or over --max-connections
             return
         self._served.add(ep)
         task = asyncio.get_running_loop().create_task(self._serve(ep, self._serve_fn))
@@ -227,8 +231,10 @@ class UcxTransport(Transport):
         try:
             while True:
                 try:
-                    request, payload_len = await _recv_frame(ep, self)
-                except ChannelClosed:
+                    # a pull request is one message: idle until it is queued
+                    async with asyncio.timeout(self.limits.idle_timeout):
+                        request, payload_len = await _recv_frame(ep, self, self.limits.max_header)
+                except (ChannelClosed, TimeoutError):
                     return
                 check_pull(request, payload_len)
                 served = await resolve_served(serve(request))
@@ -250,7 +256,14 @@ class UcxTransport(Transport):
                         served.release()
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # WireError, ChannelClosed, any UCX error
+        except WireError as exc:  # a bad request: answered (bounded wait), then closed
+            log.info("ucx transport: closing served endpoint: %s", exc)
+            try:
+                await asyncio.wait_for(self._run(ep.send(error_frame(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))),
+                                       self.limits.read_timeout)
+            except Exception as send_exc:  # the peer is gone or does not read
+                log.debug("ucx transport: error reply not sent: %s", send_exc)
+        except Exception as exc:  # ChannelClosed, any UCX error
             log.debug("ucx transport: closing served endpoint: %s", exc)
         finally:
             self._served.discard(ep)
