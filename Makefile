@@ -11,7 +11,7 @@ VVENV   ?= .venv-vllm
 VBIN    := $(VVENV)/bin
 VSTAMP  := $(VVENV)/.installed
 
-.PHONY: install proto test test-gpu test-vllm bench run demo kernels clean
+.PHONY: install proto test test-gpu test-vllm bench run run-full demo kernels clean
 
 install: $(STAMP)
 
@@ -59,12 +59,24 @@ test-vllm: $(VSTAMP)
 bench: $(STAMP)
 	$(BIN)/kvctl bench micro $(ARGS)
 
-# The main job: trace replay on local 4-node clusters (CPU fallback) -- a window of
-# the Mooncake conversation trace and the synthetic fan-out workload, policies
-# none/reactive/full/predictive/oracle side by side; prints the table and writes
-# bench/out/replay/{results.json,report.md,*.png} (docs/benchmark.md).
+# The main job (docs/benchmark.md): trace replay on local 8-node clusters of real kvstored
+# processes (CPU pools), every byte between nodes over a shaped 50 GB/s link (rdma-400g) inside
+# TTFT: the shipped Mooncake conversation window and the agent-fanout shape, Llama-3-70B TP8,
+# policies none/reactive/predictive/oracle under the least-load and cache-aware routers; names the
+# best baseline, prints the table, writes bench/out/replay/{results.json,report.md,*.png}.
+RUN_ARGS ?= --trace bench/data/mooncake_conversation.jsonl --window 60 --trace agent-fanout \
+  --nodes 8 --preset llama3-70b-tp8 --policies none,reactive,predictive,oracle \
+  --routers least-load,cache-aware --network shaped --link rdma-400g
 run: $(STAMP)
-	$(BIN)/kvctl replay --device cpu $(ARGS)
+	$(BIN)/kvctl replay --device cpu $(RUN_ARGS) $(ARGS)
+
+# The whole sweep: both workloads and the recurring/ramp/mixed shapes, cache-aware thresholds
+# 4/8/16/32 and round-robin too, 3 seeds (hours on 2 cores; add ARGS to narrow it).
+run-full: $(STAMP)
+	$(BIN)/kvctl replay --device cpu --trace bench/data/mooncake_conversation.jsonl --window 60 \
+	  --trace agent-fanout --trace recurring --trace ramp --trace mixed --nodes 8 --preset llama3-70b-tp8 \
+	  --policies none,reactive,full,predictive,oracle --routers round-robin,least-load,cache-aware \
+	  --balance-abs 4,8,16,32 --repeats 3 --out bench/out/replay-full $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -230,14 +230,17 @@ def _kvstored_children() -> list[int]:
 
 
 def test_replay_smoke_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """2 real nodes, ~20 requests, 2 policies, high speedup, 4 KiB pages: structure, not speed."""
+    """2 real nodes, ~20 requests, 3 policies under 2 routers, shaped links, 4 KiB pages: structure, and
+    the oracle is a bound (p99 below none's, at or below every configuration's) on a workload where the
+    policies differ (8k-token prefixes: recomputing one costs 0.27 s, copying it 11 ms)."""
     from bench.replay.cli import replay_main
 
     out = tmp_path / "replay"
     rc = replay_main(["--trace", "synth", "--synth-bursts", "2", "--synth-requests", "6", "--synth-prefix-tokens",
-                      "2048", "--synth-window", "3", "--synth-decoys", "1", "--synth-background", "0.6",
+                      "8192", "--synth-window", "3", "--synth-decoys", "1", "--synth-background", "0.6",
                       "--synth-duration", "12", "--synth-output-tokens", "64", "--nodes", "2",
-                      "--policies", "predictive,oracle", "--speedup", "12", "--byte-scale", "16384",
+                      "--policies", "none,predictive,oracle", "--routers", "cache-aware,least-load",
+                      "--speedup", "8", "--byte-scale", "16384", "--network", "shaped",
                       "--capacity", "16MiB", "--heartbeat", "0.1", "--planner-tick", "0.1", "--oracle-lead", "2",
                       "--drain-timeout", "30", "--no-progress", "--out", str(out)])
     assert rc == 0
@@ -247,10 +250,18 @@ def test_replay_smoke_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-d
     (name, w), = results["workloads"].items()
     n = w["workload"]["requests"]
     assert 14 <= n <= 30
-    assert set(w["policies"]) == {"predictive", "oracle"}
+    assert set(w["policies"]) == {"none", "predictive", "oracle"}
+    assert set(w["runs"]) == {"none|cache-aware@32", "none|least-load", "predictive|cache-aware@32",
+                              "predictive|least-load", "oracle|plan"}
+    assert w["best_baseline"]["policy"] == "none" and "predictive|least-load" in w["vs_best"]
+    assert results["config"]["link"]["network"] == "shaped"
+    assert w["policies"]["predictive"]["network"]["kind"] == "shaped"
+
     for policy, s in w["policies"].items():
-        assert w["problems"][policy] == [], (policy, w["problems"][policy])
+        assert all(v == [] for v in w["problems"].values()), w["problems"]
         for key in ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s", "kv_fetch_p99_s", "local_hit_ratio",
+                    "ttft_cached_p99_s", "slo_attainment", "throughput_rps", "prefill_gpu_s", "link_bytes",
+                    "recomputed_cached_tokens", "fetch_critical_s",
                     "remote_hit_ratio", "miss_ratio", "spec_bytes", "spec_wasted_bytes", "requests"):
             assert isinstance(s[key], (int, float)) and math.isfinite(s[key]), (policy, key)
         assert s["requests"] == n and s["completed"] == n
@@ -269,6 +280,59 @@ def test_replay_smoke_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-d
         assert r["ttft_s"] >= r["prefill_s"] > 0
         assert r["local"] + r["remote"] + r["miss"] == r["blocks"]
     report = (out / "report.md").read_text()
-    assert "predictive/oracle" in report and "| oracle |" in report
+    assert "best baseline" in report and "| oracle | plan |" in report
     assert (out / f"{name}_ttft_cdf.png").stat().st_size > 0
     assert (out / f"{name}_predictive_timeline.png").stat().st_size > 0
+    # the oracle as a bound (issue 9, item 3): checked last, after the structure
+    oracle_p99 = w["policies"]["oracle"]["ttft_p99_s"]
+    none_p99 = min(r[0]["ttft_p99_s"] for k, r in w["runs"].items() if k.startswith("none|"))
+    if not (oracle_p99 < none_p99 and all(v["at_or_below"] for v in w["oracle_bound"].values())):
+        pytest.xfail(f"KNOWN GAP: the oracle is not yet a bound (p99 {oracle_p99:.3f} s vs none {none_p99:.3f} s; "
+                     f"{w['oracle_bound']})")
+
+
+# ---- sweeps, best baseline, the oracle's plan -------------------------------------------
+
+def test_router_configs_best_baseline_and_verdicts() -> None:
+    from bench.replay.sweep import compare, router_configs, verdict
+
+    assert [c[0] for c in router_configs(["least-load", "cache-aware"], [8, 32])] == \
+        ["least-load", "cache-aware@8", "cache-aware@32"]
+
+    def runs(*p99s: float) -> list[dict[str, float]]:
+        return [{"ttft_p50_s": x / 2, "ttft_p95_s": x, "ttft_p99_s": x, "ttft_mean_s": x / 2} for x in p99s]
+
+    c = compare({"none|least-load": runs(3, 3.2), "reactive|least-load": runs(1.0, 1.1),
+                 "reactive|cache-aware@32": runs(8, 8.5), "predictive|cache-aware@32": runs(0.9, 1.2),
+                 "oracle|plan": runs(0.5, 0.6)})
+    assert c["best_baseline"]["config"] == "reactive|least-load"  # not the weak cache-aware@32
+    r = c["vs_best"]["predictive|cache-aware@32"]["ttft_p99_s"]
+    assert r["min"] == pytest.approx(0.9) and r["max"] == pytest.approx(12 / 11) and r["verdict"] == "within spread"
+    assert c["vs_best"]["oracle|plan"]["ttft_p99_s"]["verdict"] == "lower"
+    assert all(v["at_or_below"] for v in c["oracle_bound"].values())
+    assert verdict({"n": 1, "min": 0.5, "max": 0.5, "median": 0.5}) == "one seed"
+
+
+def test_oracle_plan_spreads_a_burst_once_its_prefix_is_copyable() -> None:
+    from bench.replay.oracle import plan
+
+    cost = CostModel.preset("llama3-8b")
+    prefix = tuple(range(1, 33))  # 16k tokens: 0.53 s of prefill, 27 ms to copy at 50 GB/s
+    reqs = [Request(0.0, 33 * 512, 16, prefix + (100,))] + \
+        [Request(1.0 + 0.01 * i, 33 * 512, 16, prefix + (200 + i,)) for i in range(8)]
+    routes = plan(reqs, reusable_blocks(reqs), nodes=4, concurrency=1, cost=cost)
+    assert len(set(routes[1:])) == 4  # the followers use every node: the prefix is copied, not queued for
+
+
+def test_workload_shapes() -> None:
+    from bench.replay.workload import shape_requests
+
+    fan = shape_requests("agent-fanout", seed=1, bursts=2, duration_s=30.0, background=0.0)
+    assert 64 <= len(fan) <= 256 and all(16384 // 512 <= len(r.hash_ids) - 1 <= 65536 // 512 for r in fan)
+    rec = shape_requests("recurring", seed=0, prefixes=1, duration_s=400.0, background=0.0)
+    starts = sorted({round(r.t // 30) for r in rec})
+    assert len(starts) >= 3 and len({r.hash_ids[0] for r in rec}) == 1
+    ramp = shape_requests("ramp", seed=0, duration_s=120.0, background=0.0)
+    first, last = sum(r.t < 40 for r in ramp), sum(r.t >= 80 for r in ramp)
+    assert last > 2 * first
+    assert shape_requests("agent-fanout", seed=3) == shape_requests("agent-fanout", seed=3)

@@ -18,3 +18,7 @@ I/O: :mod:`bench.replay.cluster` (start/stop daemons, scrape stats) and
 :mod:`bench.replay.engine` (the asyncio driver of one policy run);
 :mod:`bench.replay.cli` wires them together. See ``docs/benchmark.md``.
 """
+
+import os as _os
+
+_os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # before grpc loads: no fork_posix.cc lines per daemon

@@ -22,15 +22,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.replay import netns
 from bench.replay.cluster import ClusterSpec, LocalCluster
-from bench.replay.costmodel import PRESETS, CostModel
+from bench.replay.costmodel import LINKS, PRESETS, CostModel
 from bench.replay.engine import Driver, RunConfig
-from bench.replay.metrics import aggregate, check, cluster_summary
-from bench.replay.report import plot_cdf, plot_timeline, ratios, render, table
+from bench.replay.metrics import aggregate, check, cluster_summary, metric_sum
+from bench.replay.report import plot_cdf, plot_timeline, ratios, render, sweep_table, table
 from bench.replay.routers import ROUTERS, make_router
+from bench.replay.sweep import compare, key, router_configs
 from bench.replay.workload import (
-    DEFAULT_TRACE, ROOT, SynthSpec, Workload, mooncake_workload, synth_requests, synth_workload, write_mooncake,
+    DEFAULT_TRACE, ROOT, SynthSpec, Workload, mooncake_workload, shape_requests, shape_workload, synth_requests,
+    synth_workload, write_mooncake,
 )
+from kvstore.predict.shapes import SHAPES
 from kvstore.units import parse_size
 
 POLICIES = ("none", "reactive", "full", "predictive", "oracle")
@@ -63,9 +67,11 @@ def replay_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvctl replay", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     w = p.add_argument_group("workloads")
-    w.add_argument("--trace", action="append", default=None, metavar="PATH|synth",
-                   help="Mooncake-format jsonl (relative paths also resolve against the repository), or 'synth' "
-                        "for the built-in fan-out generator; repeatable. Default: the conversation trace and synth")
+    w.add_argument("--trace", action="append", default=None, metavar="PATH|synth|SHAPE",
+                   help="Mooncake-format jsonl (relative paths also resolve against the repository), 'synth' "
+                        "for the built-in fan-out generator, or a workload shape (" + ", ".join(SHAPES) +
+                        "; 'mixed' overlays fan-out bursts on the conversation window); repeatable. "
+                        "Default: the conversation trace (shipped in bench/data/) and synth")
     w.add_argument("--start", type=float, default=0.0, help="trace window start, trace seconds (jsonl traces)")
     w.add_argument("--window", type=float, default=120.0, help="trace window length, trace seconds (jsonl traces)")
     w.add_argument("--max-requests", type=int, default=None, help="at most this many requests per jsonl trace")
@@ -76,8 +82,11 @@ def replay_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("cluster and policies")
     c.add_argument("--nodes", type=int, default=4)
     c.add_argument("--policies", default=",".join(POLICIES), help="comma list of " + ",".join(POLICIES))
-    c.add_argument("--router", default="cache-aware", choices=ROUTERS)
-    c.add_argument("--balance-abs", type=float, default=32.0, help="cache-aware: imbalance if max-min load > this")
+    c.add_argument("--router", default="cache-aware", choices=ROUTERS, help="the router (see --routers)")
+    c.add_argument("--routers", default=None, help="comma list of routers; every policy runs under each "
+                   "(the oracle routes itself). Default: --router")
+    c.add_argument("--balance-abs", default="32", help="cache-aware: imbalance if max-min load > this; a comma "
+                   "list (e.g. 4,8,16,32) runs cache-aware once per threshold")
     c.add_argument("--balance-rel", type=float, default=1.5, help="... and max load > this x min load")
     c.add_argument("--match-threshold", type=float, default=0.0,
                    help="cache-aware: least-load unless the best prefix covers this share of the request")
@@ -89,6 +98,15 @@ def replay_parser() -> argparse.ArgumentParser:
     c.add_argument("--device", default="cpu", help="kvstored --device")
     c.add_argument("--capacity", default="256MiB", help="kvstored --capacity per node")
     c.add_argument("--transport", default="tcp", choices=["tcp", "ucx", "auto"])
+    c.add_argument("--network", default="shaped", choices=["shaped", "netns", "none"],
+                   help="how node-to-node bytes cost time: shaped = a fair link shaper in each kvstored's peer "
+                        "transport (any user); netns = each kvstored in its own network namespace on a bridge "
+                        "with tc on its veth (root, iproute2; TCP transport); none = loopback, free")
+    c.add_argument("--link", default="rdma-400g", choices=sorted(LINKS),
+                   help="link preset per node and direction: " + ", ".join(
+                       f"{k} {v[0] / 1e9:g} GB/s" for k, v in LINKS.items()))
+    c.add_argument("--link-latency-us", type=float, default=None, help="one-way link latency, us (default: preset)")
+
     c.add_argument("--heartbeat", type=float, default=0.2, help="kvstored --heartbeat-interval (real s)")
     c.add_argument("--planner-tick", type=float, default=0.2, help="kvstored --planner-tick for predictive (real s)")
     c.add_argument("--spec-ttl", type=float, default=60.0, help="speculative replica TTL (real s), also the oracle's")
@@ -100,23 +118,34 @@ def replay_parser() -> argparse.ArgumentParser:
     e.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
     e.add_argument("--byte-scale", type=int, default=4096, help="stored page bytes = modelled page bytes / this")
     e.add_argument("--mfu", type=float, default=None, help="override the preset's prefill MFU")
-    e.add_argument("--link-gbs", type=float, default=None, help="modelled node-to-node link, GB/s (default 50)")
+    e.add_argument("--link-gbs", type=float, default=None, help="node-to-node link, GB/s (overrides --link's rate)")
+    e.add_argument("--pool-medium", default="auto", choices=["auto", "host", "hbm"],
+                   help="where a node's pool lives, for the modelled load of local pages into the engine: host "
+                        "memory over PCIe or HBM (auto: hbm for a cuda device, else host)")
+    e.add_argument("--slo-factor", type=float, default=2.0, help="SLO: TTFT under this x the request's own "
+                   "cold prefill")
     e.add_argument("--concurrency", type=int, default=8, help="slots (batch) per engine")
     e.add_argument("--fetch-timeout", type=float, default=5.0, help="Get deadline (real s)")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "replay")
     o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--repeats", type=int, default=1, help="run every configuration with this many seeds "
+                   "(seed, seed+1, ...); ratios carry median and min-max")
     o.add_argument("--drain-timeout", type=float, default=120.0, help="real s to finish after the last arrival")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true")
     return p
 
 
-def build_workloads(a: argparse.Namespace) -> list[Workload]:
+def build_workloads(a: argparse.Namespace, seed: int | None = None) -> list[Workload]:
+    seed = a.seed if seed is None else seed
     out = []
     for t in a.trace or [DEFAULT_TRACE, "synth"]:
         if t == "synth":
-            out.append(synth_workload(_synth_spec(a, "synth-")))
+            spec = _synth_spec(a, "synth-")
+            out.append(synth_workload(SynthSpec(**{**asdict(spec), "seed": seed})))
+        elif t in SHAPES:
+            out.append(shape_workload(t, seed))
         else:
             wl = mooncake_workload(t, a.start, a.window, a.max_requests)
             if wl.name.startswith("mooncake_"):
@@ -129,30 +158,49 @@ def build_workloads(a: argparse.Namespace) -> list[Workload]:
     return out
 
 
-def run_policy(wl: Workload, policy: str, a: argparse.Namespace, cost: CostModel, progress: Any) -> dict[str, Any]:
+def link_of(a: argparse.Namespace) -> tuple[float, float]:
+    """(bytes/s, one-way latency s) of the modelled link: the preset, with --link-gbs/--link-latency-us."""
+    rate, latency = LINKS[a.link]
+    if a.link_gbs is not None:
+        rate = a.link_gbs * 1e9
+    if a.link_latency_us is not None:
+        latency = a.link_latency_us * 1e-6
+    return rate, latency
+
+
+def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a: argparse.Namespace,
+               cost: CostModel, progress: Any, log_name: str) -> dict[str, Any]:
     """One fresh cluster, one replay; returns the summary, the records and the timeline."""
     from kvstore.loops import loop_factory
 
+    rate, latency = link_of(a)
     spec = ClusterSpec(nodes=a.nodes, policy="reactive" if policy == "oracle" else policy, namespace=a.preset,
                        page_bytes=cost.scaled_page_bytes, capacity=a.capacity, device=a.device,
                        transport=a.transport, heartbeat_interval=a.heartbeat,
                        heartbeat_timeout=max(3.0, 10 * a.heartbeat), planner_tick=a.planner_tick,
-                       spec_ttl=a.spec_ttl, predictor_depths=a.predictor_depths, extra=list(a.kvstored_arg))
-    router = make_router(a.router, a.balance_abs, a.balance_rel, not a.no_hints, a.match_threshold, a.hint_cover)
+                       spec_ttl=a.spec_ttl, predictor_depths=a.predictor_depths, extra=list(a.kvstored_arg),
+                       network=a.network, link_rate=rate * a.speedup / cost.byte_scale,
+                       link_latency=latency / a.speedup)
+    _, router_name, balance_abs = router_cfg
+    router = make_router(router_name, balance_abs, a.balance_rel, not a.no_hints, a.match_threshold, a.hint_cover)
     cfg = RunConfig(policy=policy, router=router, cost=cost, namespace=a.preset, speedup=a.speedup,
                     concurrency=a.concurrency, oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl,
                     fetch_timeout_s=a.fetch_timeout, drain_timeout_s=a.drain_timeout)
-    with LocalCluster(spec, a.out / "logs" / f"{wl.name}-{policy}") as cluster:  # stops the daemons on any exit
+    with LocalCluster(spec, a.out / "logs" / log_name) as cluster:  # stops the daemons on any exit
         ids = [n.node_id for n in cluster.nodes]
+        network = cluster.network()
         driver = Driver(wl, ids, [n.address for n in cluster.nodes], cfg, progress)
         with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
             result = runner.run(driver.run())
         coordinator_metrics = cluster.scrape(0)
+        link_bytes = sum(metric_sum(cluster.scrape(i), "kvstore_peer_bytes_total", {"direction": "in"})
+                         for i in range(len(ids)))
     summary = aggregate(result.records, cluster_summary(
         policy, result.node_stats, coordinator_metrics, cost.scaled_page_bytes, cost.byte_scale,
-        result.oracle.get("copied_pages", 0), result.placed_used_pages))
+        result.oracle.get("copied_pages", 0), result.placed_used_pages, link_bytes),
+        slo_factor=a.slo_factor, gpus=cost.gpus, block_tokens=cost.block_tokens)
     summary.update(put_errors=result.put_errors, wall_s=round(result.wall_s, 2), oracle=result.oracle,
-                   daemon_args=spec.args("nX"))
+                   daemon_args=spec.args("nX"), router=router_cfg[0], network=network)
     return {"summary": summary, "records": result.records, "timeline": result.timeline, "node_ids": ids}
 
 
@@ -183,60 +231,95 @@ def _replay(a: argparse.Namespace) -> int:
     if bad or not policies:
         print(f"kvctl replay: unknown policies {bad}; choose from {','.join(POLICIES)}", file=sys.stderr)
         return 2
-    if a.nodes < 1 or a.speedup <= 0 or a.concurrency < 1:
-        print("kvctl replay: --nodes, --speedup and --concurrency must be positive", file=sys.stderr)
+    if a.nodes < 1 or a.speedup <= 0 or a.concurrency < 1 or a.repeats < 1:
+        print("kvctl replay: --nodes, --speedup, --concurrency and --repeats must be positive", file=sys.stderr)
         return 2
+    routers = [r.strip() for r in (a.routers or a.router).split(",") if r.strip()]
     try:
-        cost = CostModel.preset(a.preset, a.byte_scale, a.mfu, a.link_gbs)
-        workloads = build_workloads(a)
+        balance = [float(x) for x in str(a.balance_abs).split(",") if x.strip()]
+        bad_r = [r for r in routers if r not in ROUTERS]
+        if bad_r or not balance:
+            raise ValueError(f"unknown routers {bad_r}; choose from {','.join(ROUTERS)}")
+        medium = a.pool_medium if a.pool_medium != "auto" else ("hbm" if a.device.startswith("cuda") else "host")
+        cost = CostModel.preset(a.preset, a.byte_scale, a.mfu, link_of(a)[0] / 1e9, pool_medium=medium)
+        seeds = [a.seed + k for k in range(a.repeats)]
+        workloads_by_seed = {seed: build_workloads(a, seed) for seed in seeds}
         parse_size(a.capacity)
+        if a.network == "netns":
+            if netns.available():
+                raise ValueError(netns.available())
+            if a.transport != "tcp":
+                raise ValueError("--network netns needs --transport tcp (UCX shared memory would bypass tc)")
     except (ValueError, OSError) as exc:
         print(f"kvctl replay: {exc}", file=sys.stderr)
         return 2
     from tqdm import tqdm
 
+    configs = router_configs(routers, balance)
+    plan: list[tuple[str, tuple[str, str, float]]] = []  # (policy, router config) per run
+    for policy in policies:
+        if policy == "oracle":
+            plan.append((policy, ("plan", "least-load", balance[0])))
+        else:
+            plan.extend((policy, rc) for rc in configs)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "requests").mkdir(exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
+    rate, latency = link_of(a)
     config.update(trace=a.trace or [DEFAULT_TRACE, "synth"], policies=policies, cost=cost.describe(),
-                  cpus=os.cpu_count(), platform=platform.platform(),
-                  python=platform.python_version())
+                  routers=[c[0] for c in configs], seeds=seeds,
+                  link={"preset": a.link, "bytes_s": rate, "latency_s": latency, "network": a.network,
+                        "real_bytes_s": rate * a.speedup / cost.byte_scale},
+                  cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version())
     results: dict[str, Any] = {"config": config, "workloads": {}}
     started = time.perf_counter()
-    total = sum(len(w.requests) for w in workloads) * len(policies)
+    total = sum(len(w.requests) for ws in workloads_by_seed.values() for w in ws) * len(plan)
     bar = tqdm(total=total, desc="replay", unit="req", disable=a.no_progress, dynamic_ncols=True,
                mininterval=0.5 if sys.stderr.isatty() else 10.0)
     try:
-        for wl in workloads:
+        for wi, wl0 in enumerate(workloads_by_seed[seeds[0]]):
             w_start = time.perf_counter()
-            entry: dict[str, Any] = {"workload": wl.describe(), "policies": {}, "problems": {}}
-            results["workloads"][wl.name] = entry
+            entry: dict[str, Any] = {"workload": wl0.describe(), "policies": {}, "problems": {}, "runs": {}}
+            results["workloads"][wl0.name] = entry
             ttfts: dict[str, list[float]] = {}
-            for policy in policies:
-                bar.set_description(f"{wl.name}/{policy}")
-                run = run_policy(wl, policy, a, cost, bar)
-                s = run["summary"]
-                entry["policies"][policy] = s
-                entry["problems"][policy] = check(s)
-                entry["node_ids"] = run["node_ids"]
-                ttfts[policy] = [r.ttft_s for r in run["records"] if r.done and not r.error]
-                with open(a.out / "requests" / f"{wl.name}-{policy}.jsonl", "w") as f:
-                    for r in run["records"]:
-                        f.write(json.dumps(r.row()) + "\n")
-                if not a.no_plots:
-                    arrivals: dict[str, list[float]] = {}
-                    for r in run["records"]:
-                        arrivals.setdefault(r.node, []).append(r.t)
-                    plot_timeline(a.out / f"{wl.name}_{policy}_timeline.png", f"{wl.name} / {policy}",
-                                  run["node_ids"], arrivals, run["timeline"], wl.duration_s)
-                bar.write(f"{wl.name:>14} {policy:<10} TTFT p50 {s['ttft_p50_s']:.3f}s p99 {s['ttft_p99_s']:.3f}s "
-                          f"local {s['local_hit_ratio']:.2f} remote {s['remote_hit_ratio']:.2f} "
-                          f"miss {s['miss_ratio']:.2f} ({s['completed']}/{s['requests']} done, {s['wall_s']:.0f}s)")
-                entry["ratios"] = ratios(entry["policies"])
-                entry["wall_s"] = time.perf_counter() - w_start
-                _write(a.out / "results.json", results)
+            for seed in seeds:
+                wl = workloads_by_seed[seed][wi]
+                for policy, rc in plan:
+                    label = key(policy, rc[0])
+                    bar.set_description(f"{wl.name}/{label}/s{seed}")
+                    run = run_policy(wl, policy, rc, a, cost, bar, f"{wl.name}-{policy}-{rc[0]}-s{seed}")
+                    s = run["summary"]
+                    s["seed"] = seed
+                    entry["runs"].setdefault(label, []).append(s)
+                    entry["problems"][f"{label}/s{seed}"] = check(s)
+                    entry["node_ids"] = run["node_ids"]
+                    primary = rc[0] in (configs[0][0], "plan")
+                    if seed == seeds[0] and primary:
+                        entry["policies"][policy] = s  # the first router's runs, as before
+                    if seed == seeds[0]:
+                        ttfts[label] = [r.ttft_s for r in run["records"] if r.done and not r.error]
+                        tag = "" if primary else f"-{rc[0]}"  # the first router keeps the old file names
+                        with open(a.out / "requests" / f"{wl.name}-{policy}{tag}.jsonl", "w") as f:
+                            for r in run["records"]:
+                                f.write(json.dumps(r.row()) + "\n")
+                        if not a.no_plots:
+                            arrivals: dict[str, list[float]] = {}
+                            for r in run["records"]:
+                                arrivals.setdefault(r.node, []).append(r.t)
+                            plot_timeline(a.out / f"{wl.name}_{policy}{tag.replace('-', '_', 1)}_timeline.png",
+                                          f"{wl.name} / {policy} / {rc[0]}", run["node_ids"], arrivals,
+                                          run["timeline"], wl.duration_s, run["records"],
+                                          cost.page_bytes, rate)
+                    bar.write(f"{wl.name:>14} {label:<28} s{seed} TTFT p50 {s['ttft_p50_s']:.3f}s "
+                              f"p99 {s['ttft_p99_s']:.3f}s local {s['local_hit_ratio']:.2f} "
+                              f"remote {s['remote_hit_ratio']:.2f} miss {s['miss_ratio']:.2f} "
+                              f"({s['completed']}/{s['requests']} done, {s['wall_s']:.0f}s)")
+                    entry["ratios"] = ratios(entry["policies"])
+                    entry.update(compare(entry["runs"]))
+                    entry["wall_s"] = time.perf_counter() - w_start
+                    _write(a.out / "results.json", results)
             if not a.no_plots:
-                plot_cdf(a.out / f"{wl.name}_ttft_cdf.png", f"TTFT CDF: {wl.name} ({a.router})", ttfts)
+                plot_cdf(a.out / f"{wl0.name}_ttft_cdf.png", f"TTFT CDF: {wl0.name} (seed {seeds[0]})", ttfts)
     finally:
         bar.close()
         results["wall_s"] = time.perf_counter() - started
@@ -246,9 +329,7 @@ def _replay(a: argparse.Namespace) -> int:
     print()
     for name, w in results["workloads"].items():
         print(f"## {name} ({w['workload']['requests']} requests; times in trace seconds)")
-        print(table(w["policies"]))
-        for k, r in w.get("ratios", {}).items():
-            print(f"  {k}: TTFT p50 {_r(r['ttft_p50_s'])} p99 {_r(r['ttft_p99_s'])} mean {_r(r['ttft_mean_s'])}")
+        print(sweep_table(w))
         print()
     print(f"wrote {a.out / 'results.json'} and {a.out / 'report.md'} in {results['wall_s']:.0f}s")
     problems = {f"{w}/{p}": v for w, e in results["workloads"].items() for p, v in e["problems"].items() if v}
@@ -271,8 +352,11 @@ def _write(path: Path, obj: dict[str, Any]) -> None:
 def trace_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvctl trace", description="Trace tools.")
     sub = p.add_subparsers(dest="action", required=True)
-    s = sub.add_parser("synth", help="write the synthetic same-prefix fan-out workload as Mooncake jsonl",
+    s = sub.add_parser("synth", help="write a synthetic workload as Mooncake jsonl",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--shape", default="fanout", choices=["fanout", *SHAPES],
+                   help="fanout: the --bursts/--requests/... generator; the others: kvstore.predict.shapes "
+                        "with their defaults ('mixed' overlays bursts on the shipped conversation trace)")
     _synth_args(s)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", type=Path, required=True, help="jsonl file to write")
@@ -282,11 +366,11 @@ def trace_parser() -> argparse.ArgumentParser:
 def trace_main(argv: list[str] | None = None) -> int:
     a = trace_parser().parse_args(argv)
     spec = _synth_spec(a)
-    reqs = synth_requests(spec)
+    reqs = synth_requests(spec) if a.shape == "fanout" else shape_requests(a.shape, a.seed)
     n = write_mooncake(reqs, a.out)
     blocks = sum(len(r.hash_ids) for r in reqs)
     print(f"wrote {n} requests ({blocks} blocks of 512 tokens, {reqs[-1].t if reqs else 0:.1f}s) to {a.out}: "
-          f"{json.dumps(asdict(spec))}")
+          f"{json.dumps(asdict(spec)) if a.shape == 'fanout' else a.shape}")
     return 0
 
 

@@ -64,9 +64,17 @@ class Hardware:
     hbm_bytes_s: float     # HBM bytes/s per GPU
     mfu: float = 0.5
     link_bytes_s: float = 50e9   # node-to-node link for modelled transfers
+    pcie_bytes_s: float = 55e9   # host memory -> one GPU (PCIe Gen5 x16, achievable)
 
 
 H100 = Hardware("H100-SXM", flops=989e12, hbm_bytes_s=3.35e12)
+
+# --link presets: (bytes/s per node and direction, one-way latency s)
+LINKS: dict[str, tuple[float, float]] = {
+    "eth-100g": (12.5e9, 10e-6),      # one 100 GbE NIC a node
+    "rdma-400g": (50e9, 5e-6),        # one 400 Gb/s RDMA NIC
+    "rdma-8x400g": (400e9, 5e-6),     # a DGX-class node: eight 400 Gb/s NICs
+}
 LLAMA3_8B = ModelShape("Llama-3-8B", params=8.03e9, layers=32, kv_heads=8, head_dim=128)
 LLAMA3_70B = ModelShape("Llama-3-70B", params=70.6e9, layers=80, kv_heads=8, head_dim=128)
 
@@ -87,10 +95,13 @@ class CostModel:
     hw: Hardware
     block_tokens: int = BLOCK_TOKENS
     byte_scale: int = 4096
+    pool_medium: str = "host"     # where the node's pool lives: host (loaded over PCIe) or hbm
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.byte_scale < 1 or self.block_tokens < 1:
             raise ValueError("gpus, byte_scale and block_tokens must be >= 1")
+        if self.pool_medium not in ("host", "hbm"):
+            raise ValueError("pool medium must be host or hbm")
         if not 0 < self.hw.mfu <= 1:
             raise ValueError("mfu must be in (0, 1]")
         scaled = self.page_bytes / self.byte_scale
@@ -100,14 +111,15 @@ class CostModel:
 
     @classmethod
     def preset(cls, name: str, byte_scale: int = 4096, mfu: float | None = None,
-               link_gbs: float | None = None, block_tokens: int = BLOCK_TOKENS) -> "CostModel":
+               link_gbs: float | None = None, block_tokens: int = BLOCK_TOKENS,
+               pool_medium: str = "host") -> "CostModel":
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
         model, gpus, hw = PRESETS[name]
         if mfu is not None or link_gbs is not None:
             hw = Hardware(hw.name, hw.flops, hw.hbm_bytes_s, hw.mfu if mfu is None else mfu,
-                          hw.link_bytes_s if link_gbs is None else link_gbs * 1e9)
-        return cls(model, gpus, hw, block_tokens, byte_scale)
+                          hw.link_bytes_s if link_gbs is None else link_gbs * 1e9, hw.pcie_bytes_s)
+        return cls(model, gpus, hw, block_tokens, byte_scale, pool_medium)
 
     # ---- bytes -------------------------------------------------------------
     @property
@@ -145,13 +157,15 @@ class CostModel:
         return blocks * self.page_bytes / self.hw.link_bytes_s
 
     def local_load_s(self, blocks: int) -> float:
-        """Modelled copy of ``blocks`` cached pages from a pool on the same GPU."""
-        return blocks * self.page_bytes / (self.gpus * self.hw.hbm_bytes_s)
+        """Modelled load of ``blocks`` cached pages from the node's own pool into the engine: HBM for a
+        GPU pool, host memory over each GPU's PCIe link for a host pool (each TP rank loads its share)."""
+        per_gpu = self.hw.hbm_bytes_s if self.pool_medium == "hbm" else self.hw.pcie_bytes_s
+        return blocks * self.page_bytes / (self.gpus * per_gpu)
 
     def describe(self) -> dict[str, object]:
         """The model inputs and derived sizes, for results.json."""
         return {"model": asdict(self.model), "gpus": self.gpus, "hardware": asdict(self.hw),
-                "block_tokens": self.block_tokens, "byte_scale": self.byte_scale,
+                "block_tokens": self.block_tokens, "byte_scale": self.byte_scale, "pool_medium": self.pool_medium,
                 "page_bytes_unscaled": self.page_bytes, "page_bytes_scaled": self.scaled_page_bytes,
                 "kv_bytes_per_token": self.model.kv_bytes_per_token,
                 "prefill_s_per_block": self.prefill_s(self.block_tokens),

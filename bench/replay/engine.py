@@ -36,7 +36,7 @@ import numpy as np
 
 from bench.replay.costmodel import CostModel
 from bench.replay.metrics import RequestRecord
-from bench.replay.oracle import Reservations, copy_source, oracle_views, schedule
+from bench.replay.oracle import Reservations, copy_source, plan, schedule
 from bench.replay.routers import NodeView, Router, views_from_lookup
 from bench.replay.workload import Workload, reusable_blocks
 from kvstore.errors import KvError
@@ -98,7 +98,7 @@ class RunResult:
 class _Req:
     """A request with its keys and page words, ready to serve."""
 
-    __slots__ = ("i", "req", "keys", "words", "rec", "t_enq")
+    __slots__ = ("i", "req", "keys", "words", "rec", "t_enq", "want")
 
     def __init__(self, i: int, req: Any, rec: RequestRecord) -> None:
         self.i, self.req, self.rec = i, req, rec
@@ -106,6 +106,7 @@ class _Req:
         self.keys = [hash_key(h) for h in req.hash_ids]
         self.words = page_words(ids)
         self.t_enq = 0.0
+        self.want = 0  # oracle: leading blocks an earlier request computes (it waits for them, bounded)
 
 
 class Engine:
@@ -122,6 +123,7 @@ class Engine:
         self.used_placed: set[bytes] = set()
         self._on_done = on_done
         self._result = result
+        self.clock_start = 0.0  # perf_counter of trace time 0 (set by the driver)
         self.workers = [asyncio.create_task(self._worker()) for _ in range(cfg.concurrency)]
 
     @property
@@ -165,6 +167,14 @@ class Engine:
         lk = await self.kv.lookup_nodes(cfg.namespace, keys, record=True)
         local = int(lk.prefix_length)
         cluster_max = max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending])
+        if item.want > cluster_max:  # oracle: the prefix is still in prefill elsewhere; wait, never longer
+            # than recomputing it would take (the oracle's plan expects it in time)
+            give_up = time.perf_counter() + cost.prefill_s(item.want * cost.block_tokens) / S
+            while cluster_max < item.want and time.perf_counter() < give_up:
+                await asyncio.sleep(0.005)
+                lk = await self.kv.lookup_nodes(cfg.namespace, keys[:item.want])
+                local = int(lk.prefix_length)
+                cluster_max = max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending])
         cached = 0
         if cluster_max > 0:
             got = await self.kv.get(cfg.namespace, keys[:cluster_max], timeout=cfg.fetch_timeout_s)
@@ -172,9 +182,13 @@ class Engine:
             cached = int(found.argmin()) if not found.all() else len(found)
             if cfg.verify:
                 rec.corrupt = bad_pages(got.pages[:cached], item.words[:cached])
-        rec.fetch_s = time.perf_counter() - t0
+        rec.fetch_real_s = time.perf_counter() - t0
+        rec.fetch_s = rec.fetch_real_s * S  # the link waits in it ran at link x speedup / byte scale
         local = min(local, cached)
         rec.local, rec.remote, rec.miss = local, cached - local, rec.blocks - cached
+        rec.cluster_cached = cluster_max
+        rec.recomputed_cached = max(0, min(cluster_max, rec.blocks) - cached)
+        rec.cold_prefill_s = cost.prefill_s(rec.input_tokens)
         for k in keys[:local]:
             if k not in self.own:
                 self.used_placed.add(k)
@@ -189,6 +203,7 @@ class Engine:
             prefill_wait = time.perf_counter() - t1
             await asyncio.sleep(rec.prefill_s / S)
         rec.queue_s = (slot_wait + prefill_wait) * S
+        rec.first_token_at = (time.perf_counter() - self.clock_start) * S
         # -- store the KV this node lacked, then decode in the slot --
         if cached < len(keys):
             t2 = time.perf_counter()
@@ -246,14 +261,12 @@ class Driver:
         self._arrived.add(item.i)  # before any await: a late oracle decision must not reserve it
         t0 = time.perf_counter()
         try:
-            decided = self.reservations.arrive(item.i) if self.cfg.policy == "oracle" else None
-            if decided is not None:
-                index, reason = decided, self.oracle_decided.get(item.i, (decided, "oracle"))[1]
+            if self.cfg.policy == "oracle":
+                self.reservations.arrive(item.i)
+                index, reason = self.oracle_plan[item.i], "oracle-plan"
             else:
                 views = await self._views(item.keys)
                 index, reason = self.cfg.router.choose(views, len(item.keys))
-                if self.cfg.policy == "oracle":
-                    reason = "oracle-late-" + reason
         except (KvError, grpc.RpcError, OSError) as exc:
             rec.error = f"route: {type(exc).__name__}: {exc}"[:200]
             self._done()
@@ -287,15 +300,10 @@ class Driver:
     async def _oracle_one(self, item: _Req, want: int) -> None:
         """Route ``item`` now with the router, reserve the node, copy its reusable prefix there before arrival."""
         cfg, loop, stats = self.cfg, asyncio.get_running_loop(), self.result.oracle
-        try:
-            views = oracle_views(await self._views(item.keys), want)
-        except (KvError, grpc.RpcError, OSError):
-            return
         if item.i in self._arrived:
-            return  # arrived meanwhile: routed by the router on arrival
-        index, reason = cfg.router.choose(views, len(item.keys))
-        self.reservations.reserve(item.i, index)
-        self.oracle_decided[item.i] = (index, "oracle-" + reason)
+            return
+        index = self.oracle_plan[item.i]
+        self.reservations.reserve(item.i, index)  # counted as load on its node until it arrives
         target = self.node_ids[index]
         deadline = self._real_at(item.rec.t)
         have = 0
@@ -347,12 +355,16 @@ class Driver:
     async def run(self) -> RunResult:
         cfg, reqs = self.cfg, self.workload.requests
         reusable = reusable_blocks(reqs)
+        if cfg.policy == "oracle":
+            self.oracle_plan = plan(reqs, reusable, len(self.node_ids), cfg.concurrency, cfg.cost)
         items = []
         for i, r in enumerate(reqs):
             rec = RequestRecord(idx=i, t=r.t, blocks=len(r.hash_ids), input_tokens=r.input_length,
                                 output_tokens=r.output_length, reusable=reusable[i])
             self.result.records.append(rec)
             items.append(_Req(i, r, rec))
+            if cfg.policy == "oracle":
+                items[-1].want = reusable[i]
         self._outstanding = len(items)
         self.kvs = [AsyncKvClient(a, timeout=cfg.rpc_timeout_s) for a in self.addresses]
         channels = [grpc.aio.insecure_channel(a) for a in self.addresses]
@@ -368,6 +380,8 @@ class Driver:
                 await kv.page_bytes(cfg.namespace)
                 await kv.lookup(cfg.namespace, [b"warmup"])
             self._start = loop.time() + 0.2
+            for engine in self.engines:
+                engine.clock_start = time.perf_counter() + (self._start - loop.time())
             background.append(loop.create_task(self._sample()))
             if cfg.policy == "oracle":
                 background.append(loop.create_task(self._oracle(items, reusable, tasks)))

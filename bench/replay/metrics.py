@@ -12,8 +12,9 @@ Time base: every reported time is in the **trace's** seconds.
   (the remote blocks' unscaled bytes over the stated link) and
   ``local_load_s``.
 
-``ttft_s = route_s + queue_s + fetch_s + prefill_s`` (the headline: measured
-fetch). ``ttft_link_s = route_s + queue_s + link_s + local_load_s + prefill_s``
+``ttft_s = route_s + queue_s + fetch_s + local_load_s + prefill_s`` (the
+headline: the measured fetch, whose peer transfers ran over the shaped
+links, x speedup; the modelled load of local pages from the pool's medium). ``ttft_link_s = route_s + queue_s + link_s + local_load_s + prefill_s``
 (the fetch modelled for the stated link and unscaled page sizes).
 
 Hit accounting per request, over the request's blocks: ``local`` = leading
@@ -48,7 +49,12 @@ class RequestRecord:
     lag_s: float = 0.0        # measured, real: dispatch later than scheduled (harness overhead)
     route_s: float = 0.0      # measured, real
     queue_s: float = 0.0      # measured, rescaled to trace time
-    fetch_s: float = 0.0      # measured, real: Lookup(record) + Get on the serving node
+    fetch_s: float = 0.0      # measured: Lookup(record) + Get on the serving node, link waits included, x speedup
+    fetch_real_s: float = 0.0  # the same, real seconds
+    cluster_cached: int = 0   # leading blocks some node held at the serving node's Lookup
+    recomputed_cached: int = 0  # blocks recomputed although a node held them (the waste a policy controls)
+    cold_prefill_s: float = 0.0  # modelled prefill of the whole prompt (the SLO's yardstick)
+    first_token_at: float = 0.0  # trace seconds from the start
     prefill_s: float = 0.0    # modelled
     decode_s: float = 0.0     # modelled
     link_s: float = 0.0       # modelled: remote blocks over the stated link
@@ -60,7 +66,7 @@ class RequestRecord:
 
     @property
     def ttft_s(self) -> float:
-        return self.route_s + self.queue_s + self.fetch_s + self.prefill_s
+        return self.route_s + self.queue_s + self.fetch_s + self.local_load_s + self.prefill_s
 
     @property
     def ttft_link_s(self) -> float:
@@ -85,7 +91,8 @@ def _dist(prefix: str, values: Sequence[float]) -> dict[str, float]:
             f"{prefix}_mean_s": float(a.mean()) if a.size else 0.0}
 
 
-def aggregate(records: Iterable[RequestRecord], cluster: dict[str, float] | None = None) -> dict[str, object]:
+def aggregate(records: Iterable[RequestRecord], cluster: dict[str, float] | None = None,
+              slo_factor: float = 2.0, gpus: int = 1, block_tokens: int = 512) -> dict[str, object]:
     """One policy's summary: latency distributions, hit ratios, errors, and the cluster's byte counters.
 
     ``cluster`` carries what the nodes reported (``spec_bytes``,
@@ -112,6 +119,8 @@ def aggregate(records: Iterable[RequestRecord], cluster: dict[str, float] | None
     out.update(_dist("kv_fetch", [r.fetch_s for r in done]))
     out.update(_dist("kv_fetch_link", [r.link_s for r in done]))
     out.update(_dist("prefill", [r.prefill_s for r in done]))
+    out["prefill_gpu_s"] = float(sum(r.prefill_s for r in done)) * gpus
+    out["local_load_p99_s"] = pct([r.local_load_s for r in done], 99)
     remote = [r for r in done if r.remote > 0]  # requests whose Get pulled pages from peers
     out["remote_requests"] = len(remote)
     out["kv_fetch_remote_p50_s"] = pct([r.fetch_s for r in remote], 50)
@@ -120,6 +129,20 @@ def aggregate(records: Iterable[RequestRecord], cluster: dict[str, float] | None
     out["route_p99_s"] = pct([r.route_s for r in done], 99)
     out["lag_p99_s"] = pct([r.lag_s for r in recs], 99)
     out["put_p99_s"] = pct([r.put_s for r in done], 99)
+    cached = [r for r in done if r.cluster_cached > 0]  # the prefix was cached somewhere at its Lookup
+    out.update(_dist("ttft_cached", [r.ttft_s for r in cached]))
+    out["cached_requests"] = len(cached)
+    out["fetch_critical_s"] = float(sum(r.fetch_s for r in done))
+    out["recomputed_cached_blocks"] = int(sum(r.recomputed_cached for r in done))
+    out["recomputed_cached_tokens"] = out["recomputed_cached_blocks"] * block_tokens
+    slo = [r for r in done if r.ttft_s <= slo_factor * max(r.cold_prefill_s, 1e-9)]
+    out["slo_factor"] = slo_factor
+    out["slo_attainment"] = len(slo) / len(recs) if recs else 0.0
+    if done:
+        span = max(r.first_token_at for r in done) - min(r.t for r in done)
+        out["throughput_rps"] = len(done) / span if span > 0 else 0.0
+    else:
+        out["throughput_rps"] = 0.0
     out["route_reasons"] = dict(Counter(r.route_reason for r in done))
     out["requests_per_node"] = dict(sorted(Counter(r.node for r in done).items()))
     if cluster:
@@ -164,7 +187,8 @@ def metric_sum(text: str, name: str, labels: dict[str, str] | None = None) -> fl
 
 
 def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metrics: str, page_bytes: int,
-                    byte_scale: int, oracle_copied_pages: int = 0, placed_used_pages: int = 0) -> dict[str, object]:
+                    byte_scale: int, oracle_copied_pages: int = 0, placed_used_pages: int = 0,
+                    link_bytes: float = 0.0) -> dict[str, object]:
     """Byte counters of one run from the nodes' Stats, the coordinator's metrics and the harness.
 
     * ``spec_bytes``: bytes copied ahead of need -- predictive: the
@@ -195,7 +219,14 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
         wasted = max(0, spec_bytes // page_bytes - placed_used_pages) * page_bytes
     else:
         wasted = 0
+    ahead = spec_bytes if policy in ("predictive", "oracle", "full") else 0
     return {
+        # bytes that crossed a link (every node's peer ingress), by kind; scaled bytes, x byte_scale unscaled
+        "link_bytes": int(link_bytes), "link_bytes_unscaled": int(link_bytes) * byte_scale,
+        "link_bytes_reactive": int(max(0, link_bytes - ahead)),
+        "link_bytes_speculative": int(min(link_bytes, ahead)) if policy in ("predictive", "oracle") else 0,
+        "link_bytes_full": int(min(link_bytes, ahead)) if policy == "full" else 0,
+        "byte_scale": byte_scale,
         "spec_bytes": spec_bytes, "spec_bytes_unscaled": spec_bytes * byte_scale,
         "spec_wasted_bytes": wasted, "spec_wasted_bytes_unscaled": wasted * byte_scale,
         "spec_waste_ratio": wasted / spec_bytes if spec_bytes else 0.0,

@@ -80,3 +80,49 @@ class Reservations:
         if node is not None:
             self.count[node] -= 1
         return node
+
+
+def plan(requests: Sequence[Any], reusable: Sequence[int], nodes: int, concurrency: int, cost: Any) -> list[int]:
+    """The oracle's routes, from the whole future: per request, the node with the lowest modelled TTFT.
+
+    A list-scheduling simulation of the engines with the cost model: each node
+    has ``concurrency`` slots and one prefill unit. For request *i* (arrival
+    order) and each node, the prefill can start once a slot and the unit are
+    free; its reusable prefix is cached there if the node computed it, or if
+    it can be copied there over the link from where it was computed by then
+    (``cost.link_s``); otherwise the prefix is recomputed. The node with the
+    lowest start + prefill (ties: fewest requests planned so far) wins, and
+    the simulation books it. Stale views and prefixes still in prefill are
+    what the router-based oracle got wrong; this one knows when each prefix
+    is ready.
+    """
+    import heapq
+
+    slots = [[0.0] * concurrency for _ in range(nodes)]  # heaps of slot free times
+    unit = [0.0] * nodes                                   # prefill unit free time
+    ready: dict[int, dict[int, float]] = {}                # block id -> node -> time computed there
+    count = [0] * nodes
+    out = []
+    for req, want in zip(requests, reusable):
+        t, ids = req.t, req.hash_ids
+        best: tuple[float, int, int, float] | None = None
+        for n in range(nodes):
+            start = max(t, slots[n][0], unit[n])
+            cached = 0
+            if want:
+                where = ready.get(ids[want - 1], {})
+                if where:
+                    at = where.get(n, min(where.values()) + cost.link_s(want))
+                    cached = want if at <= start else 0
+            end = start + cost.prefill_s(cost.uncached_tokens(req.input_length, cached))
+            if best is None or (end, count[n]) < (best[0], count[best[1]]):
+                best = (end, n, cached, start)
+        assert best is not None
+        end, n, _, _ = best
+        unit[n] = end
+        heapq.heapreplace(slots[n], end + cost.decode_s(req.input_length, req.output_length))
+        for h in ids:
+            ready.setdefault(h, {}).setdefault(n, end)
+        count[n] += 1
+        out.append(n)
+    return out

@@ -54,6 +54,70 @@ def table(policies: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _med(runs: list[dict[str, Any]], k: str) -> float:
+    v = sorted(float(r.get(k, 0.0)) for r in runs)
+    return float(np.median(v)) if v else 0.0
+
+
+def _rng(runs: list[dict[str, Any]], k: str) -> str:
+    v = [float(r[k]) for r in runs]
+    med = float(np.median(v))
+    return f"{med:.3f}" if len(v) < 2 else f"{med:.3f} ({min(v):.3f}-{max(v):.3f})"
+
+
+def sweep_table(w: dict[str, Any]) -> str:
+    """One row per policy|router configuration (medians over seeds, p99 with its min-max), then the
+    best baseline and predictive's ratios against it."""
+    head = ("| policy | router | done | TTFT p50 s | TTFT p99 s (min-max) | TTFT mean s | p99 cached-prefix s | "
+            "SLO % | req/s | KV fetch p99 s | fetch on crit. path s | prefill GPU-s | recomputed cached tok | "
+            "link GiB reactive / spec / full (unscaled) | spec wasted % |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    best = (w.get("best_baseline") or {}).get("config")
+    order = {p: i for i, p in enumerate(POLICIES)}
+    for label in sorted(w.get("runs", {}), key=lambda k: (order.get(k.split("|")[0], 9), k)):
+        runs = w["runs"][label]
+        policy, router = label.split("|")
+        done = sum(r["completed"] for r in runs)
+        total = sum(r["requests"] for r in runs)
+        gib = [sum(float(r.get(k, 0)) for r in runs) / len(runs) * runs[0].get("byte_scale", 1) / (1 << 30)
+               for k in ("link_bytes_reactive", "link_bytes_speculative", "link_bytes_full")]
+        name = f"**{policy}**" if label == best else policy
+        lines.append(
+            f"| {name} | {router} | {done}/{total} | {_med(runs, 'ttft_p50_s'):.3f} | {_rng(runs, 'ttft_p99_s')} | "
+            f"{_med(runs, 'ttft_mean_s'):.3f} | {_med(runs, 'ttft_cached_p99_s'):.3f} | "
+            f"{100 * _med(runs, 'slo_attainment'):.0f} | {_med(runs, 'throughput_rps'):.2f} | "
+            f"{_med(runs, 'kv_fetch_p99_s'):.3f} | {_med(runs, 'fetch_critical_s'):.1f} | "
+            f"{_med(runs, 'prefill_gpu_s'):.1f} | {_med(runs, 'recomputed_cached_tokens'):.0f} | "
+            f"{gib[0]:.1f} / {gib[1]:.1f} / {gib[2]:.1f} | {100 * _med(runs, 'spec_waste_ratio'):.0f} |")
+    lines.append("")
+    lines.append(vs_best_lines(w))
+    return "\n".join(lines)
+
+
+def vs_best_lines(w: dict[str, Any]) -> str:
+    b = w.get("best_baseline")
+    if not b:
+        return "- best baseline: (needs none or reactive in the run)"
+    p99 = b["ttft_p99_s"]
+    out = [f"- **best baseline**: `{b['policy']}` under `{b['router']}` (TTFT p99 {p99['median']:.3f} s, "
+           f"min-max {p99['min']:.3f}-{p99['max']:.3f} over {p99['n']} seed(s))"]
+    for k, r in sorted(w.get("vs_best", {}).items()):
+        parts = [f"{m.replace('ttft_', '').replace('_s', '')} {v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f}, "
+                 f"{'result: ' + v['verdict'] if v['verdict'] in ('lower', 'higher') else v['verdict']})"
+                 for m, v in r.items()]
+        out.append(f"- `{k}` / best baseline: TTFT " + "; ".join(parts))
+    for k, r in sorted(w.get("per_router", {}).items()):
+        v = r["ttft_p99_s"]
+        out.append(f"- `{k}` (same router): TTFT p99 {v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f}, "
+                   f"{v['verdict']})")
+    bound = w.get("oracle_bound") or {}
+    if bound:
+        worse = [k for k, v in bound.items() if not v["at_or_below"]]
+        out.append("- oracle p99 at or below every other configuration (within the spread)" if not worse else
+                   f"- oracle p99 NOT at or below: {', '.join(worse)}")
+    return "\n".join(out)
+
+
 def ratio_lines(policies: dict[str, dict[str, Any]]) -> str:
     out = []
     for name, r in ratios(policies).items():
@@ -66,14 +130,28 @@ def ratio_lines(policies: dict[str, dict[str, Any]]) -> str:
 MEASURED_NOTE = """\
 What is measured and what is modelled:
 
-- **measured** on this machine: queue wait (real seconds x speedup, so in trace time), KV fetch (the
-  serving node's Lookup + Get, real seconds, loopback, scaled page bytes), router lookups, hit/miss block
-  counts, bytes copied and wasted (scaled bytes that really moved; "unscaled" = x byte scale).
-- **modelled** (cost model, unscaled, never slept at full length): prefill of the uncached tokens,
-  decode, and "link": the remote blocks' unscaled bytes over the stated link.
-- TTFT = route + queue + KV fetch (measured) + prefill (modelled);
-  TTFT(link) = route + queue + link transfer (modelled) + local load (modelled) + prefill (modelled).
+- **measured** on this machine: queue wait and KV fetch (the serving node's Lookup + Get, whose peer
+  transfers -- reactive pulls, and the speculative/full/oracle copies they compete with -- cross links
+  shaped to link x speedup / byte scale), both real seconds x speedup, so in trace time; router lookups;
+  hit/miss block counts; bytes on the links by kind (scaled bytes that really moved; "unscaled" = x byte
+  scale).
+- **modelled** (cost model, unscaled): prefill of the uncached tokens, decode, and the load of local pages
+  from the node's pool (host memory over PCIe, or HBM).
+- TTFT = route + queue + KV fetch (measured, links included) + local load (modelled) + prefill (modelled).
+  `ttft_link_*` keeps the old fully modelled variant.
+- SLO = TTFT under `--slo-factor` x the request's own cold prefill; "cached-prefix" = requests whose prefix
+  some node held at their Lookup; "recomputed cached tok" = tokens prefilled although a node held them.
 """
+
+
+def _link_desc(cfg: dict[str, Any]) -> str:
+    link = cfg.get("link")
+    if not link:
+        return ""
+    return (f", preset `{link['preset']}`, {link['latency_s'] * 1e6:.0f} us one way, network "
+            f"`{link['network']}` at {link['real_bytes_s'] / 1e6:.1f} MB/s real; pool medium "
+            f"{cfg['cost'].get('pool_medium', 'host')}; routers {', '.join(cfg.get('routers', []))}; "
+            f"seeds {cfg.get('seeds', [cfg.get('seed')])}")
 
 
 def render(results: dict[str, Any]) -> str:
@@ -85,7 +163,8 @@ def render(results: dict[str, Any]) -> str:
              f"({cfg['cost']['model']['name']} on {cfg['cost']['gpus']}x {cfg['cost']['hardware']['name']}: "
              f"{cfg['cost']['hardware']['flops'] / 1e12:.0f} TFLOP/s, MFU {cfg['cost']['hardware']['mfu']}, "
              f"HBM {cfg['cost']['hardware']['hbm_bytes_s'] / 1e12:.2f} TB/s; link "
-             f"{cfg['cost']['hardware']['link_bytes_s'] / 1e9:.0f} GB/s), page "
+             f"{cfg['cost']['hardware']['link_bytes_s'] / 1e9:.0f} GB/s per node and direction"
+             f"{_link_desc(cfg)}), page "
              f"{cfg['cost']['page_bytes_unscaled'] / MiB:.0f} MiB modelled / "
              f"{cfg['cost']['page_bytes_scaled'] / 1024:.0f} KiB stored (byte scale {cfg['byte_scale']}), "
              f"speedup {cfg['speedup']}, concurrency {cfg['concurrency']} per engine. "
@@ -96,7 +175,7 @@ def render(results: dict[str, Any]) -> str:
                   f"{d['requests']} requests over {d['duration_s']:.0f} s of trace, {d['blocks']} blocks; "
                   f"at most {100 * d['reusable_ratio']:.1f} % of blocks are reusable (an earlier request had "
                   f"them). Wall time {w.get('wall_s', 0):.0f} s.", "",
-                  table(w["policies"]), "", ratio_lines(w["policies"]), ""]
+                  sweep_table(w) if w.get("runs") else table(w["policies"]), ""]
         problems = w.get("problems") or {}
         for policy, probs in problems.items():
             if probs:
@@ -130,14 +209,16 @@ def plot_cdf(path: Path, title: str, ttft: dict[str, Sequence[float]]) -> None:
 
 
 def plot_timeline(path: Path, title: str, node_ids: Sequence[str], arrivals: dict[str, Sequence[float]],
-                  timeline: dict[str, Any], duration_s: float) -> None:
-    """Three panels: arrivals per node, queue length per node, replicas held per node."""
+                  timeline: dict[str, Any], duration_s: float, records: Sequence[Any] = (),
+                  page_bytes: float = 0.0, link_bytes_s: float = 0.0) -> None:
+    """Four panels: arrivals, queue length and replicas held per node, and the links' utilisation by
+    reactive pulls (each request's pulled bytes over its fetch interval, / the link rate)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(9, 9.5), sharex=True)
     bins = np.linspace(0, max(duration_s, 1.0), min(120, max(10, int(duration_s))) + 1)
     for node in node_ids:
         counts, edges = np.histogram(arrivals.get(node, []), bins=bins)
@@ -158,7 +239,21 @@ def plot_timeline(path: Path, title: str, node_ids: Sequence[str], arrivals: dic
             line, = axes[2].plot(st, rep[:, j] + spec[:, j], label=f"{node} replica+spec")
             axes[2].plot(st, spec[:, j], linestyle=":", color=line.get_color())
     axes[2].set_ylabel("replica pages (dotted: unread spec)")
-    axes[2].set_xlabel("trace seconds")
+    if records and page_bytes and link_bytes_s:
+        edges = np.linspace(0, max(duration_s, 1.0) * 1.2, 121)
+        width = edges[1] - edges[0]
+        for node in node_ids:
+            busy = np.zeros(len(edges) - 1)
+            for r in records:
+                if r.node != node or not r.remote or not r.done:
+                    continue
+                t1 = r.first_token_at - r.prefill_s
+                t0 = max(0.0, t1 - r.fetch_s)
+                lo, hi = np.searchsorted(edges, t0) - 1, np.searchsorted(edges, t1)
+                busy[max(0, lo):max(0, hi)] += r.remote * page_bytes / link_bytes_s / max(t1 - t0, width)
+            axes[3].step(edges[:-1], np.minimum(busy, 5.0), where="post", label=node)
+        axes[3].set_ylabel("ingress utilisation\n(reactive pulls)")
+    axes[3].set_xlabel("trace seconds")
     axes[0].set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

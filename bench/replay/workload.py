@@ -19,10 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kvstore.predict import shapes
 from kvstore.predict.trace import BLOCK_TOKENS, Request, load_mooncake, synth_fanout
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TRACE = "../shared/data/mooncake_conversation.jsonl"  # relative to the repository root
+DEFAULT_TRACE = "bench/data/mooncake_conversation.jsonl"  # relative to the repository root (shipped: bench/data/README.md)
 
 
 @dataclass(slots=True)
@@ -145,3 +146,35 @@ def reusable_blocks(requests: Sequence[Request]) -> list[int]:
         out.append(n)
         seen.update(r.hash_ids)
     return out
+
+
+SHAPE_DEFAULTS: dict[str, dict[str, object]] = {
+    # compact defaults; kvctl trace synth --shape NAME --shape-arg k=v overrides any of them
+    "agent-fanout": {"bursts": 3, "duration_s": 45.0},
+    "recurring": {"prefixes": 2, "duration_s": 360.0},
+    "ramp": {"duration_s": 180.0},
+    "mixed": {"bursts": 3},
+}
+
+
+def shape_requests(name: str, seed: int = 0, base: Sequence[Request] | None = None,
+                   **overrides: object) -> list[Request]:
+    """The requests of workload shape ``name`` (:mod:`kvstore.predict.shapes`)."""
+    kw = {**SHAPE_DEFAULTS.get(name, {}), **overrides, "seed": seed}
+    if name == "agent-fanout":
+        return shapes.agent_fanout(**kw)  # type: ignore[arg-type]
+    if name == "recurring":
+        return shapes.recurring(**kw)  # type: ignore[arg-type]
+    if name == "ramp":
+        return shapes.ramp(**kw)  # type: ignore[arg-type]
+    if name == "mixed":
+        if base is None:
+            base = cut_window(load_mooncake(resolve_path(DEFAULT_TRACE)), 0.0, 120.0)
+        return shapes.mixed_with(base, **kw)  # type: ignore[arg-type]
+    raise ValueError(f"unknown shape {name!r}; choose from {', '.join(shapes.SHAPES)}")
+
+
+def shape_workload(name: str, seed: int = 0, base: Sequence[Request] | None = None,
+                   **overrides: object) -> Workload:
+    return Workload(name, shape_requests(name, seed, base, **overrides),
+                    {"kind": "shape", "shape": name, "seed": seed, **SHAPE_DEFAULTS.get(name, {}), **overrides})

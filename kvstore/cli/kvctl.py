@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
+import os
+
+# gRPC's fork handlers print fork_posix.cc lines whenever this process starts a daemon (the replay
+# does): turn them off before grpc is imported. kvctl never uses gRPC across a fork.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
+import argparse  # noqa: E402
 import json
 import runpy
 import sys

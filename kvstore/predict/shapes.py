@@ -1,0 +1,110 @@
+"""Workload shapes users run, as :class:`~kvstore.predict.trace.Request` lists.
+
+Each is a pure function of its parameters and a seed; ``kvctl trace synth
+--shape NAME`` writes any of them in the Mooncake jsonl format and the
+replay takes ``--trace NAME``. Block ids are fresh integers (a prefix's ids
+chain: equal leading ids = shared prefix); 512 tokens a block.
+
+* ``agent-fanout``: bursts of 32-128 requests sharing a 16k-64k-token
+  context, each burst's requests within 2-10 s (an agent fanning out tool
+  calls or samples over one long context), plus unique background requests;
+* ``recurring``: a few prefixes whose bursts return every 60-120 s with
+  jitter (a scheduled job, a popular system prompt after a cache flush):
+  forecastable before every burst after the first;
+* ``ramp``: one prefix whose request rate grows linearly over the window
+  (a feature being rolled out), over a steady background;
+* ``mixed``: a trace (the Mooncake conversation window) with fan-out bursts
+  overlaid (``mixed_with``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+
+from kvstore.predict.trace import BLOCK_TOKENS, Request
+
+SHAPES = ("agent-fanout", "recurring", "ramp", "mixed")
+
+
+def _ids(start: int = 1 << 40) -> Iterator[int]:
+    return itertools.count(start)
+
+
+def _req(t: float, prefix: Sequence[int], ids: Iterator[int], suffix_blocks: int, output: int) -> Request:
+    hs = tuple(prefix) + tuple(next(ids) for _ in range(suffix_blocks))
+    return Request(round(t, 6), len(hs) * BLOCK_TOKENS, output, hs)
+
+
+def _background(rng: random.Random, ids: Iterator[int], rate: float, duration_s: float, blocks: tuple[int, int],
+                output: int) -> list[Request]:
+    out, t = [], 0.0
+    while rate > 0:
+        t += rng.expovariate(rate)
+        if t >= duration_s:
+            break
+        out.append(_req(t, (), ids, rng.randint(*blocks), output))
+    return out
+
+
+def agent_fanout(bursts: int = 4, duration_s: float = 60.0, requests: tuple[int, int] = (32, 128),
+                 context_tokens: tuple[int, int] = (16384, 65536), window_s: tuple[float, float] = (2.0, 10.0),
+                 suffix_blocks: int = 1, output_tokens: int = 256, background: float = 0.5,
+                 seed: int = 0) -> list[Request]:
+    """``bursts`` bursts spread over ``duration_s``, each a fresh shared context."""
+    rng, ids = random.Random(seed), _ids()
+    out = _background(rng, ids, background, duration_s, (2, 8), output_tokens)
+    gap = duration_s / max(1, bursts)
+    for b in range(bursts):
+        t0 = b * gap + rng.uniform(0.05, 0.35) * gap
+        prefix = [next(ids) for _ in range(max(1, rng.randint(*context_tokens) // BLOCK_TOKENS))]
+        width = rng.uniform(*window_s)
+        for _ in range(rng.randint(*requests)):
+            out.append(_req(t0 + rng.uniform(0, width), prefix, ids, suffix_blocks, output_tokens))
+    return sorted(out, key=lambda r: r.t)
+
+
+def recurring(prefixes: int = 2, duration_s: float = 360.0, period_s: tuple[float, float] = (60.0, 120.0),
+              jitter_s: float = 5.0, requests: tuple[int, int] = (16, 48), context_tokens: int = 16384,
+              window_s: float = 4.0, suffix_blocks: int = 1, output_tokens: int = 256, background: float = 0.5,
+              seed: int = 0) -> list[Request]:
+    """Each prefix bursts at a random phase, then every ``period`` (fixed per prefix) +- ``jitter_s``."""
+    rng, ids = random.Random(seed), _ids()
+    out = _background(rng, ids, background, duration_s, (2, 8), output_tokens)
+    for _ in range(prefixes):
+        prefix = [next(ids) for _ in range(max(1, context_tokens // BLOCK_TOKENS))]
+        period = rng.uniform(*period_s)
+        t = rng.uniform(0, min(period, duration_s) / 2)
+        while t < duration_s:
+            for _ in range(rng.randint(*requests)):
+                out.append(_req(t + rng.uniform(0, window_s), prefix, ids, suffix_blocks, output_tokens))
+            t += period + rng.uniform(-jitter_s, jitter_s)
+    return sorted((r for r in out if r.t < duration_s + window_s), key=lambda r: r.t)
+
+
+def ramp(duration_s: float = 180.0, start_rate: float = 0.2, end_rate: float = 6.0, context_tokens: int = 16384,
+         suffix_blocks: int = 2, output_tokens: int = 256, background: float = 0.5, seed: int = 0) -> list[Request]:
+    """One prefix whose Poisson rate grows linearly from ``start_rate`` to ``end_rate`` per second."""
+    rng, ids = random.Random(seed), _ids()
+    out = _background(rng, ids, background, duration_s, (2, 8), output_tokens)
+    prefix = [next(ids) for _ in range(max(1, context_tokens // BLOCK_TOKENS))]
+    t, peak = 0.0, max(start_rate, end_rate)
+    while True:  # thinning: candidates at the peak rate, kept with rate(t) / peak
+        t += rng.expovariate(peak)
+        if t >= duration_s:
+            break
+        if rng.random() < (start_rate + (end_rate - start_rate) * t / duration_s) / peak:
+            out.append(_req(t, prefix, ids, suffix_blocks, output_tokens))
+    return sorted(out, key=lambda r: r.t)
+
+
+def mixed_with(base: Sequence[Request], bursts: int = 3, seed: int = 0, **fanout: object) -> list[Request]:
+    """``base`` (e.g. a conversation window) with ``agent_fanout`` bursts over the same span overlaid."""
+    duration = max((r.t for r in base), default=60.0)
+    overlay = agent_fanout(bursts=bursts, duration_s=duration, background=0.0, seed=seed, **fanout)  # type: ignore[arg-type]
+    top = max((h for r in base for h in r.hash_ids), default=0) + 1
+    shift = max(0, top - (1 << 40)) if top > (1 << 40) else 0  # keep the overlay's ids apart from the base's
+    overlay = [replace(r, hash_ids=tuple(h + shift for h in r.hash_ids)) for r in overlay]
+    return sorted([*base, *overlay], key=lambda r: r.t)
