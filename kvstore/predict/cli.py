@@ -1,13 +1,16 @@
 """``kvctl train`` and ``kvctl eval-predictor``: offline training and evaluation from traces.
 
-    kvctl train --trace FILE --out MODEL [--nodes N --horizon S --depths 1,2,4,8 ...]
-    kvctl eval-predictor --trace FILE [--trace FILE ...] [--out DIR] [...]
+    kvctl train --out MODEL [--source NAME ...] [--trace FILE ...] [--nodes N --horizon S ...]
+    kvctl eval-predictor [--source NAME ...] [--trace FILE ...] [--out DIR] [--model MODEL] [...]
 
-``--trace`` takes a Mooncake jsonl, an Azure LLM csv (prefixes synthesised,
-see :func:`~kvstore.predict.trace.load_azure`) or ``synth`` (the fan-out
-generator). Both print a Markdown table; ``train`` writes the model and
-``MODEL.metrics.json``, ``eval-predictor`` writes ``eval.json``, ``eval.md``
-and ``pr_curves.png`` to ``--out``. Each returns a process exit code.
+Both work on the cross-trace suite (:mod:`kvstore.predict.suite`): every
+source by default (the conversation and Azure traces, ``synth`` and every
+workload shape), ``--source`` picks some, ``--trace`` adds a Mooncake jsonl or
+Azure csv as a window source. ``train`` writes the model and
+``MODEL.metrics.json``; ``eval-predictor`` prints the classification table
+(one model over all sources, plus models that never saw a held-out family)
+and the rate-forecast table, and writes ``eval.json``, ``eval.md`` and
+``pr_curves.png`` to ``--out``. Each returns a process exit code.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -24,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.predict.evaluate import (best_f1_threshold, build_dataset, evaluate, gate, jsonable, markdown_table,
-                                      metrics, time_split)
-from kvstore.predict.features import momentum_prob
+from kvstore.predict.evaluate import jsonable, markdown_table
 from kvstore.predict.forecast_eval import evaluate_forecasts
 from kvstore.predict.forecast_eval import markdown as forecast_markdown
 from kvstore.predict.model import BurstModel
+from kvstore.predict.suite import (EVAL_SEEDS, RECENCY_TAU_S, TRAIN_FROM_S, TRAIN_SEEDS, VALID_SEED, Parts, Source,
+                                   build_parts, default_sources, evaluate_suite, fit, score_part)
 from kvstore.predict.trace import ROUTERS, load_trace
 from kvstore.predict.types import PredictorConfig
 
@@ -45,21 +47,41 @@ def _depths(text: str) -> tuple[int, ...]:
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by train and eval: the simulated cluster, labels and sampling."""
+    """Options shared by train and eval: sources, the simulated cluster, labels and sampling."""
     d = PredictorConfig()
+    p.add_argument("--source", action="append", default=None,
+                   help=f"suite source (repeatable; default all): conversation, azure_code, synth, or a shape")
+    p.add_argument("--trace", action="append", default=None,
+                   help="also a trace file as a window source (Mooncake jsonl or Azure csv), repeatable")
     p.add_argument("--nodes", type=int, default=4, help="simulated nodes (default 4)")
-    p.add_argument("--router", choices=ROUTERS, default="round_robin", help="simulated router")
+    p.add_argument("--router", choices=ROUTERS, default=None, help="simulated router for every source "
+                   "(default: round_robin for traces, cache_aware for shapes)")
     p.add_argument("--capacity-blocks", type=int, default=16384, help="per-node LRU capacity in blocks")
     p.add_argument("--horizon", type=float, default=d.horizon_s, help="H: label window in seconds")
     p.add_argument("--min-future", type=int, default=d.min_future, help="K: requests needed within H")
     p.add_argument("--depths", type=_depths, default=d.depths, help="tracked depths in blocks, e.g. 1,2,4,8")
     p.add_argument("--momentum-window", type=float, default=d.momentum_window_s, help="W of the momentum rule")
     p.add_argument("--momentum-min", type=int, default=d.momentum_min, help="m of the momentum rule")
-    p.add_argument("--sample-every", type=float, default=30.0, help="snapshot period in trace seconds")
-    p.add_argument("--max-rows", type=int, default=2000, help="rows per snapshot (random subset)")
+    p.add_argument("--sample-every", type=float, default=None, help="snapshot period in trace seconds "
+                   "(default per source: 30 s traces, 2 s shapes)")
+    p.add_argument("--max-rows", type=int, default=None, help="rows per snapshot (random subset)")
+    p.add_argument("--train-seeds", type=_depths, default=TRAIN_SEEDS, help="generator seeds trained on")
+    p.add_argument("--valid-seed", type=int, default=VALID_SEED, help="generator seed validated on")
+    p.add_argument("--eval-seeds", type=_seeds, default=EVAL_SEEDS, help="generator seeds tested on")
+    p.add_argument("--train-from", type=float, default=TRAIN_FROM_S,
+                   help="trace seconds of a window source never trained on (the replay's window + H)")
+    p.add_argument("--recency-tau", type=float, default=RECENCY_TAU_S,
+                   help="recency weighting of a trace's training rows: exp((t - t_last) / tau)")
     p.add_argument("--threads", type=int, default=1, help="LightGBM threads")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N requests")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="use only the first N requests of a --trace file")
+    p.add_argument("--seed", type=int, default=0, help="model and row-sampling seed")
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds must be comma-separated integers, got {text!r}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> PredictorConfig:
@@ -72,13 +94,43 @@ def trace_name(path: str) -> str:
     return "synth_fanout" if path.startswith("synth") else Path(path).stem
 
 
-def dataset_for(path: str, cfg: PredictorConfig, args: argparse.Namespace) -> Any:
-    """Load a trace and build its labelled dataset with the command's options."""
-    reqs = load_trace(path, limit=args.limit, seed=args.seed)
-    if not reqs:
-        raise ValueError(f"{path}: no requests")
-    return build_dataset(reqs, cfg, nodes=args.nodes, router=args.router, capacity_blocks=args.capacity_blocks,
-                         sample_every_s=args.sample_every, max_rows=args.max_rows, seed=args.seed)
+def sources_from_args(args: argparse.Namespace) -> list[Source]:
+    """The suite's sources named by ``--source`` (all when neither it nor ``--trace`` is given) plus
+    ``--trace`` files, with the command's overrides of router and sampling."""
+    out = default_sources(args.source) if args.source or not args.trace else []
+    for path in args.trace or []:
+        if path.startswith("synth"):
+            out += default_sources(["synth"])
+            continue
+        out.append(Source(trace_name(path), lambda seed, p=path: load_trace(p, limit=args.limit, seed=0),
+                          "window", family=trace_name(path)))
+    over: dict[str, Any] = {}
+    if args.router:
+        over["router"] = args.router
+    if args.sample_every:
+        over["sample_every_s"] = args.sample_every
+    if args.max_rows:
+        over["max_rows"] = args.max_rows
+    return [replace(s, **over) for s in out]
+
+
+def parts_from_args(args: argparse.Namespace, cfg: PredictorConfig) -> list[Parts]:
+    """Build every source's train / validation / test rows with the command's options."""
+    parts = []
+    for src in sources_from_args(args):
+        p = build_parts(src, cfg, nodes=args.nodes, capacity_blocks=args.capacity_blocks,
+                        train_seeds=args.train_seeds, valid_seed=args.valid_seed, eval_seeds=args.eval_seeds,
+                        train_from_s=args.train_from)
+        if not len(p.train) or not len(p.test):
+            raise ValueError(f"{src.name}: no labelled rows to train or test on (trace shorter than H?)")
+        parts.append(p)
+    return parts
+
+
+def seeds_note(args: argparse.Namespace) -> str:
+    return (f"generators trained on seeds {','.join(map(str, args.train_seeds))}, validated on seed "
+            f"{args.valid_seed}, tested on seeds {','.join(map(str, args.eval_seeds))}; traces: train the first "
+            f"60 % of time (from {args.train_from:g} s), validate the next 20 %, test the last 20 %")
 
 
 def json_safe(obj: Any) -> Any:
@@ -133,72 +185,67 @@ def plot_pr(results: Sequence[tuple[str, dict[str, Any]]], path: Path) -> None:
     plt.close(fig)
 
 
-def run_eval(traces: Sequence[str], cfg: PredictorConfig, args: argparse.Namespace, labels: Sequence[str],
-             progress: Any = None) -> list[tuple[str, dict[str, Any]]]:
-    """Evaluate every (trace, label): LightGBM vs momentum vs gated on the held-out test part."""
+def run_eval(parts: Sequence[Parts], cfg: PredictorConfig, args: argparse.Namespace, labels: Sequence[str],
+             holdout: Sequence[str] = ("conversation",), model_path: str | None = None
+             ) -> list[tuple[str, dict[str, Any]]]:
+    """Every (source, label): one cross-trace LightGBM model vs momentum vs gated on the held-out parts.
+
+    With ``model_path`` the saved model is scored instead (remote label; no
+    "never seen" rows, since its training sources are fixed).
+    """
     results: list[tuple[str, dict[str, Any]]] = []
-    for path in traces:
-        t0 = time.perf_counter()
-        ds = dataset_for(path, cfg, args)
-        build_s = time.perf_counter() - t0
-        for label in labels:
-            r = evaluate(ds, cfg, label=label, num_threads=args.threads, seed=args.seed)
-            r.pop("model", None)
-            r.update({"trace": path, "dataset_rows": len(ds), "build_s": build_s, "meta": ds.meta})
-            results.append((trace_name(path), r))
-            if progress is not None:
-                progress(1)
+    for label in labels:
+        if model_path is not None:
+            model = BurstModel.load(model_path, feature_names=parts[0].train.names)
+            res = [(p.source.name, score_part(model, p, cfg, label)) for p in parts]
+        else:
+            _, res = evaluate_suite(parts, cfg, label, num_threads=args.threads, seed=args.seed, holdout=holdout,
+                                    recency_tau_s=args.recency_tau)
+        for name, r in res:
+            r["label"] = label
+            results.append((name, r))
     return results
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:
-    """``kvctl train``: build the dataset from a trace, train, report validation, write the model."""
-    ap = argparse.ArgumentParser(prog="kvctl train", description="Train the burst predictor from a trace.")
-    ap.add_argument("--trace", required=True, help="Mooncake jsonl, Azure csv, or 'synth'")
+    """``kvctl train``: one model over the suite's training parts; writes it and ``MODEL.metrics.json``."""
+    ap = argparse.ArgumentParser(prog="kvctl train", description="Train the burst predictor across traces and "
+                                 "workload shapes (the model kvstored loads with --predictor-model).")
     ap.add_argument("--out", required=True, help="model file to write")
     ap.add_argument("--label", choices=("remote", "reuse"), default="remote", help="target (planner uses remote)")
-    ap.add_argument("--valid-frac", type=float, default=0.2, help="last share of time used for early stopping")
     add_common_args(ap)
     args = ap.parse_args(argv)
     cfg = config_from_args(args)
     try:
-        ds = dataset_for(args.trace, cfg, args)
+        parts = parts_from_args(args, cfg)
     except (OSError, ValueError, KeyError) as exc:
         print(f"kvctl train: {exc}", file=sys.stderr)
         return 2
-    tr, va, _ = time_split(ds, cfg.horizon_s, (1.0 - args.valid_frac, args.valid_frac))
-    y = ds.label(args.label)
-    if tr.size == 0 or y[tr].min() == y[tr].max():
-        print("kvctl train: not enough labelled rows (or a single class) in the trace", file=sys.stderr)
-        return 1
-    model = BurstModel(ds.names, num_threads=args.threads, seed=args.seed)
-    model.train(ds.X[tr], y[tr], valid=(ds.X[va], y[va]) if va.size else None, label=args.label,
-                trace=args.trace, config=asdict(cfg))
-    mom = momentum_prob(ds.momentum, cfg.momentum_min)
-    p_va = model.predict(ds.X[va])
-    res = {"label": args.label, "lightgbm": metrics(y[va], p_va, cfg.threshold, best_f1_threshold(y[va], p_va)),
-           "momentum": metrics(y[va], mom[va], cfg.threshold, best_f1_threshold(y[va], mom[va]))}
-    choice = gate(res["lightgbm"]["pr_auc"], res["momentum"]["pr_auc"], cfg.gate_margin)
-    res["gated"] = {**res[choice], "choice": choice}
-    if va.size:
-        model.operating_threshold = best_f1_threshold(y[va], p_va)
+    model = fit(parts, cfg, args.label, args.threads, args.seed, args.recency_tau, config=asdict(cfg),
+                train_seeds=list(args.train_seeds), valid_seed=args.valid_seed, train_from_s=args.train_from)
     model.save(args.out)
-    print(f"trained on {tr.size} rows ({int(y[tr].sum())} positive), validated on {va.size}; "
-          f"{model.meta['best_iteration']} trees, operating point {model.operating_threshold:.3f} "
-          f"(served as 0.5) -> {args.out}")
-    print(markdown_table([(trace_name(args.trace) + " (valid)", res)]))
+    res = [(p.source.name, score_part(model, p, cfg, args.label)["valid"]) for p in parts]
+    print(f"trained on {model.meta['rows']} rows ({model.meta['positives']} positive) of "
+          f"{', '.join(p.source.name for p in parts)}; {model.meta['best_iteration']} trees, operating point "
+          f"{model.operating_threshold:.3f} (served as 0.5), gate {'lightgbm' if model.meta['gate_ok'] else 'momentum'}"
+          f" -> {args.out}\n{seeds_note(args)}\n")
+    print("| source (validation part) | LightGBM PR-AUC | momentum PR-AUC | rows |\n|---|---|---|---|")
+    for n, v in res:
+        print(f"| {n} | {v['lightgbm']:.3f} | {v['momentum']:.3f} | {v['rows']} |")
     write_json(Path(str(args.out) + ".metrics.json"),
-               {"trace": args.trace, "config": asdict(cfg), "meta": ds.meta, "train_rows": int(tr.size),
-                "valid": res, "model": model.meta, "importance": model.feature_importance()})
+               {"config": asdict(cfg), "model": {k: v for k, v in model.meta.items() if k != "valid_gain_curve"},
+                "valid": [{"name": n, **v} for n, v in res], "importance": model.feature_importance()})
     return 0
 
 
 def eval_main(argv: Sequence[str] | None = None) -> int:
-    """``kvctl eval-predictor``: time-ordered split, LightGBM vs momentum vs gated; table, JSON, PNG."""
+    """``kvctl eval-predictor``: cross-trace model vs momentum vs gated (held out), and the rate forecasts."""
     ap = argparse.ArgumentParser(prog="kvctl eval-predictor", description="Evaluate the burst predictor.")
-    ap.add_argument("--trace", action="append", required=True, help="trace file (repeatable) or 'synth'")
     ap.add_argument("--out", default=None, help="directory for eval.json, eval.md, pr_curves.png")
     ap.add_argument("--labels", default="remote,reuse", help="labels to evaluate: remote, reuse")
+    ap.add_argument("--holdout", default="conversation",
+                    help="source families also scored by a model trained without them ('' = none)")
+    ap.add_argument("--model", default=None, help="score this saved model instead of training one")
     ap.add_argument("--forecast-horizon", type=float, default=10.0,
                     help="T of the rate-forecast table: forecast the next T seconds (default 10)")
     ap.add_argument("--forecast-bucket", type=float, default=10.0, help="seconds between forecasts (default 10)")
@@ -210,24 +257,26 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
         return 2
     cfg = config_from_args(args)
     try:
-        results = run_eval(args.trace, cfg, args, labels)
+        parts = parts_from_args(args, cfg)
+        results = run_eval(parts, cfg, args, labels, [h for h in args.holdout.split(",") if h], args.model)
     except (OSError, ValueError, KeyError) as exc:
         print(f"kvctl eval-predictor: {exc}", file=sys.stderr)
         return 2
-    forecasts = [(trace_name(path), evaluate_forecasts(load_trace(path, limit=args.limit, seed=args.seed),
-                                                       max_depth=max(cfg.depths), bucket_s=args.forecast_bucket,
-                                                       horizon_s=args.forecast_horizon))
-                 for path in args.trace]
+    forecasts = [(p.source.name, evaluate_forecasts(p.source.load(args.eval_seeds[0]), max_depth=max(cfg.depths),
+                                                    bucket_s=args.forecast_bucket, horizon_s=args.forecast_horizon))
+                 for p in parts]
     table = markdown_table(results)
     rates = forecast_markdown(forecasts)
-    print("Classification: P(requested on a node lacking it within H), time-held-out\n")
+    print("Classification: P(requested on a node lacking it within H), held out; one LightGBM model over all "
+          f"sources ({seeds_note(args)})\n")
     print(table)
-    print(f"\nRate forecasts (next {args.forecast_horizon:g} s, held-out last 40 % of each trace)\n")
+    print(f"\nRate forecasts (next {args.forecast_horizon:g} s, held-out last 40 % of each trace; generators: "
+          f"seed {args.eval_seeds[0]})\n")
     print(rates)
     if args.out:
         out = Path(args.out)
-        write_json(out / "eval.json", {"config": asdict(cfg), "results": [{"name": n, **jsonable(r)}
-                                                                          for n, r in results],
+        write_json(out / "eval.json", {"config": asdict(cfg), "protocol": seeds_note(args),
+                                       "results": [{"name": n, **jsonable(r)} for n, r in results],
                                        "forecasts": [{"name": n, **r} for n, r in forecasts]})
         (out / "eval.md").write_text(table + "\n\n" + rates + "\n")
         plot_pr(results, out / "pr_curves.png")

@@ -36,7 +36,10 @@ def feature_names(cfg: PredictorConfig) -> tuple[str, ...]:
             f"seen_{m}", "age_s", "since_last_s", "since_prev_s", "gap_mean_s", "gap_std_s", "gap_nz_mean_s",
             "last_gap_s", "overdue", "fanout", "nodes_ever", "holders", "lacking_nodes", "last_outcome",
             "last_lacked", "parent_count", f"parent_cnt_{m}", "share_of_parent", "children_active", *r,
-            "rate_trend", "active_keys_depth", "active_keys", "momentum")
+            "rate_trend", "active_keys_depth", "active_keys", "momentum",
+            # scale-free: shares of the cluster, fractions of the nodes, ranks in this snapshot
+            "holders_frac", "fanout_frac", *[f"share_{x:g}s" for x in cfg.windows_s[1:]], "burst_ratio",
+            "rank_momentum", f"rank_cnt_{cfg.windows_s[-1]:g}s", "rank_recency")
 
 
 FEATURE_NAMES: tuple[str, ...] = feature_names(PredictorConfig())
@@ -410,11 +413,28 @@ class FeatureStore:
         act_all = self._alive[:hi] & (self._last_t[:hi] >= now - cfg.momentum_window_s)
         per_depth = np.bincount(self._depth[:hi][act_all], minlength=max(self.depths) + 1)
         cols += [per_depth[self._depth[rows]].astype(np.float64), np.full(n, float(act_all.sum())), mom]
+        cols += self._relative(n_nodes, holders, cols[self.names.index("fanout")], dec, g * win, mom, since)
         assert len(cols) == len(self.names)
         X = np.empty((n, len(cols)), dtype=np.float32)
         for i, c in enumerate(cols):
             X[:, i] = c
         return self._ids[rows].tolist(), self._depth[rows].copy(), X
+
+    def _relative(self, n_nodes: float, holders: np.ndarray, fanout: np.ndarray, dec: np.ndarray,
+                  cluster: np.ndarray, mom: np.ndarray, since: np.ndarray) -> list[np.ndarray]:
+        """Features that mean the same on any trace: fractions of the nodes,
+        the prefix's share of the cluster's requests per window, its own
+        short/long trend, and percentile ranks among the rows scored now."""
+        nn = max(n_nodes, 1.0)
+        out = [holders / nn, fanout / nn]
+        out += [dec[:, i] / max(float(cluster[i]), 1e-9) for i in range(1, len(self.cfg.windows_s))]
+        out.append(dec[:, 0] / np.maximum(dec[:, len(self.cfg.windows_s) - 1], 1e-9))
+        n = mom.size
+        for v in (mom, dec[:, len(self.cfg.windows_s) - 1], -since):
+            r = np.empty(n, dtype=np.float64)
+            r[np.argsort(v.astype(np.float32), kind="stable")] = (np.arange(n) + 0.5) / max(n, 1)
+            out.append(r)
+        return out
 
     def chain(self, prefix_id: PrefixId) -> tuple[bytes, ...]:
         """Keys of blocks 1..depth of a tracked prefix, from its last request (() if untracked)."""

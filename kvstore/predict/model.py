@@ -69,27 +69,47 @@ class BurstModel:
         return X
 
     def train(self, X: np.ndarray, y: np.ndarray, valid: tuple[np.ndarray, np.ndarray] | None = None,
-              **meta: Any) -> "BurstModel":
-        """Fit on (X, y); with ``valid`` = (Xv, yv), early-stop on its binary log-loss."""
+              weight: np.ndarray | None = None, valid_weight: np.ndarray | None = None,
+              init_model: "BurstModel | None" = None, **meta: Any) -> "BurstModel":
+        """Fit on (X, y); with ``valid`` = (Xv, yv), early-stop on its binary log-loss.
+
+        ``weight`` weighs rows (recency, source balance); ``init_model``
+        continues boosting from a trained model (online retraining starts
+        from the offline model: its trees stay, new ones fit the residual of
+        the recent rows). A continued model whose new trees do not help on
+        validation keeps the initial trees only.
+        """
         X = self._check(X)
         y = np.asarray(y, dtype=np.float32)
         ds_params = {"verbose": -1, "max_bin": self.params["max_bin"]}
         names = list(self.feature_names)
-        dtrain = lgb.Dataset(X, label=y, feature_name=names, params=ds_params, free_raw_data=True)
+        init = init_model.booster if init_model is not None and init_model.trained else None
+        if init is not None and tuple(init_model.feature_names) != self.feature_names:  # type: ignore[union-attr]
+            raise ModelError("init_model has other features")
+        dtrain = lgb.Dataset(X, label=y, weight=weight, feature_name=names, params=ds_params, free_raw_data=False)
         sets, callbacks = [], []
         if valid is not None and len(valid[1]) > 0:
             Xv = self._check(valid[0])
-            dvalid = lgb.Dataset(Xv, label=np.asarray(valid[1], dtype=np.float32), reference=dtrain,
-                                 feature_name=names, params=ds_params)
+            dvalid = lgb.Dataset(Xv, label=np.asarray(valid[1], dtype=np.float32), weight=valid_weight,
+                                 reference=dtrain, feature_name=names, params=ds_params)
             sets = [dvalid]
             callbacks = [lgb.early_stopping(self.early_stopping_rounds, first_metric_only=True, verbose=False)]
         params = {**self.params, "metric": "binary_logloss"}
+        if init is not None:  # a continued model: its own (model-string) copy, so the old one is untouched
+            init = lgb.Booster(model_str=init.model_to_string(num_iteration=init_model.iterations))  # type: ignore[union-attr]
         self.booster = lgb.train(params, dtrain, num_boost_round=self.num_boost_round, valid_sets=sets,
-                                 callbacks=callbacks)
-        self.meta = {"rows": int(len(y)), "positives": int(y.sum()),
-                     "best_iteration": int(self.booster.best_iteration or self.booster.current_iteration()),
-                     **meta}
+                                 callbacks=callbacks, init_model=init)
+        self.meta = {"rows": int(len(y)), "positives": int(y.sum()), "best_iteration": self.iterations,
+                     "continued_from": int(init.current_iteration()) if init is not None else 0, **meta}
         return self
+
+    @property
+    def iterations(self) -> int:
+        """Trees used for prediction (the early-stopped best, else all)."""
+        if self.booster is None:
+            return 0
+        best = int(self.booster.best_iteration or 0)
+        return best if best > 0 else int(self.booster.current_iteration())
 
     def predict(self, X: np.ndarray, num_threads: int | None = None) -> np.ndarray:
         """P(label) per row as float32 (batched; LightGBM's own threads)."""
