@@ -188,3 +188,34 @@ def test_hints_name_reported_replicas_with_their_remaining_life() -> None:
     coordinator.pending[("m", b"k3")] = {"b": now + 1}  # a deeper copy on its way
     (hint,) = coordinator.hints("m", [b"k1", b"k2", b"k3"])
     assert (hint.prefix_length, hint.pending) == (3, True)
+
+
+def test_a_member_heard_from_is_listed_only_once_it_answers() -> None:
+    m, clock = membership("b")
+    change = m.heard(info("a"))
+    assert change is not None and change.joined and m.live_ids() == ["b"]  # pending: not listed
+    assert m.heard(info("a")) is None  # still waiting: no new change
+    m.observe(info("a"))  # it answered a call
+    assert m.live_ids() == ["a", "b"] and m.heard(info("a")) is None
+    restart = m.heard(info("a", "2"))  # a new incarnation: the old one is gone at once
+    assert restart is not None and restart.restarted and m.live_ids() == ["b"]
+    m.observe(info("a", "2"))
+    clock.t += 3  # timed out, then heard again: pending again
+    m.expire()
+    assert m.heard(info("a", "2")) is not None and m.live_ids() == ["b"]
+
+
+def test_the_standby_is_the_next_id_and_gets_the_same_report() -> None:
+    m, clock = membership("c")
+    for node_id in "abd":
+        m.observe(info(node_id))
+    assert (m.coordinator(), m.standby(), m.keeps_directory) == ("a", "b", False)
+    plan = plan_round(m, info("c").address, set(), {}, "a", clock.t, horizon=20)
+    assert plan.report_to == info("a").address and plan.standby_to == info("b").address
+    clock.t += 3
+    m.observe(info("b"))
+    m.observe(info("d"))
+    m.expire()  # a died: b coordinates, c stands by
+    assert (m.coordinator(), m.standby(), m.keeps_directory) == ("b", "c", True)
+    plan = plan_round(m, info("c").address, set(), {}, "a", clock.t, horizon=20)
+    assert plan.report_to == info("b").address and plan.standby_to == ""

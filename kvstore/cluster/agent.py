@@ -81,13 +81,15 @@ class ClusterAgent:
         self.directory = Directory()
         self.outbox = Outbox()
         node.listeners.append(self.outbox.record)
-        self.peers = PeerClient(self.membership)
+        self.peers = PeerClient(self.membership, reconnect_s=min(1.0, config.heartbeat_timeout / 2))
         self.replicator = Replicator(node, config, transport, metrics, self._endpoint_of, self.locate,
                                      self._live_peers)
         self.placement: Placement = NoPlacement()
         self._static = set(config.peers)
         self._learned: dict[str, float] = {}  # address -> when last heard of
         self._coordinator_seen = ""
+        self._keeps_directory = False
+        self._warm_from = 0.0
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         # recorded requests (LookupRequest.record) not yet sent to the coordinator
@@ -116,6 +118,11 @@ class ClusterAgent:
         while True:
             try:
                 await self.tick()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # stop()
+                log.error("cluster tick: a call was cancelled under it")  # must not end the heartbeats
             except Exception:  # a bad tick must not end the heartbeats
                 log.exception("cluster tick failed")
             try:
@@ -158,29 +165,58 @@ class ClusterAgent:
         if plan.coordinator_changed:
             log.info("coordinator is now %s", plan.coordinator)
             self._coordinator_seen = plan.coordinator
-            self.outbox.need_full = True
-        if plan.report_locally:
-            seq, full, batches = self._take_report()
+        self._track_role()
+        # One numbered report per round, the same to the coordinator and the
+        # standby (or applied here where this node is one of them): each
+        # receiver checks the numbers and asks for a full snapshot on a gap.
+        report = self._take_report()
+        if self.membership.keeps_directory:
+            seq, full, batches = report
             self.directory.report(self.node.node_id, self.incarnation, seq, full, batches, now)
-            self.placement.on_report(self.node.node_id, batches)
+        if plan.report_locally:
+            self.placement.on_report(self.node.node_id, report[2])
+        if plan.report_locally:
             for event in self._take_accesses():
                 self.placement.observe(self.node.node_id, event)
         known = self.membership.view()  # the same gossip for every peer this round
-        await asyncio.gather(*(self._beat(addr, addr == plan.report_to, known) for addr in plan.targets))
+        await asyncio.gather(*(self._beat(addr, report if addr in (plan.report_to, plan.standby_to) else None,
+                                          addr == plan.report_to, known) for addr in plan.targets))
 
-    async def _beat(self, address: str, report: bool, known: Sequence[pb.MemberInfo]) -> None:
+    def _track_role(self) -> None:
+        """A node that neither coordinates nor stands by holds no directory
+        (memory stays O(pages x 2)); one that takes a role starts warming."""
+        keeps = self.membership.keeps_directory
+        if keeps and not self._keeps_directory:
+            self._warm_from = time.monotonic()
+        if not keeps and self.directory.nodes():
+            self.directory.clear()
+        self._keeps_directory = keeps
+
+    def warming(self) -> bool:
+        """This node keeps no directory, or as coordinator or standby lacks a live member's report and took
+        its role less than a heartbeat timeout ago: askers try the other copy.
+        (Roles follow the clock, between heartbeat rounds too: checked here.)"""
+        self._track_role()
+        if not self._keeps_directory:
+            return True  # no copy here at all (the asker's view is older than ours)
+        if time.monotonic() - self._warm_from > self.config.heartbeat_timeout:
+            return False
+        return not set(self.membership.live_ids()) <= set(self.directory.nodes())
+
+    async def _beat(self, address: str, report: tuple[int, bool, list[pb.DirectoryBatch]] | None,
+                    accesses: bool, known: Sequence[pb.MemberInfo]) -> None:
         request = pb.HeartbeatRequest(sender=self.self_info, known=known)
-        if report:
+        if report is not None:
             request.has_directory = True
-            request.seq, request.full, batches = self._take_report()
+            request.seq, request.full, batches = report
             request.directory.extend(batches)
+        if accesses:
             request.accesses.extend(self._take_accesses())
         try:
             reply = await self.peers.call_address(address, "Heartbeat", request,
                                                   max(0.2, self.config.heartbeat_interval))
         except KvError as exc:
-            if report:
-                self.outbox.need_full = True  # it may or may not have applied it
+            # a lost report shows as a gap in the numbers at its receiver
             log.debug("heartbeat to %s failed: %s", address, exc)
             return
         if reply.receiver.node_id == self.node.node_id:
@@ -188,7 +224,7 @@ class ClusterAgent:
             return
         self._observe(reply.receiver)
         self._gossip(reply.known)
-        if report and reply.need_full:
+        if report is not None and reply.need_full:
             self.outbox.need_full = True
 
     def _observe(self, info: pb.MemberInfo) -> None:
@@ -199,6 +235,21 @@ class ClusterAgent:
                 self.transport.forget(endpoint)
         if change is not None and change.joined:
             log.info("member %s (%s) joined", info.node_id, info.address)
+
+    def _heard(self, info: pb.MemberInfo) -> None:
+        """A heartbeat from ``info``: a new or restarted member gets fresh
+        connections (no reconnect backoff left from its old address) and is
+        called at once; it is listed alive when it answers."""
+        change = self.membership.heard(info)
+        if change is None:
+            return
+        if change.restarted:
+            self.directory.drop(info.node_id)
+        for endpoint in info.endpoints:
+            self.transport.forget(endpoint)
+        self.peers.reset(info.address)
+        self._learned[info.address] = time.monotonic()
+        self._wake.set()
 
     def _gossip(self, known: Sequence[pb.MemberInfo]) -> None:
         now = time.monotonic()
@@ -238,14 +289,14 @@ class ClusterAgent:
     # ---- handlers for the Cluster service ----------------------------------
     def on_heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         self._refresh_self()
-        self._observe(request.sender)
+        self._heard(request.sender)
         self._gossip(request.known)
         self._learned[request.sender.address] = time.monotonic()
         need_full = False
         if request.has_directory:
             need_full = self.directory.report(request.sender.node_id, request.sender.incarnation, request.seq,
                                               request.full, request.directory, time.monotonic())
-            if not need_full:
+            if not need_full and self.membership.is_coordinator:
                 self.placement.on_report(request.sender.node_id, request.directory)
         for event in request.accesses:
             self.placement.observe(request.sender.node_id, event)
@@ -284,26 +335,37 @@ class ClusterAgent:
                                         members=self.membership.view())
 
     # ---- lookups -------------------------------------------------------------
-    async def _ask_coordinator(self, method: str, request: Any) -> Any | None:
-        coordinator = self.membership.member(self.membership.coordinator())
-        if coordinator is None:
-            return None
-        try:
-            return await self.peers.call_address(coordinator.address, method, request,
-                                                 max(0.2, self.config.heartbeat_interval))
-        except KvError as exc:
-            log.debug("%s at coordinator %s failed: %s", method, coordinator.node_id, exc)
-            return None
+    async def _ask_directory(self, method: str, request: Any) -> Any | None:
+        """Ask the directory: the coordinator, else (unreachable, or still
+        warming after taking the role) the standby; None when neither answers."""
+        for node_id in (self.membership.coordinator(), self.membership.standby()):
+            member = self.membership.member(node_id) if node_id and node_id != self.node.node_id else None
+            if member is None:
+                continue
+            try:
+                return await self.peers.call_address(member.address, method, request,
+                                                     max(0.2, self.config.heartbeat_interval))
+            except KvError as exc:
+                log.debug("%s at %s failed: %s", method, node_id, exc)
+        return None
+
+    def _answers_locally(self) -> bool:
+        """This node coordinates and its copy is not warming: no RPC needed.
+        (The standby asks the coordinator first: its copy of the
+        coordinator's own pages lags one heartbeat.)"""
+        return self.membership.is_coordinator and not self.warming()
 
     async def lookup(self, namespace: str, keys: Sequence[bytes], record: bool = False) -> pb.LookupResponse:
         """Longest cached prefix here, and per live node (from the directory),
-        with placement hints; ``record`` logs the request for the predictor."""
+        with placement hints; ``record`` logs the request for the predictor.
+        The directory is the coordinator's, else the standby's, else (neither
+        answers) this node's own copy if it keeps one."""
         local = self.node.lookup(namespace, keys)
-        if self.membership.is_coordinator:
+        if self._answers_locally():
             nodes = self.prefixes(namespace, keys)
         else:
-            reply = await self._ask_coordinator("ClusterLookup", pb.LookupRequest(namespace=namespace, keys=keys))
-            nodes = list(reply.nodes) if reply is not None else []
+            reply = await self._ask_directory("ClusterLookup", pb.LookupRequest(namespace=namespace, keys=keys))
+            nodes = list(reply.nodes) if reply is not None else self.prefixes(namespace, keys)
         nodes = [n for n in nodes if n.node_id != self.node.node_id and self.membership.alive(n.node_id)]
         if local:
             nodes.append(pb.NodePrefix(node_id=self.node.node_id, address=self.node.address, prefix_length=local))
@@ -315,12 +377,12 @@ class ClusterAgent:
         return pb.LookupResponse(prefix_length=local, nodes=nodes)
 
     async def locate(self, namespace: str, keys: Sequence[bytes]) -> pb.LocateResponse:
-        """Who holds each of ``keys``: the coordinator's directory."""
-        if self.membership.is_coordinator:
+        """Who holds each of ``keys``: the directory, asked as :meth:`lookup` does."""
+        if self._answers_locally():
             return self.on_locate(namespace, keys)
-        reply = await self._ask_coordinator("Locate", pb.LocateRequest(namespace=namespace, keys=keys))
+        reply = await self._ask_directory("Locate", pb.LocateRequest(namespace=namespace, keys=keys))
         if reply is None:
-            return pb.LocateResponse()
+            return self.on_locate(namespace, keys)  # this node's own copy, if it keeps one (else empty)
         for info in reply.members:
             if self.membership.member(info.node_id) is None:
                 self._observe(info)

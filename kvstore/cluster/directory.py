@@ -48,6 +48,12 @@ class Directory:
         # (namespace, key) -> {node: expires_at on the reader's clock}
         self.speculative: dict[tuple[str, bytes], dict[str, float]] = {}
 
+    def clear(self) -> None:
+        """Forget everything (this node no longer keeps a directory)."""
+        self._holders.clear()
+        self._nodes.clear()
+        self.speculative.clear()
+
     def __len__(self) -> int:
         return sum(len(keys) for keys in self._holders.values())
 

@@ -1,9 +1,13 @@
 """Cluster membership from heartbeats: pure logic, the clock injected.
 
 Every node heartbeats every peer it knows. A member is alive while its last
-heartbeat answer (or request) is younger than ``timeout``. The coordinator
-role belongs to the live node with the lowest id, as every node computes it
-from its own view: no election, no consensus. Views can disagree for up to a
+heartbeat answer (or request) is younger than ``timeout``. A node heard
+from for the first time (or with a new incarnation, or after it timed out)
+is only *pending* (:meth:`Membership.heard`) until it answers this node's
+own call: so a member is listed alive only once it answers. The coordinator
+role belongs to the live node with the lowest id, and the *standby* (which
+keeps a warm copy of the directory from the same reports) to the next one,
+as every node computes them from its own view: no election, no consensus. Views can disagree for up to a
 timeout (e.g. during a partition); the coordinator's state is soft, so the
 worst outcome is a wasted or missing replica, never wrong data.
 """
@@ -44,12 +48,37 @@ class Membership:
         self.timeout = timeout
         self._clock = clock
         self._members: dict[str, Member] = {}
+        self._pending: dict[str, Member] = {}  # heard from, not yet answering
 
-    def observe(self, info: pb.MemberInfo) -> Change | None:
-        """Record a heartbeat from (or answer by) ``info.node_id``."""
+    def heard(self, info: pb.MemberInfo) -> Change | None:
+        """Record a heartbeat *from* ``info.node_id``: it refreshes a live
+        member of the same incarnation; anyone else (new, restarted, timed
+        out) stays pending until it answers a call (:meth:`observe`). The
+        change says whether it is new or restarted, so the caller can reset
+        its connection and call it at once."""
         if info.node_id == self.self_id or not info.node_id:
             return None
         now = self._clock()
+        old = self._members.get(info.node_id)
+        if old is not None and old.info.incarnation == info.incarnation and now - old.last_seen <= self.timeout:
+            self._members[info.node_id] = Member(info, now)
+            return None
+        before = self._pending.get(info.node_id)
+        self._pending[info.node_id] = Member(info, now)
+        if before is not None and before.info.incarnation == info.incarnation:
+            return None  # already waiting for it to answer
+        restarted = old is not None and old.info.incarnation != info.incarnation
+        if restarted:
+            del self._members[info.node_id]  # the old incarnation is gone
+        return Change(info.node_id, joined=not restarted, restarted=restarted)
+
+    def observe(self, info: pb.MemberInfo) -> Change | None:
+        """Record an answer by ``info.node_id`` (or a member vouched for by
+        the coordinator): it is alive now."""
+        if info.node_id == self.self_id or not info.node_id:
+            return None
+        now = self._clock()
+        self._pending.pop(info.node_id, None)
         old = self._members.get(info.node_id)
         self._members[info.node_id] = Member(info, now)
         if old is None or now - old.last_seen > self.timeout:
@@ -65,6 +94,8 @@ class Membership:
         dead = [m.info for m in self._members.values() if now - m.last_seen > self.timeout]
         for info in dead:
             del self._members[info.node_id]
+        for node_id in [n for n, m in self._pending.items() if now - m.last_seen > self.timeout]:
+            del self._pending[node_id]
         return dead
 
     def alive(self, node_id: str) -> bool:
@@ -86,9 +117,21 @@ class Membership:
         """The live node with the lowest id (this node included)."""
         return self.live_ids()[0]
 
+    def standby(self) -> str:
+        """The live node with the second lowest id ("" when alone): it
+        keeps a warm copy of the directory and takes over when the
+        coordinator dies."""
+        live = self.live_ids()
+        return live[1] if len(live) > 1 else ""
+
     @property
     def is_coordinator(self) -> bool:
         return self.coordinator() == self.self_id
+
+    @property
+    def keeps_directory(self) -> bool:
+        """Whether this node holds a directory: it coordinates or is the standby."""
+        return self.self_id in self.live_ids()[:2]
 
     def view(self) -> list[pb.MemberInfo]:
         """Every live member (this node first) with role and age filled in."""
@@ -116,9 +159,11 @@ class Round:
     """What one heartbeat round does, decided without I/O (:func:`plan_round`)."""
 
     coordinator: str              # who coordinates, in this node's view
-    coordinator_changed: bool     # since the last round: send a full snapshot
+    coordinator_changed: bool     # since the last round
     report_locally: bool          # this node coordinates: its report applies here
     report_to: str                # address whose heartbeat carries the report ("" none)
+    standby: str                  # who keeps the standby directory ("" none)
+    standby_to: str               # its address, whose heartbeat carries the same report ("" none or self)
     targets: tuple[str, ...]      # every address to heartbeat, sorted
     learned: dict[str, float]     # gossip-learned addresses still worth probing
 
@@ -129,11 +174,16 @@ def plan_round(membership: Membership, self_address: str, static: set[str], lear
 
     Every static peer and every address learned by gossip within ``horizon``
     seconds is probed (a dead one may come back); the report rides on the
-    heartbeat to the coordinator, or applies locally when this node is it."""
-    coordinator = membership.coordinator()
+    heartbeats to the coordinator and to the standby, or applies locally
+    where this node is one of them."""
+    coordinator, standby = membership.coordinator(), membership.standby()
     mine = coordinator == membership.self_id
-    member = membership.member(coordinator)
-    report_to = "" if mine or member is None else member.address
+
+    def address(node_id: str) -> str:
+        member = membership.member(node_id) if node_id and node_id != membership.self_id else None
+        return member.address if member is not None else ""
+
     kept = {a: t for a, t in learned.items() if now - t < horizon}
     targets = tuple(sorted((static | set(kept)) - {self_address}))
-    return Round(coordinator, coordinator != last_coordinator, mine, report_to, targets, kept)
+    return Round(coordinator, coordinator != last_coordinator, mine, address(coordinator), standby,
+                 address(standby), targets, kept)

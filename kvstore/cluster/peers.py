@@ -8,6 +8,7 @@ carries out its placements through it (:meth:`PeerClient.replicate`,
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -19,19 +20,41 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 
-class PeerClient:
-    """Calls the ``kvstore.v1.Cluster`` service of peers by address or by id."""
+_RESET_GRACE_S = 5.0  # calls in flight on a reset channel may finish (they have their own timeouts)
 
-    def __init__(self, membership: Membership) -> None:
+
+class PeerClient:
+    """Calls the ``kvstore.v1.Cluster`` service of peers by address or by id.
+
+    A channel to a peer that went away backs off its reconnects (gRPC's
+    default grows to two minutes); here the backoff is capped at
+    ``reconnect_s``, and :meth:`reset` drops a channel at once when the peer
+    is heard from again (a restart on the same address), so a returning node
+    is reached within a heartbeat, however long it was down."""
+
+    def __init__(self, membership: Membership, reconnect_s: float = 1.0) -> None:
         self._membership = membership
         self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.ClusterStub]] = {}
+        backoff_ms = max(50, int(reconnect_s * 1000))
+        self._options = CHANNEL_OPTIONS + [("grpc.initial_reconnect_backoff_ms", min(100, backoff_ms)),
+                                           ("grpc.min_reconnect_backoff_ms", min(100, backoff_ms)),
+                                           ("grpc.max_reconnect_backoff_ms", backoff_ms)]
+        self._closing: set[asyncio.Task[None]] = set()
 
     def _stub(self, address: str) -> pb_grpc.ClusterStub:
         entry = self._channels.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(address, options=self._options)
             entry = self._channels[address] = (channel, pb_grpc.ClusterStub(channel))
         return entry[1]
+
+    def reset(self, address: str) -> None:
+        """Drop the channel to ``address`` (the next call connects afresh)."""
+        entry = self._channels.pop(address, None)
+        if entry is not None:
+            task = asyncio.get_running_loop().create_task(entry[0].close(grace=_RESET_GRACE_S))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def call_address(self, address: str, method: str, request: Any, timeout: float) -> Any:
         """One Cluster RPC to ``address``; raises a :class:`KvError`."""
@@ -39,6 +62,12 @@ class PeerClient:
             return await getattr(self._stub(address), method)(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, f"{method} at {address}") from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this caller was cancelled
+            # the call's channel was closed under it (reset): a failed call, not a cancelled caller
+            raise Unavailable(f"{method} at {address}: its channel was reset") from None
 
     async def call(self, node_id: str, method: str, request: Any, timeout: float) -> Any:
         """One Cluster RPC to a live member; :class:`Unavailable` if it is not one."""
@@ -60,3 +89,4 @@ class PeerClient:
         for channel, _ in self._channels.values():
             await channel.close()
         self._channels.clear()
+        await asyncio.gather(*self._closing, return_exceptions=True)

@@ -42,6 +42,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
 _PULLS_IN_FLIGHT = 2
+_CANCEL_GRACE_S = 0.05  # how long a reader waits for its cancelled pulls to end
 
 # locate(namespace, keys) -> per key the nodes that hold it, and their member infos
 Locate = Callable[[str, Sequence[bytes]], Awaitable[pb.LocateResponse]]
@@ -138,7 +139,10 @@ class Replicator:
         todo = [k for k in missing if (namespace, k) not in self._inflight]
         jobs: list[Awaitable[Any]] = [self._wait_inflight(namespace, waiting)] if waiting else []
         if todo:
-            located = await self._locate(namespace, todo)
+            try:  # the directory's answer counts against the same deadline
+                located = await asyncio.wait_for(self._locate(namespace, todo), timeout)
+            except TimeoutError:
+                located = pb.LocateResponse()
             if len(located.holders) == len(todo):
                 groups = assign_sources(todo, [set(h.node_ids) for h in located.holders], self._live_peers())
                 jobs.extend(self.pull(src, namespace, ks, PageKind.REPLICA) for src, ks in groups.items())
@@ -150,18 +154,27 @@ class Replicator:
         return fetched
 
     async def _run_bounded(self, jobs: list[Awaitable[Any]], timeout: float) -> None:
+        """Run ``jobs`` for at most ``timeout`` seconds, then cancel the rest.
+        A cancelled pull usually ends at once; one that needs longer to clean
+        up (a UCX receive retiring) finishes on its own, tracked for
+        :meth:`close`, while the reader answers with what arrived."""
         tasks = {asyncio.ensure_future(job) for job in jobs}
-        self._tasks.update(tasks)
-        try:
-            done, pending = await asyncio.wait(tasks, timeout=max(0.0, timeout))
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            for task in done:
-                if task.exception() is not None:
-                    log.warning("pull failed: %s", task.exception())
-        finally:
-            self._tasks.difference_update(tasks)
+        for task in tasks:
+            self._tasks.add(task)
+            task.add_done_callback(self._retired)
+        done, pending = await asyncio.wait(tasks, timeout=max(0.0, timeout))
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=_CANCEL_GRACE_S)
+        for task in done:
+            if task.exception() is not None:
+                log.warning("pull failed: %s", task.exception())
+
+    def _retired(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("pull ended with %s", task.exception())
 
     async def _wait_inflight(self, namespace: str, keys: Sequence[bytes]) -> None:
         futures = [f for f in (self._inflight.get((namespace, k)) for k in keys) if f is not None]

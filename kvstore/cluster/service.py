@@ -13,7 +13,7 @@ import grpc
 
 from kvstore.cluster.agent import ClusterAgent
 from kvstore.cluster.checks import check_heartbeat, check_replicate
-from kvstore.errors import KvError, bounded
+from kvstore.errors import KvError, Unavailable, bounded
 from kvstore.node import page_kind
 from kvstore.pool.pool import PageKind
 from kvstore.v1 import kvstore_pb2 as pb
@@ -40,7 +40,9 @@ class ClusterService(pb_grpc.ClusterServicer):
     async def Locate(self, request: pb.LocateRequest, context: Any) -> pb.LocateResponse:
         try:
             self.agent.check_keys(request.namespace, request.keys)
-            return self.agent.on_locate(request.namespace, list(request.keys))
+            reply = self.agent.on_locate(request.namespace, list(request.keys))
+            self._check_warm(any(not h.node_ids for h in reply.holders))
+            return reply
         except KvError as exc:
             await _abort(context, exc)
             raise
@@ -48,10 +50,19 @@ class ClusterService(pb_grpc.ClusterServicer):
     async def ClusterLookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         try:
             self.agent.check_keys(request.namespace, request.keys)
-            return pb.LookupResponse(nodes=self.agent.prefixes(request.namespace, list(request.keys)))
+            nodes = self.agent.prefixes(request.namespace, list(request.keys))
+            self._check_warm(max((n.prefix_length for n in nodes), default=0) < len(request.keys))
+            return pb.LookupResponse(nodes=nodes)
         except KvError as exc:
             await _abort(context, exc)
             raise
+
+    def _check_warm(self, incomplete: bool) -> None:
+        """An answer that misses pages, from a directory copy that just took
+        its role and lacks a live member's report, is UNAVAILABLE instead,
+        so the asker tries the other copy."""
+        if incomplete and self.agent.warming():
+            raise Unavailable("the directory here is still warming up (its role is new); ask the other copy")
 
     async def Status(self, request: pb.ClusterStatusRequest, context: Any) -> pb.ClusterStatusResponse:
         return self.agent.status()
