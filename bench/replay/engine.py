@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ import numpy as np
 
 from bench.replay.costmodel import CostModel
 from bench.replay.metrics import RequestRecord
-from bench.replay.oracle import Reservations, copy_source, plan, schedule
+from bench.replay.oracle import Plan, Step, plan
 from bench.replay.routers import NodeView, Router, views_from_lookup
 from bench.replay.workload import Workload, reusable_blocks
 from kvstore.errors import KvError
@@ -74,8 +74,8 @@ class RunConfig:
     namespace: str
     speedup: float = 4.0
     concurrency: int = 8
-    oracle_lead_s: float = 4.0        # trace seconds
-    oracle_poll_s: float = 0.1        # real seconds between an oracle task's checks
+    oracle_lead_s: float = 4.0        # trace seconds: the oracle copies no earlier than this before a request
+    oracle_rpc_s: float = 0.005       # real seconds the oracle's plan allows for one Put or Replicate round trip
     spec_ttl_s: float = 60.0          # real seconds (oracle copies)
     fetch_timeout_s: float = 5.0      # real seconds, the Get deadline
     rpc_timeout_s: float = 30.0
@@ -98,7 +98,7 @@ class RunResult:
 class _Req:
     """A request with its keys and page words, ready to serve."""
 
-    __slots__ = ("i", "req", "keys", "words", "rec", "t_enq", "want")
+    __slots__ = ("i", "req", "keys", "words", "rec", "t_enq", "step")
 
     def __init__(self, i: int, req: Any, rec: RequestRecord) -> None:
         self.i, self.req, self.rec = i, req, rec
@@ -106,14 +106,47 @@ class _Req:
         self.keys = [hash_key(h) for h in req.hash_ids]
         self.words = page_words(ids)
         self.t_enq = 0.0
-        self.want = 0  # oracle: leading blocks an earlier request computes (it waits for them, bounded)
+        self.step: Step | None = None  # oracle: its planned node, depth and copy
+
+
+class Held:
+    """Which pages each node holds, as events the oracle's requests and copies wait on (harness-side: the
+    engines know when their Get and Put finished, and the copies when their Replicate did)."""
+
+    def __init__(self, nodes: int) -> None:
+        self._events: list[dict[bytes, asyncio.Event]] = [{} for _ in range(nodes)]
+
+    def _event(self, node: int, key: bytes) -> asyncio.Event:
+        ev = self._events[node].get(key)
+        if ev is None:
+            ev = self._events[node][key] = asyncio.Event()
+        return ev
+
+    def has(self, node: int, key: bytes) -> bool:
+        ev = self._events[node].get(key)
+        return ev is not None and ev.is_set()
+
+    def mark(self, node: int, keys: list[bytes]) -> None:
+        for k in keys:
+            self._event(node, k).set()
+
+    async def wait(self, node: int, keys: list[bytes], timeout: float | None) -> bool:
+        """True once ``node`` holds every key; False after ``timeout`` real seconds."""
+        pending = [self._event(node, k).wait() for k in keys if not self.has(node, k)]
+        if not pending:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.gather(*pending), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
 
 class Engine:
     """One simulated inference engine, in front of one node."""
 
     def __init__(self, index: int, node_id: str, kv: AsyncKvClient, cfg: RunConfig, on_done: Callable[[], None],
-                 result: RunResult) -> None:
+                 result: RunResult, held: "Held | None" = None) -> None:
         self.index, self.node_id, self.kv, self.cfg = index, node_id, kv, cfg
         self.queue: asyncio.Queue[_Req | None] = asyncio.Queue()
         self.prefill = asyncio.Lock()
@@ -123,6 +156,7 @@ class Engine:
         self.used_placed: set[bytes] = set()
         self._on_done = on_done
         self._result = result
+        self.held = held        # oracle: which pages each node holds, as events
         self.clock_start = 0.0  # perf_counter of trace time 0 (set by the driver)
         self.workers = [asyncio.create_task(self._worker()) for _ in range(cfg.concurrency)]
 
@@ -164,20 +198,20 @@ class Engine:
         slot_wait = time.perf_counter() - item.t_enq
         # -- KV: Lookup on the serving node (recorded for the predictor), then Get --
         t0 = time.perf_counter()
+        step = item.step
+        if step is not None and step.depth > 0 and self.held is not None:
+            # oracle: the plan has this request wait for its prefix (being computed, or copied here); never
+            # longer than the plan's time plus recomputing it
+            late = self.clock_start + step.kv_at / S - time.perf_counter()
+            await self.held.wait(self.index, keys[:step.depth],
+                                 max(0.0, late) + cost.prefill_s(step.depth * cost.block_tokens) / S)
         lk = await self.kv.lookup_nodes(cfg.namespace, keys, record=True)
         local = int(lk.prefix_length)
         cluster_max = max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending])
-        if item.want > cluster_max:  # oracle: the prefix is still in prefill elsewhere; wait, never longer
-            # than recomputing it would take (the oracle's plan expects it in time)
-            give_up = time.perf_counter() + cost.prefill_s(item.want * cost.block_tokens) / S
-            while cluster_max < item.want and time.perf_counter() < give_up:
-                await asyncio.sleep(0.005)
-                lk = await self.kv.lookup_nodes(cfg.namespace, keys[:item.want])
-                local = int(lk.prefix_length)
-                cluster_max = max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending])
+        fetch = cluster_max if step is None else max(local, step.depth)  # the oracle gets what its plan says
         cached = 0
-        if cluster_max > 0:
-            got = await self.kv.get(cfg.namespace, keys[:cluster_max], timeout=cfg.fetch_timeout_s)
+        if fetch > 0:
+            got = await self.kv.get(cfg.namespace, keys[:fetch], timeout=cfg.fetch_timeout_s)
             found = got.found
             cached = int(found.argmin()) if not found.all() else len(found)
             if cfg.verify:
@@ -193,6 +227,8 @@ class Engine:
             if k not in self.own:
                 self.used_placed.add(k)
         self.own.update(keys[local:cached])
+        if self.held is not None:
+            self.held.mark(self.index, keys[:cached])
         rec.link_s = cost.link_s(rec.remote)
         rec.local_load_s = cost.local_load_s(local)
         rec.prefill_s = cost.prefill_s(cost.uncached_tokens(rec.input_tokens, cached))
@@ -211,6 +247,8 @@ class Engine:
                 await self.kv.put(cfg.namespace, keys[cached:],
                                   make_pages(item.words[cached:], cost.scaled_page_bytes))
                 self.own.update(keys[cached:])
+                if self.held is not None:
+                    self.held.mark(self.index, keys[cached:])
             except KvError:
                 self._result.put_errors += 1
             rec.put_s = time.perf_counter() - t2
@@ -227,9 +265,8 @@ class Driver:
         self.progress = progress
         self.result = RunResult(records=[], timeline={"t": [], "waiting": [], "running": [],
                                                       "stats_t": [], "spec_slots": [], "replica_slots": []})
-        self.reservations = Reservations(len(node_ids))
-        self.oracle_decided: dict[int, tuple[int, str]] = {}
-        self._arrived: set[int] = set()
+        self.oracle_plan: Plan | None = None
+        self.held: Held | None = None
         self._outstanding = 0
         self._all_done = asyncio.Event()
         self._start = 0.0
@@ -243,7 +280,7 @@ class Driver:
             self._all_done.set()
 
     def _loads(self) -> list[float]:
-        return [e.load + r for e, r in zip(self.engines, self.reservations.count)]
+        return [float(e.load) for e in self.engines]
 
     async def _views(self, keys: list[bytes]) -> list[NodeView]:
         if not self.cfg.router.needs_prefix:
@@ -258,12 +295,10 @@ class Driver:
     async def _arrive(self, item: _Req, lag: float) -> None:
         rec = item.rec
         rec.lag_s = lag
-        self._arrived.add(item.i)  # before any await: a late oracle decision must not reserve it
         t0 = time.perf_counter()
         try:
-            if self.cfg.policy == "oracle":
-                self.reservations.arrive(item.i)
-                index, reason = self.oracle_plan[item.i], "oracle-plan"
+            if item.step is not None and self.oracle_plan is not None:
+                index, reason = item.step.node, f"oracle-{self.oracle_plan.name}"
             else:
                 views = await self._views(item.keys)
                 index, reason = self.cfg.router.choose(views, len(item.keys))
@@ -287,48 +322,43 @@ class Driver:
             task.add_done_callback(tasks.discard)
 
     # ---- oracle ----------------------------------------------------------------
-    async def _oracle(self, items: list[_Req], reusable: list[int], tasks: set[asyncio.Task[Any]]) -> None:
+    async def _oracle(self, items: list[_Req], tasks: set[asyncio.Task[Any]]) -> None:
+        """Start the plan's copies in their planned order; each waits for its planned time and its source."""
         loop = asyncio.get_running_loop()
-        for decide_at, i in schedule([it.rec.t for it in items], self.cfg.oracle_lead_s):
-            delay = self._real_at(decide_at) - loop.time()
+        self._links = [(asyncio.Lock(), asyncio.Lock()) for _ in self.node_ids]  # (egress, ingress) per node
+        copies = sorted((it.step.copy_at, it.i) for it in items if it.step is not None and it.step.source >= 0)
+        for at, i in copies:
+            delay = self._real_at(at) - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = loop.create_task(self._oracle_one(items[i], reusable[i]))
+            task = loop.create_task(self._copy(items[i]))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
-    async def _oracle_one(self, item: _Req, want: int) -> None:
-        """Route ``item`` now with the router, reserve the node, copy its reusable prefix there before arrival."""
-        cfg, loop, stats = self.cfg, asyncio.get_running_loop(), self.result.oracle
-        if item.i in self._arrived:
-            return
-        index = self.oracle_plan[item.i]
-        self.reservations.reserve(item.i, index)  # counted as load on its node until it arrives
-        target = self.node_ids[index]
-        deadline = self._real_at(item.rec.t)
-        have = 0
-        while want > have and loop.time() < deadline:
+    async def _copy(self, item: _Req) -> None:
+        """``Replicate`` the planned blocks to the request's node once its source holds them, one copy at a
+        time per link (the plan's schedule), only the pages the target still lacks."""
+        cfg, stats, held = self.cfg, self.result.oracle, self.held
+        step = item.step
+        assert step is not None and held is not None
+        keys = item.keys[step.copy_from:step.depth]
+        await held.wait(step.source, keys, None)
+        egress, ingress = self._links[step.source][0], self._links[step.node][1]
+        async with egress, ingress:
+            need = [k for k in keys if not held.has(step.node, k)]
+            if not need:
+                return
             try:
-                lk = await self.kvs[0].lookup_nodes(cfg.namespace, item.keys[:want])
-                src = copy_source(lk.nodes, target, want)
-                if src is not None and src[1] > have:
-                    source, n = src
-                    reply = await self.cluster_stubs[index].Replicate(pb.ReplicateRequest(
-                        namespace=cfg.namespace, keys=item.keys[:n], source_node_id=source, kind=pb.SPECULATIVE,
-                        ttl_seconds=cfg.spec_ttl_s), timeout=cfg.rpc_timeout_s)
-                    stats["replicate_calls"] = stats.get("replicate_calls", 0) + 1
-                    stats["copied_pages"] = stats.get("copied_pages", 0) + int(reply.copied)
-                    if reply.copied + reply.already_present >= n:
-                        have = n
-                else:
-                    have = max(have, next((min(int(e.prefix_length), want) for e in lk.nodes
-                                           if e.node_id == target and not e.pending), 0))
+                reply = await self.cluster_stubs[step.node].Replicate(pb.ReplicateRequest(
+                    namespace=cfg.namespace, keys=need, source_node_id=self.node_ids[step.source],
+                    kind=pb.SPECULATIVE, ttl_seconds=cfg.spec_ttl_s), timeout=cfg.rpc_timeout_s)
             except (KvError, grpc.RpcError):
                 stats["replicate_errors"] = stats.get("replicate_errors", 0) + 1
-            if want > have:
-                await asyncio.sleep(cfg.oracle_poll_s)
-        stats["satisfied" if have >= want else "unsatisfied"] = \
-            stats.get("satisfied" if have >= want else "unsatisfied", 0) + 1
+                return
+        stats["replicate_calls"] = stats.get("replicate_calls", 0) + 1
+        stats["copied_pages"] = stats.get("copied_pages", 0) + int(reply.copied)
+        if reply.copied + reply.already_present >= len(need):
+            held.mark(step.node, need)
 
     # ---- timeline --------------------------------------------------------------
     async def _sample(self) -> None:
@@ -356,20 +386,26 @@ class Driver:
         cfg, reqs = self.cfg, self.workload.requests
         reusable = reusable_blocks(reqs)
         if cfg.policy == "oracle":
-            self.oracle_plan = plan(reqs, reusable, len(self.node_ids), cfg.concurrency, cfg.cost)
+            self.oracle_plan = plan(reqs, reusable, len(self.node_ids), cfg.concurrency, cfg.cost,
+                                    cfg.oracle_lead_s, cfg.oracle_rpc_s * cfg.speedup)
+            self.held = Held(len(self.node_ids))
+            self.result.oracle.update(plan=self.oracle_plan.name, plan_p99_s=round(self.oracle_plan.p99, 4),
+                                      candidates=self.oracle_plan.candidates,
+                                      planned_copies=sum(s.source >= 0 for s in self.oracle_plan.steps),
+                                      planned_waits=sum(s.depth > 0 for s in self.oracle_plan.steps))
         items = []
         for i, r in enumerate(reqs):
             rec = RequestRecord(idx=i, t=r.t, blocks=len(r.hash_ids), input_tokens=r.input_length,
                                 output_tokens=r.output_length, reusable=reusable[i])
             self.result.records.append(rec)
             items.append(_Req(i, r, rec))
-            if cfg.policy == "oracle":
-                items[-1].want = reusable[i]
+            if self.oracle_plan is not None:
+                items[-1].step = self.oracle_plan.steps[i]
         self._outstanding = len(items)
         self.kvs = [AsyncKvClient(a, timeout=cfg.rpc_timeout_s) for a in self.addresses]
         channels = [grpc.aio.insecure_channel(a) for a in self.addresses]
         self.cluster_stubs = [pb_grpc.ClusterStub(c) for c in channels]
-        self.engines = [Engine(i, n, kv, cfg, self._done, self.result)
+        self.engines = [Engine(i, n, kv, cfg, self._done, self.result, self.held)
                         for i, (n, kv) in enumerate(zip(self.node_ids, self.kvs))]
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task[Any]] = set()
@@ -384,7 +420,7 @@ class Driver:
                 engine.clock_start = time.perf_counter() + (self._start - loop.time())
             background.append(loop.create_task(self._sample()))
             if cfg.policy == "oracle":
-                background.append(loop.create_task(self._oracle(items, reusable, tasks)))
+                background.append(loop.create_task(self._oracle(items, tasks)))
             await self._dispatch(items, tasks)
             if items:
                 try:
