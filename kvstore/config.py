@@ -131,6 +131,7 @@ class NodeConfig:
     spec_budget: float = 0.2
     spec_bandwidth: int = 10**9
     spec_ttl: float = 120.0
+    node_rate: float = 0.0
     keep_fetched: bool = True
     fetch_timeout: float = 5.0
     max_pull_bytes: int = 64 << 20
@@ -176,6 +177,8 @@ class NodeConfig:
             raise ValueError("predictor_depths must be ascending positive block counts, e.g. 1,2,4,8")
         if not 0 < self.planner_tick <= 60 or not 0 < self.spec_ttl or not 0 < self.predictor_horizon:
             raise ValueError("planner_tick must be in (0, 60]; spec_ttl and predictor_horizon > 0")
+        if not self.node_rate >= 0:
+            raise ValueError("node_rate must be >= 0")
         if not 0 <= self.spec_threshold <= 1 or not 0 <= self.spec_budget <= 1:
             raise ValueError("spec_threshold and spec_budget must be in [0, 1]")
         if self.spec_bandwidth <= 0:
@@ -264,6 +267,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("spec_bandwidth", parse_size, "bytes/s the planner may spend on speculative "
             "copies, cluster-wide", "BYTES"),
     Setting("spec_ttl", float, "seconds an unread speculative replica lives unless renewed", "SECONDS"),
+    Setting("node_rate", float, "requests/s one node's engines serve: sizes each prefix's replica set from its "
+            "forecast demand, copied as a tree (0: unknown; at most 2 new copies per prefix per tick)", "RPS"),
     Setting("keep_fetched", parse_bool, "keep pages a Get pulled from a peer as local replicas", "BOOL"),
     Setting("fetch_timeout", float, "longest a Get waits for remote pages when the client gives no deadline; "
             "what has not arrived by then is reported missing", "SECONDS"),

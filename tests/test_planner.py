@@ -7,6 +7,8 @@ no clocks.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import random
 from collections.abc import Iterable
 
@@ -15,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.predict.planner import SKIP_REASONS, plan, renew_or_drop, select_candidates
+from kvstore.predict.planner import SKIP_REASONS, copy_tree, plan, renew_or_drop, select_candidates
 from kvstore.predict.planner_types import Candidate, Drop, NodeState, PlannerConfig, PlanResult, Renewal
 
 MB = 1_000_000
@@ -483,3 +485,53 @@ def test_property_decisions_are_safe(
     n_eligible = sum(c.prob >= cfg.threshold for c in cands)
     assert len(r.decisions) + sum(r.skipped.values()) == n_eligible
     assert set(r.skipped) <= set(SKIP_REASONS)
+
+
+# --------------------------------------------------------------------------
+# replica sets sized from forecast demand, copied as trees
+# --------------------------------------------------------------------------
+
+EIGHT = ("a", "b", "c", "d", "e", "f", "g", "h")
+SIZED = replace(CFG, node_rate=1.0, demand_window_s=10.0, fanout=2)
+
+
+def test_copy_tree_waves_and_fanout() -> None:
+    edges, waves = copy_tree(["a"], list("bcdefgh"), fanout=2)
+    assert waves == 2 and [t for _, t in edges] == list("bcdefgh")
+    assert edges[:2] == [("a", "b"), ("a", "c")]  # wave 1: only the holder has the pages
+    senders = [s for s, _ in edges[2:]]
+    assert set(senders) <= {"a", "b", "c"} and max(senders.count(s) for s in senders) <= 2
+    star, one = copy_tree(["a", "b"], ["c"], fanout=2)
+    assert star == [("a", "c")] and one == 1
+
+
+def test_demand_sizes_the_set_and_the_tree_spreads_the_holder_egress() -> None:
+    c = replace(cand(need=60.0), demand=80.0)  # 80 requests in 10 s at 1 req/s per node: 8 nodes
+    d = only(plan([c], nodes(*EIGHT), 10 * GB, SIZED, NOW))
+    assert sorted(d.targets) == list("bcdefgh") and d.waves == 2
+    assert len(d.tree) == 7 and sum(1 for s, _ in d.tree if s == "a") <= 2 * d.waves
+    assert "wants 7 more" in d.reason
+    legacy = only(plan([cand(need=60.0)], nodes(*EIGHT), 10 * GB, CFG, NOW))
+    assert len(legacy.targets) == 2 and legacy.tree == ()  # without a demand forecast: as before
+
+
+def test_a_tree_is_trimmed_to_the_waves_that_land_in_time() -> None:
+    page, bw = 10 * MB, 1 * GB  # 8 pages: 0.08 s a copy, x1.5 safety: 0.12 s a wave
+    c = replace(cand(need=0.13, page=page, options=(8,)), demand=80.0)
+    d = only(plan([c], nodes(*EIGHT), bw, SIZED, NOW))
+    assert len(d.targets) == 2 and d.waves == 1  # one wave fits: the holder's fan-out only
+
+
+def test_no_copy_when_the_set_already_serves_the_demand() -> None:
+    c = replace(cand(holders={8: {"a", "b"}}), demand=15.0)  # wants 2 nodes, 2 hold it
+    r = plan([c], nodes(*EIGHT), 10 * GB, SIZED, NOW)
+    assert not r.decisions and r.skipped == {"enough_copies": 1}
+
+
+def test_the_set_shrinks_when_the_demand_decays() -> None:
+    c = replace(cand(holders={8: {"a", "b", "c", "d"}}), demand=20.0)  # now wants 2 nodes
+    pid = (c.namespace, c.chain[-1])
+    spec = {pid: {"b": NOW + 10, "c": NOW + 50, "d": NOW + 90}}
+    renewals, drops = renew_or_drop([c], spec, {n: None for n in EIGHT}, SIZED, NOW)
+    assert sorted((dr.node, dr.reason) for dr in drops) == [("b", "surplus"), ("c", "surplus")]
+    assert not any(r.node in ("b", "c") for r in renewals)

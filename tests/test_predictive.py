@@ -119,3 +119,32 @@ def test_daemon_loads_a_trained_model_and_exposes_predictor_metrics(tmp_path, da
         time.sleep(0.1)
         text = urllib.request.urlopen(url, timeout=5).read().decode()
     assert "kvstore_planner_tick_seconds_count" in text
+
+
+def test_demand_sized_fanout_is_copied_as_a_tree(make_server) -> None:  # type: ignore[no-untyped-def]
+    """With --node-rate the forecast demand asks for every node; the copies go
+    as a tree (a serves two, they serve the rest), not five out of a."""
+    common = dict(replication="predictive", transport="tcp", heartbeat_interval=0.05, heartbeat_timeout=2.0,
+                  planner_tick=0.1, spec_ttl=30.0, capacity=32 << 20, node_rate=0.2)
+    a = make_server(node_id="a", **common)
+    others = [make_server(node_id=n, peers=(a.address,), **common) for n in "bcdef"]
+    servers = [a, *others]
+    for srv in servers:
+        with KvClient(srv.address) as kv:
+            kv.create_namespace("m", PAGE)
+    wait_until(lambda: all(s.call(lambda s=s: len(s.server.agent.membership.live_ids())) == 6 for s in servers),
+               10, "membership")
+    keys = chain_keys(np.arange(8 * 16), 16)
+    with KvClient(a.address) as ka:
+        ka.put("m", keys, random_pages(8, PAGE))
+        for _ in range(12):
+            assert ka.lookup("m", keys, record=True) == 8
+
+        def spread() -> int:
+            return sum(1 for s in others if s.call(lambda s=s: s.node.namespace("m").pool.speculative_slots) == 8)
+
+        wait_until(lambda: spread() == 5, 15, "speculative replicas on all five other nodes", state=spread)
+    saved = a.call(lambda: a.server.coordinator.egress_saved_s)
+    assert saved > 0, "every copy went out of the primary"
+    for srv in servers:
+        check_pools_sound(srv)

@@ -39,7 +39,7 @@ from kvstore.config import NodeConfig
 from kvstore.errors import KvError
 from kvstore.metrics import NodeMetrics
 from kvstore.pool.pool import PageKind
-from kvstore.predict.planner_types import Candidate, NodeState, PlannerConfig
+from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig
 from kvstore.predict.types import Access, Outcome, PredictorConfig
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -64,7 +64,7 @@ class Coordinator:
                                     momentum_window_s=config.predictor_momentum_window)
         self.plan_cfg = PlannerConfig(threshold=config.spec_threshold, spec_budget=config.spec_budget,
                                       spec_bandwidth=config.spec_bandwidth, tick_s=config.planner_tick,
-                                      ttl_s=config.spec_ttl)
+                                      ttl_s=config.spec_ttl, node_rate=config.node_rate)
         self.predictor = None
         if self.policy == "predictive":
             from kvstore.predict.online import Predictor  # LightGBM loads only for this policy
@@ -81,6 +81,7 @@ class Coordinator:
         self._full_queue: deque[tuple[str, str, list[bytes]]] = deque(maxlen=100_000)
         self.tick_seconds: list[float] = []
         self.decision_sources: Counter[str] = Counter()  # replicate decisions by the scorer behind them
+        self.egress_saved_s = 0.0  # holder egress seconds copy trees saved against copying all from one source
         self._scorer: dict[tuple[str, bytes], str] = {}
 
     # ---- inputs (the agent's Placement calls) --------------------------------
@@ -177,9 +178,13 @@ class Coordinator:
             scorer = self._scorer.get((decision.namespace, decision.keys[-1]), scores.source)
             self.decision_sources[scorer] += 1
             self.metrics.decisions.labels(f"scorer_{scorer}").inc()
+            per_target = decision.bytes // max(1, len(decision.targets))
+            if decision.tree:
+                self._spawn(self._copy_tree(decision, per_target))
+                continue
             for target in decision.targets:
                 self._spawn(self._copy(target, decision.namespace, list(decision.keys), decision.source,
-                                       PageKind.SPECULATIVE, decision.ttl_s, decision.bytes // max(1, len(decision.targets))))
+                                       PageKind.SPECULATIVE, decision.ttl_s, per_target))
         for namespace, key, node, expires in result.renewals:
             self._spawn(self._renew(node, namespace, key, expires - now))
         for namespace, key, node, reason in result.drops:
@@ -222,16 +227,22 @@ class Coordinator:
                 if prob > chosen.get(pid, (-1.0, 0.0, ""))[0]:
                     need_in = max(float(fc.onset_in_s[j] - fc.sigma_s[j]), floor)
                     chosen[pid] = (prob, need_in, "forecast")
+        demand: dict[tuple[str, bytes], float] = {}
+        if self.plan_cfg.node_rate > 0 and chosen:  # size each replica set from the forecast demand
+            pids = list(chosen)
+            window = self.predictor.forecast(now, self.plan_cfg.demand_window_s, keys=pids)
+            demand = {pid: float(e) for pid, e in zip(pids, window.expected)}
         out = []
         for pid, (prob, need_in, scorer) in chosen.items():
-            c = self._candidate(pid, prob, need_in)
+            c = self._candidate(pid, prob, need_in, demand.get(pid, 0.0))
             if c is not None:
                 out.append(c)
                 for d in c.depth_options:
                     self._scorer[(c.namespace, c.chain[d - 1])] = scorer
         return out
 
-    def _candidate(self, pid: tuple[str, bytes], prob: float, need_in_s: float) -> Candidate | None:
+    def _candidate(self, pid: tuple[str, bytes], prob: float, need_in_s: float,
+                   demand: float = 0.0) -> Candidate | None:
         namespace, _ = pid
         chain = self.predictor.chain(pid) if self.predictor is not None else ()
         page_bytes = self._page_bytes(namespace)
@@ -242,7 +253,7 @@ class Coordinator:
         live = set(self.membership.live_ids())
         holders = {d: frozenset(self.directory.holders(namespace, chain[d - 1]) & live) for d in options}
         return Candidate(namespace=namespace, chain=tuple(chain), depth_options=options, holders=holders,
-                         prob=prob, need_in_s=need_in_s, page_bytes=page_bytes)
+                         prob=prob, need_in_s=need_in_s, page_bytes=page_bytes, demand=demand)
 
     def _node_states(self) -> list[NodeState]:
         """Live nodes as their heartbeats describe them, plus the speculative
@@ -278,7 +289,8 @@ class Coordinator:
         task.add_done_callback(self._tasks.discard)
 
     async def _copy(self, target: str, namespace: str, keys: list[bytes], source: str, kind: PageKind,
-                    ttl: float, nbytes: int) -> None:
+                    ttl: float, nbytes: int) -> bool:
+        """One Replicate; True when ``target`` now holds every key."""
         key = (namespace, keys[-1])
         now = time.monotonic()
         if kind is PageKind.SPECULATIVE:
@@ -295,7 +307,7 @@ class Coordinator:
                                                timeout=max(self.control_timeout, 4 * self.plan_cfg.tick_s))
         except KvError as exc:
             log.warning("replicate to %s failed: %s", target, exc)
-            return
+            return False
         finally:
             self._in_flight_bytes -= nbytes
             pending = self.pending.get(key)
@@ -308,6 +320,31 @@ class Coordinator:
         if moved and took > 0:
             self.bandwidth = (1 - _BANDWIDTH_ALPHA) * self.bandwidth + _BANDWIDTH_ALPHA * moved / took
         self.metrics.spec_bytes.labels(kind.name.lower()).inc(moved)
+        return reply.copied + reply.already_present == len(set(keys))
+
+    async def _copy_tree(self, d: Decision, nbytes: int) -> None:
+        """A copy tree: each target, once its copy landed, serves its own
+        targets (the next wave); if a copy fails, its subtree copies from the
+        node that was to send to it. Every target is pending from the start,
+        so routers see the whole set coming."""
+        children: dict[str, list[str]] = {}
+        for src, dst in d.tree:
+            children.setdefault(src, []).append(dst)
+        key, now = (d.namespace, d.keys[-1]), time.monotonic()
+        per_wave = nbytes / self.bandwidth if self.bandwidth else 0.0
+        for _, dst in d.tree:
+            self.pending.setdefault(key, {})[dst] = now + per_wave * d.waves
+        roots = [(s, t) for s, t in d.tree if s not in set(d.targets)]
+        # holder egress a star from one source would have spent, beyond what the tree's roots send
+        self.egress_saved_s += (len(d.targets) - len(roots)) * per_wave
+
+        async def copy(src: str, dst: str) -> None:
+            ok = await self._copy(dst, d.namespace, list(d.keys), src, PageKind.SPECULATIVE, d.ttl_s, nbytes)
+            following = children.get(dst, [])
+            if following:
+                await asyncio.gather(*(copy(dst if ok else src, nxt) for nxt in following))
+
+        await asyncio.gather(*(copy(s, t) for s, t in roots))
 
     async def _renew(self, node: str, namespace: str, key: bytes, ttl: float) -> None:
         self._placed[(namespace, key)] = time.monotonic()
@@ -342,6 +379,7 @@ class Coordinator:
                "tick_p99_ms": float(np.percentile(ticks, 99) * 1e3)}
         if self.predictor is not None:
             out.update(self.predictor.stats())
+        out["egress_saved_s"] = self.egress_saved_s
         total = sum(self.decision_sources.values())
         out["decision_sources"] = {k: v / total for k, v in self.decision_sources.items()} if total else {}
         return out

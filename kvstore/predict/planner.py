@@ -71,21 +71,20 @@ that failed and why.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore.predict.planner_types import Candidate, Decision, Drop, NodeState, PlannerConfig, PlanResult, Renewal
+from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig, PlanResult
+from kvstore.predict.renewals import Speculative, renew_or_drop
 from kvstore.predict.types import PrefixId
 from kvstore.units import format_size
 
-Speculative = Mapping[PrefixId, Mapping[str, float]]
-"""``speculative[(namespace, key of the deepest block)] = {node_id: expires_at}``."""
-
 SKIP_REASONS = (
     "too_late", "no_target", "no_room", "bandwidth", "no_source",
-    "held_everywhere", "cap", "unknown_size",
+    "held_everywhere", "cap", "unknown_size", "enough_copies",
 )
 
 
@@ -311,6 +310,8 @@ class _Tick:
                 break
             if not held:
                 reason = "no_source"
+            elif self._wanted(c, len(held) + len(pending)) == 0:
+                return "enough_copies"  # the replica set already serves the forecast demand
             else:
                 room = [n for n in self.live.values()
                         if n.node_id not in held and n.node_id not in pending and n.room_for(nbytes)]
@@ -319,6 +320,15 @@ class _Tick:
                 reason = "no_room"
             notes.append((d, reason))
         return reason
+
+    def _wanted(self, c: Candidate, have: int) -> int | None:
+        """New copies the forecast demand asks for (``None``: demand or node
+        rate unknown, so ``max_targets`` caps the copies as before)."""
+        cfg = self.cfg
+        if cfg.node_rate <= 0 or c.demand <= 0:
+            return None
+        want = min(len(self.live), math.ceil(c.demand / (cfg.node_rate * cfg.demand_window_s)))
+        return max(0, want - have)
 
     def _decide(
         self,
@@ -330,22 +340,44 @@ class _Tick:
         room: list[_NodeTick],
         notes: list[tuple[int, str]],
     ) -> Decision:
-        """Pick targets and source for ``c`` at ``depth`` and book their bytes."""
+        """Pick targets and sources for ``c`` at ``depth`` and book their bytes.
+
+        Without a demand forecast: up to ``max_targets`` targets, all copied
+        from one source. With one: as many targets as the demand asks for,
+        copied as a tree (every holder serves ``fanout`` targets a wave, and
+        each target serves the next wave once its copy landed), trimmed to
+        the waves that land in time."""
+        cfg = self.cfg
         room.sort(key=_NodeTick.target_key)
-        k = min(self.cfg.max_targets, self.budget_left // nbytes, len(room))
+        sources = sorted((self.live[n] for n in held), key=_NodeTick.source_key)
+        wanted = self._wanted(c, len(held))
+        if wanted is None:
+            k = min(cfg.max_targets, self.budget_left // nbytes, len(room))
+            waves_ok = 1
+        else:
+            waves_ok = max(1, int(c.need_in_s // (transfer_s * cfg.safety))) if transfer_s > 0 else 1
+            reach = len(sources) * ((1 + max(1, cfg.fanout)) ** min(waves_ok, 16) - 1)
+            k = min(wanted, reach, self.budget_left // nbytes, len(room))
         targets = room[:k]
-        source = min((self.live[n] for n in held), key=_NodeTick.source_key)
+        if wanted is None:
+            edges = [(sources[0].node_id, n.node_id) for n in targets]
+            waves = 1
+        else:
+            edges, waves = copy_tree([n.node_id for n in sources], [n.node_id for n in targets], cfg.fanout)
         why = (
             f"p={c.prob:.2f} need_in={c.need_in_s:.1f}s depth={depth}/{len(c.chain)} "
-            f"transfer {transfer_s:.3f}s x{self.cfg.safety:g} fits; src {source.node_id}; "
+            f"transfer {transfer_s:.3f}s x{waves} wave(s) x{cfg.safety:g} fits; src {sources[0].node_id}; "
             f"targets {', '.join(_fmt_node(n) for n in targets)}"
         )
+        if wanted is not None:
+            why += f"; demand {c.demand:.1f} req/{cfg.demand_window_s:g}s wants {wanted} more"
         if notes:
             why += "; deeper: " + ", ".join(f"depth {d} {r}" for d, r in notes)
         total = nbytes * k
         for n in targets:
             n.planned_in += nbytes
-        source.planned_out += total
+        for src, _ in edges:
+            self.live[src].planned_out += nbytes
         self.budget_left -= total
         self.max_room = -1
         names = {n.node_id for n in targets}
@@ -355,74 +387,41 @@ class _Tick:
             namespace=c.namespace,
             keys=c.chain[:depth],
             depth=depth,
-            source=source.node_id,
+            source=sources[0].node_id,
             targets=tuple(n.node_id for n in targets),
             prob=c.prob,
-            ttl_s=self.cfg.ttl_s,
+            ttl_s=cfg.ttl_s,
             reason=why,
             bytes=total,
             transfer_s=transfer_s,
             need_in_s=c.need_in_s,
+            tree=tuple(edges) if wanted is not None else (),
+            waves=waves,
         )
 
 
-# --------------------------------------------------------------------------
-# renewals and drops
-# --------------------------------------------------------------------------
+def copy_tree(sources: Sequence[str], targets: Sequence[str], fanout: int) -> tuple[list[tuple[str, str]], int]:
+    """Edges ``(from, to)`` of a copy tree, in wave order, and its number of waves.
 
-
-def _hot_scores(candidates: Sequence[Candidate]) -> dict[PrefixId, float]:
-    """Best score of every prefix key any candidate covers (a deeper hot
-    prefix keeps its shallower replicas hot too).
-
-    Candidates go in ascending prob order so the best score overwrites the
-    others in one comprehension (cheap: ``plan`` passes them already sorted
-    the other way, which timsort reverses in linear time).
-    """
-    ascending = sorted(candidates, key=_prob)
-    return {(c.namespace, key): c.prob for c in ascending for key in c.chain}
-
-
-def _prob(c: Candidate) -> float:
-    return c.prob
-
-
-def renew_or_drop(
-    candidates: Sequence[Candidate],
-    speculative: Speculative,
-    live: Mapping[str, object],
-    cfg: PlannerConfig,
-    now: float,
-) -> tuple[list[Renewal], list[Drop]]:
-    """Renew hot speculative replicas, drop expired and decayed ones.
-
-    * ``expires_at <= now`` -> drop ``expired`` (the node may already have
-      evicted it; a still-hot prefix is simply copied again if it fits);
-    * best score of the prefix ``< cfg.keep_threshold`` (or the prefix is not
-      among ``candidates``) -> drop ``decayed``;
-    * otherwise, once less than ``cfg.renew_when_left * cfg.ttl_s`` is left,
-      renew to ``now + cfg.ttl_s`` (not every tick: fewer control messages).
-
-    Replicas on nodes not in ``live`` are left to expire (no renewal, no drop:
-    a node that comes back drops its own expired replicas).
-    """
-    hot = _hot_scores(candidates)
-    keep = cfg.keep_threshold
-    renew_at = cfg.renew_when_left * cfg.ttl_s
-    renewals: list[Renewal] = []
-    drops: list[Drop] = []
-    for (ns, key), placed in speculative.items():
-        score = hot.get((ns, key), -1.0)
-        for node, expires_at in placed.items():
-            if node not in live:
-                continue
-            if expires_at <= now:
-                drops.append(Drop(ns, key, node, "expired"))
-            elif score < keep:
-                drops.append(Drop(ns, key, node, "decayed"))
-            elif expires_at - now < renew_at:
-                renewals.append(Renewal(ns, key, node, now + cfg.ttl_s))
-    return renewals, drops
+    Wave 1: each source sends to ``fanout`` targets; from then on every node
+    that holds the pages (sources and landed targets) sends to ``fanout``
+    more. So k targets take about ``log_(1+fanout)(k / sources + 1)`` waves
+    instead of ``k / fanout`` sends out of one node's egress."""
+    servers, todo = list(sources), list(targets)
+    edges: list[tuple[str, str]] = []
+    waves = 0
+    while todo:
+        waves += 1
+        landed = []
+        for server in servers:
+            for _ in range(max(1, fanout)):
+                if not todo:
+                    break
+                target = todo.pop(0)
+                edges.append((server, target))
+                landed.append(target)
+        servers += landed
+    return edges, max(waves, 1)
 
 
 # --------------------------------------------------------------------------
@@ -483,4 +482,4 @@ def plan(
     return result
 
 
-__all__ = ["SKIP_REASONS", "Speculative", "plan", "renew_or_drop", "select_candidates"]
+__all__ = ["SKIP_REASONS", "Speculative", "copy_tree", "plan", "renew_or_drop", "select_candidates"]

@@ -38,6 +38,7 @@ class Candidate:
     need_in_s: float                   # predicted seconds until the next request
     page_bytes: int
     fanout: int = 1                    # distinct nodes that requested it recently
+    demand: float = 0.0                # forecast requests in the next cfg.demand_window_s (0: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,8 @@ class Decision:
     bytes: int = 0                     # total over all targets
     transfer_s: float = 0.0            # predicted time of one target's copy at the measured bandwidth
     need_in_s: float = 0.0             # predicted lead time the copy was gated against
+    tree: tuple[tuple[str, str], ...] = ()  # (from, to) copies in wave order; () = all from ``source``
+    waves: int = 1                     # rounds of the copy tree (its time is waves x transfer_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,9 @@ class PlannerConfig:
     max_decisions: int = 256
     drop_below: float | None = None    # hysteresis: keep (renew) a replica while prob >= this; None = threshold / 2
     renew_when_left: float = 0.5       # renew a hot replica once less than this share of ttl_s is left (1.0 = every tick)
+    node_rate: float = 0.0             # requests/s one node serves; with a candidate's demand it sizes the replica set
+    demand_window_s: float = 10.0      # the demand of a candidate is counted over this window
+    fanout: int = 2                    # copies one node sends per wave of a copy tree
 
     @property
     def keep_threshold(self) -> float:
@@ -91,7 +97,7 @@ class Drop(NamedTuple):
     namespace: str
     key: bytes                         # chain key of the replica's deepest block
     node: str
-    reason: str                        # "expired" | "decayed"
+    reason: str                        # "expired" | "decayed" | "surplus"
 
 
 @dataclass(slots=True)
