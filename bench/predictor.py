@@ -38,10 +38,10 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvstore.predict.cli import json_safe, plot_pr, run_eval  # noqa: E402
-from kvstore.predict.evaluate import build_dataset, evaluate, markdown_table, time_split  # noqa: E402
+from kvstore.predict.cli import eval_main, json_safe  # noqa: E402
+from kvstore.predict.evaluate import build_dataset, evaluate  # noqa: E402
 from kvstore.predict.features import FeatureStore  # noqa: E402
-from kvstore.predict.model import BurstModel  # noqa: E402
+from kvstore.predict.model import DEFAULT_MODEL_PATH, BurstModel  # noqa: E402
 from kvstore.predict.online import Predictor  # noqa: E402
 from kvstore.predict.trace import Simulator, load_mooncake  # noqa: E402
 from kvstore.predict.types import Access, Outcome, PredictorConfig  # noqa: E402
@@ -155,41 +155,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--azure", default=str(DATA / "azure_code_2023.csv"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-online", action="store_true")
+    ap.add_argument("--skip-eval", action="store_true", help="skip the cross-trace evaluation")
+    ap.add_argument("--speed-only", action="store_true", help="only the speed runs")
+    ap.add_argument("--runs", type=int, default=3, help="speed runs (min / median / max reported)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = PredictorConfig(num_threads=args.threads)
     conv = Path(args.conversation)
 
-    evargs = argparse.Namespace(nodes=4, router="round_robin", capacity_blocks=16384, sample_every=30.0,
-                                max_rows=2000, threads=args.threads, limit=None, seed=0)
-    runs = [(args.conversation, "round_robin"), (args.conversation, "random"), (args.azure, "round_robin"),
-            ("synth", "round_robin")]
-    results: list[tuple[str, dict[str, Any]]] = []
-    with tqdm(total=2 * len(runs), desc="evaluation") as bar:
-        for path, router in runs:
-            if not path.startswith("synth") and not Path(path).exists():
-                print(f"skipping {path}: not found", file=sys.stderr)
-                bar.update(2)
-                continue
-            for name, r in run_eval([path], cfg, replace_ns(evargs, router=router), ["remote", "reuse"],
-                                    progress=bar.update):
-                results.append((f"{name} [{router}]", r))
-    table = markdown_table(results)
-    print("\n## Offline evaluation (test part, time-ordered split)\n")
-    print(table)
-
-    # a model for the speed check: trained on the conversation trace (y_remote)
-    ds = build_dataset(load_mooncake(conv), cfg)
-    tr, va, _ = time_split(ds, cfg.horizon_s)
-    model = BurstModel(ds.names, num_threads=args.threads).train(ds.X[tr], ds.y_remote[tr],
-                                                                 valid=(ds.X[va], ds.y_remote[va]))
-    speed = bench_speed(model, args.threads)
-    print("\n## Speed\n")
-    speed_md = "\n".join(["| metric | value |", "|---|---|"] +
-                         [f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |"
-                          for k, v in speed.items()])
+    if not args.skip_eval:  # the cross-trace evaluation, exactly as `kvctl eval-predictor` prints it
+        eval_main(["--out", str(out / "eval"), "--threads", str(args.threads)])
+    # speed with the shipped model (the one the daemon loads), over --runs runs
+    model = BurstModel.load(DEFAULT_MODEL_PATH, num_threads=args.threads)
+    runs = [bench_speed(model, args.threads) for _ in tqdm(range(args.runs), desc="speed runs")]
+    speed = {k: [r[k] for r in runs] for k in runs[0]}
+    print(f"\n## Speed ({args.runs} runs: min / median / max)\n")
+    speed_md = "\n".join(["| metric | min | median | max |", "|---|---|---|---|"] +
+                         [f"| {k} | {min(v):.3f} | {float(np.median(v)):.3f} | {max(v):.3f} |" for k, v in speed.items()])
     print(speed_md)
+    if args.speed_only:
+        (out / "predictor_speed.json").write_text(json.dumps(json_safe(speed), indent=2) + "\n")
+        return 0
+    results: list[tuple[str, dict[str, Any]]] = []
     sens = momentum_sensitivity(conv)
     sens_md = "\n".join(["| W (s) | m | momentum PR-AUC | LightGBM PR-AUC | gated |", "|---|---|---|---|---|"] +
                         [f"| {r['W']:g} | {r['m']} | {r['momentum_pr_auc']:.3f} | {r['lightgbm_pr_auc']:.3f} | "
@@ -216,11 +204,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                               if k != "curves"}} for n, r in results],
            "momentum_sensitivity": sens, "online": onl}
     (out / "predictor.json").write_text(json.dumps(json_safe(doc), indent=2) + "\n")
-    (out / "predictor.md").write_text("# Burst predictor benchmark\n\n## Offline evaluation\n\n" + table +
+    (out / "predictor.md").write_text("# Burst predictor benchmark\n\n(offline evaluation: eval/eval.md)" +
                                       "\n\n## Speed\n\n" + speed_md + "\n\n## Momentum window sensitivity\n\n" +
                                       sens_md + ("\n\n## Online replay\n\n" + onl_md if onl_md else "") + "\n")
-    plot_pr(results, out / "predictor.png")
-    print(f"\nwrote {out / 'predictor.json'}, {out / 'predictor.md'}, {out / 'predictor.png'}")
+    print(f"\nwrote {out / 'predictor.json'}, {out / 'predictor.md'}")
     return 0
 
 

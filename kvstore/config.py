@@ -253,8 +253,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("replication", parse_choice("none", "reactive", "predictive", "full"), "none: a Get serves local pages only; reactive: a Get pulls missing pages from the peers that hold "
             "them; predictive: reactive, plus the coordinator copies prefixes it forecasts to nodes before "
             "their requests arrive; full: every page is copied to every node (the cost ceiling)", "POLICY"),
-    Setting("predictor_model", str, "LightGBM model file from `kvctl train` (default: momentum rule until "
-            "the online retraining has enough data)", "FILE"),
+    Setting("predictor_model", str, "LightGBM model file from `kvctl train` (default: the shipped model, "
+            "kvstore/data/burst_model.json; 'none': the momentum rule until online retraining has enough data)",
+            "FILE"),
     Setting("predictor_depths", lambda v: tuple(int(x) for x in (v.split(",") if isinstance(v, str) else v)),
             "prefix depths in blocks the predictor tracks", "LIST"),
     Setting("predictor_horizon", float, "H: the predictor forecasts requests within this many seconds",

@@ -25,7 +25,7 @@ from kvstore.predict.types import PredictorConfig
 
 SAMPLE = Path(__file__).parent / "data" / "mooncake_sample.jsonl"
 MOM = FEATURE_NAMES.index("momentum")
-SMALL = ["--horizon", "60", "--sample-every", "10", "--max-rows", "300"]
+SMALL = ["--horizon", "60", "--sample-every", "10", "--max-rows", "300", "--train-from", "0"]
 
 
 def test_auc_hand_computed() -> None:
@@ -188,18 +188,21 @@ def test_kvctl_train_and_eval(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     model = tmp_path / "model.json"
     assert train_main(["--trace", str(SAMPLE), "--out", str(model), *SMALL]) == 0
     out = capsys.readouterr().out
-    assert "| lightgbm |" in out and "| momentum |" in out
+    assert "| source (validation part) |" in out and "| mooncake_sample |" in out
     meta = json.loads((tmp_path / "model.json.metrics.json").read_text())
-    assert meta["valid"]["label"] == "remote" and meta["train_rows"] > 1000
+    assert meta["model"]["label"] == "remote" and meta["model"]["rows"] > 500 and "gate_ok" in meta["model"]
     p = Predictor(PredictorConfig(), model_path=model)
     assert p.model is not None and p.load_error is None
     assert eval_main(["--trace", str(SAMPLE), "--out", str(tmp_path / "ev"), *SMALL]) == 0
     out = capsys.readouterr().out
-    assert out.count("| mooncake_sample |") == 6 and "gated (" in out
+    assert out.count("| mooncake_sample | remote |") == 3 and out.count("| mooncake_sample | reuse |") == 3
+    assert "gated (" in out and "Rate forecasts" in out
     doc = json.loads((tmp_path / "ev" / "eval.json").read_text())
     assert {r["label"] for r in doc["results"]} == {"remote", "reuse"}
     for r in doc["results"]:
-        assert set(r) >= {"lightgbm", "momentum", "gated", "split"} and r["split"]["test"] > 0
+        assert set(r) >= {"lightgbm", "momentum", "gated", "valid"} and r["lightgbm"]["rows"] > 0
+    assert eval_main(["--trace", str(SAMPLE), "--model", str(model), "--labels", "remote", *SMALL]) == 0
+    assert capsys.readouterr().out.count("| mooncake_sample | remote |") == 3
     assert (tmp_path / "ev" / "pr_curves.png").stat().st_size > 10_000
     assert eval_main(["--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert train_main(["--trace", str(tmp_path / "missing.jsonl"), "--out", str(model)]) == 2

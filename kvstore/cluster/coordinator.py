@@ -67,9 +67,11 @@ class Coordinator:
                                       ttl_s=config.spec_ttl, node_rate=config.node_rate)
         self.predictor = None
         if self.policy == "predictive":
+            from kvstore.predict.model import DEFAULT_MODEL_PATH
             from kvstore.predict.online import Predictor  # LightGBM loads only for this policy
 
-            self.predictor = Predictor(self.pcfg, model_path=config.predictor_model or None,
+            model = config.predictor_model or (str(DEFAULT_MODEL_PATH) if DEFAULT_MODEL_PATH.is_file() else "")
+            self.predictor = Predictor(self.pcfg, model_path=None if model in ("", "none") else model,
                                        holders_count=self._holders_count)
         # prefixes this coordinator placed: (namespace, deepest key) -> when last copied or renewed
         self._placed: dict[tuple[str, bytes], float] = {}

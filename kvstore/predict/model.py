@@ -22,6 +22,8 @@ import numpy as np
 from kvstore.predict.features import FEATURE_NAMES
 
 FORMAT = "kvstore-burst-model/1"
+# The model shipped as package data (``kvctl train --out`` this path rebuilds it; see docs/predictor.md).
+DEFAULT_MODEL_PATH = Path(__file__).resolve().parents[1] / "data" / "burst_model.json"
 
 # Modest, regularised defaults: the traces are small (1e4-1e5 rows) and drift,
 # so shallow-ish trees, row/column subsampling and early stopping.

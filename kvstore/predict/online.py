@@ -96,6 +96,7 @@ class Predictor:
         self._events = EventLog(cfg.depths)
         self._rng = np.random.default_rng(seed)
         self._slot = _Slot(None, 0, False, {})
+        self._base: BurstModel | None = None  # the offline model online retraining starts from
         self.load_error: str | None = None
         if model_path is not None:
             self.load(model_path)
@@ -132,7 +133,8 @@ class Predictor:
             self.load_error = str(exc)
             log.warning("predictor: %s; using momentum", exc)
             return False
-        self.install(model)
+        self._base = model
+        self.install(model, gate_ok=bool(model.meta.get("gate_ok", True)))
         return True
 
     def install(self, model: BurstModel, gate_ok: bool = True) -> None:
@@ -321,20 +323,32 @@ class Predictor:
         purged = tr[self._t[tr] + self.cfg.horizon_s <= t_cut]  # no label window reaches validation
         if purged.size >= pos.size // 2:
             tr = purged
+        age = self._t[tr] - self._t[pos[-1]]
+        weight = np.exp(age / self.cfg.recency_tau_s) if self.cfg.recency_tau_s > 0 else np.ones(tr.size)
         job = (self._X[tr].copy(), self._y_remote[tr].copy(), self._X[va].copy(), self._y_remote[va].copy(),
-               self._p_mom[va].copy())
+               self._p_mom[va].copy(), weight)
         self._thread = threading.Thread(target=self._train_job, args=job, name="kvstore-predictor-retrain",
                                         daemon=True)
         self._thread.start()
         return True
 
-    def _train_job(self, X: np.ndarray, y: np.ndarray, Xv: np.ndarray, yv: np.ndarray, mom_v: np.ndarray) -> None:
-        """Worker thread: train on copies, compare with momentum on validation, swap the slot."""
+    def _train_job(self, X: np.ndarray, y: np.ndarray, Xv: np.ndarray, yv: np.ndarray, mom_v: np.ndarray,
+                   weight: np.ndarray | None = None) -> None:
+        """Worker thread: train on copies, compare with momentum on validation, swap the slot.
+
+        With an offline model loaded, training continues from it (its trees
+        plus up to 100 new ones fit to the recent, recency-weighted rows), so
+        a retrain adapts the shipped model to this cluster instead of
+        starting from scratch on a few thousand rows.
+        """
         t0 = time.perf_counter()
         try:
             if y.min() == y.max():
                 raise ValueError("labelled log has a single class")
-            model = BurstModel(self.names, num_threads=self.cfg.num_threads).train(X, y, valid=(Xv, yv))
+            base = self._base
+            model = BurstModel(self.names, num_threads=self.cfg.num_threads,
+                               num_boost_round=100 if base is not None else 300)
+            model.train(X, y, valid=(Xv, yv), weight=weight, init_model=base)
             pv = model.predict(Xv)
             model.operating_threshold = best_f1_threshold(yv, pv)
             ap_m, ap_b = pr_auc(yv, pv), pr_auc(yv, mom_v)
@@ -372,5 +386,6 @@ class Predictor:
             "pending_samples": len(self._pending), "events_logged": len(self._events), "training": self.training,
             "retrains": self.retrains, "last_train_s": self.last_train_s, "train_error": self.train_error,
             "load_error": self.load_error, "last_score_ms": self.last_score_ms,
+            "base_model": self._base is not None,
             "dropped_idle": self.fs.dropped_idle, "dropped_full": self.fs.dropped_full,
         }

@@ -71,4 +71,5 @@ class PredictorConfig:
     eval_rows: int = 20_000           # online: most recent labelled rows used for evaluation
     need_in_floor_s: float = 1.0      # floor of need_in_s (timestamps come in batches)
     num_threads: int = 1              # LightGBM threads (training and inference)
+    recency_tau_s: float = 1800.0     # online retraining weighs a labelled row exp((t - t_newest) / tau)
     forecast_lead_s: float = 30.0     # rate forecast: copy a prefix whose next burst is due within this (s)
