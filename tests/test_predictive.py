@@ -101,7 +101,7 @@ def test_daemon_loads_a_trained_model_and_exposes_predictor_metrics(tmp_path, da
     model = tmp_path / "model.json"
     sample = Path(__file__).parent / "data" / "mooncake_sample.jsonl"
     assert kvctl(["train", "--trace", str(sample), "--out", str(model), "--threads", "1", "--horizon", "60",
-                  "--sample-every", "10", "--max-rows", "300"]) == 0
+                  "--sample-every", "10", "--max-rows", "300", "--train-from", "0"]) == 0
     d = daemon("--node-id", "a", "--replication", "predictive", "--predictor-model", str(model),
                "--predictor-horizon", "60",
                "--metrics-port", "0", "--planner-tick", "0.1", "--transport", "tcp")
