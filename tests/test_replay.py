@@ -358,3 +358,49 @@ def test_workload_shapes() -> None:
     first, last = sum(r.t < 40 for r in ramp), sum(r.t >= 80 for r in ramp)
     assert last > 2 * first
     assert shape_requests("agent-fanout", seed=3) == shape_requests("agent-fanout", seed=3)
+
+
+# ---- failover -------------------------------------------------------------------------
+
+def test_kill_specs_window_and_the_oracle_knows() -> None:
+    from bench.replay.cli import parse_kills
+    from bench.replay.metrics import after_kill
+
+    assert parse_kills(["n3@20", "1@5.5"], nodes=4) == [(3, 20.0), (1, 5.5)]
+    for bad in ("n4@1", "n1", "x@1", "n1@-2"):
+        with pytest.raises(ValueError):
+            parse_kills([bad], nodes=4)
+    recs = [RequestRecord(idx=i, t=t, blocks=2, miss=2, queue_s=q, done=True, node=n, kv_error=e)
+            for i, (t, q, n, e) in enumerate([(1.0, 9.0, "n0", ""), (5.0, 1.0, "n1", "Unavailable"),
+                                              (20.0, 2.0, "n0", ""), (40.0, 9.0, "n0", "")])]
+    f = after_kill(recs, "n1", 4.0)
+    assert (f["requests"], f["kv_errors"], f["on_killed_node"]) == (2, 1, 1)
+    assert f["ttft_p50_s"] == pytest.approx(1.5) and f["miss_ratio"] == 1.0
+    # the oracle knows the kill: nothing is copied from or to the dead node, and it recomputes there
+    cost = CostModel.preset("llama3-8b")
+    reqs = _burst(32, 3, 0.02)
+    p = plan(reqs, reusable_blocks(reqs), nodes=2, concurrency=8, cost=cost, down={1: 0.0})
+    assert all(s.source != 1 for s in p.steps)
+    assert all(s.depth == 0 for s in p.steps if s.node == 1)
+
+
+def test_replay_kill_a_node(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--kill SIGKILLs a real node mid-run: every request still completes (its engine recomputes), the report
+    has the after-kill TTFT, and no daemon is left."""
+    from bench.replay.cli import replay_main
+
+    out = tmp_path / "kill"
+    rc = replay_main(["--trace", "synth", "--synth-bursts", "2", "--synth-requests", "6", "--synth-prefix-tokens",
+                      "4096", "--synth-window", "1", "--synth-decoys", "0", "--synth-background", "1",
+                      "--synth-duration", "8", "--synth-output-tokens", "32", "--nodes", "2", "--policies", "reactive",
+                      "--routers", "round-robin", "--speedup", "8", "--byte-scale", "16384", "--capacity", "16MiB",
+                      "--heartbeat", "0.1", "--kill", "n1@3", "--drain-timeout", "30", "--no-progress",
+                      "--no-plots", "--out", str(out)])
+    assert rc == 0
+    assert not _kvstored_children(), "daemons left behind"
+    (w,) = json.loads((out / "results.json").read_text())["workloads"].values()
+    s = w["policies"]["reactive"]
+    assert s["completed"] == s["requests"] and s["kv_errors"] >= 1
+    (f,) = s["failover"]
+    assert f["node"] == "n1" and f["t"] == 3.0 and f["requests"] >= 1 and f["on_killed_node"] >= 1
+    assert "After the kill" in (out / "report.md").read_text()

@@ -26,7 +26,7 @@ from bench.replay import netns
 from bench.replay.cluster import ClusterSpec, LocalCluster
 from bench.replay.costmodel import LINKS, PRESETS, CostModel
 from bench.replay.engine import Driver, RunConfig
-from bench.replay.metrics import aggregate, check, cluster_summary, metric_sum
+from bench.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum
 from bench.replay.report import plot_cdf, plot_timeline, ratios, render, sweep_table, table
 from bench.replay.routers import ROUTERS, make_router
 from bench.replay.sweep import compare, key, router_configs
@@ -112,6 +112,9 @@ def replay_parser() -> argparse.ArgumentParser:
     c.add_argument("--spec-ttl", type=float, default=60.0, help="speculative replica TTL (real s), also the oracle's")
     c.add_argument("--oracle-lead", type=float, default=4.0, help="oracle decides and copies this long before "
                    "arrival (trace s)")
+    c.add_argument("--kill", action="append", default=[], metavar="NODE@T",
+                   help="failover: SIGKILL node NODE (n3, or 3) at trace second T of every run (repeatable); the "
+                        "report gives TTFT in the 30 s after it; the engine in front of it recomputes")
     c.add_argument("--kvstored-arg", action="append", default=[], help="extra kvstored flag (repeat; e.g. "
                    "--kvstored-arg=--spec-threshold=0.3)")
     e = p.add_argument_group("engines and cost model")
@@ -168,6 +171,21 @@ def link_of(a: argparse.Namespace) -> tuple[float, float]:
     return rate, latency
 
 
+def parse_kills(specs: list[str], nodes: int) -> list[tuple[int, float]]:
+    """``["n3@20", "1@5.5"]`` -> ``[(3, 20.0), (1, 5.5)]`` (node index, trace s)."""
+    out = []
+    for spec in specs:
+        node, sep, t = spec.partition("@")
+        try:
+            index, at = int(node.strip().lstrip("n")), float(t)
+        except ValueError:
+            raise ValueError(f"--kill {spec!r}: expected NODE@T, e.g. n3@20") from None
+        if not sep or not 0 <= index < nodes or at < 0:
+            raise ValueError(f"--kill {spec!r}: node must be n0..n{nodes - 1} and T >= 0 trace seconds")
+        out.append((index, at))
+    return out
+
+
 def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a: argparse.Namespace,
                cost: CostModel, progress: Any, log_name: str) -> dict[str, Any]:
     """One fresh cluster, one replay; returns the summary, the records and the timeline."""
@@ -185,8 +203,9 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
     router = make_router(router_name, balance_abs, a.balance_rel, not a.no_hints, a.match_threshold, a.hint_cover)
     cfg = RunConfig(policy=policy, router=router, cost=cost, namespace=a.preset, speedup=a.speedup,
                     concurrency=a.concurrency, oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl,
-                    fetch_timeout_s=a.fetch_timeout, drain_timeout_s=a.drain_timeout)
+                    fetch_timeout_s=a.fetch_timeout, drain_timeout_s=a.drain_timeout, kills=parse_kills(a.kill, a.nodes))
     with LocalCluster(spec, a.out / "logs" / log_name) as cluster:  # stops the daemons on any exit
+        cfg.kill = cluster.kill
         ids = [n.node_id for n in cluster.nodes]
         network = cluster.network()
         driver = Driver(wl, ids, [n.address for n in cluster.nodes], cfg, progress)
@@ -194,13 +213,15 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
             result = runner.run(driver.run())
         coordinator_metrics = cluster.scrape(0)
         link_bytes = sum(metric_sum(cluster.scrape(i), "kvstore_peer_bytes_total", {"direction": "in"})
-                         for i in range(len(ids)))
+                         for i in range(len(ids)) if i not in result.killed)
     summary = aggregate(result.records, cluster_summary(
         policy, result.node_stats, coordinator_metrics, cost.scaled_page_bytes, cost.byte_scale,
         result.oracle.get("copied_pages", 0), result.placed_used_pages, link_bytes),
         slo_factor=a.slo_factor, gpus=cost.gpus, block_tokens=cost.block_tokens)
     summary.update(put_errors=result.put_errors, wall_s=round(result.wall_s, 2), oracle=result.oracle,
                    daemon_args=spec.args("nX"), router=router_cfg[0], network=network)
+    if cfg.kills:
+        summary["failover"] = [after_kill(result.records, ids[i], t) for i, t in cfg.kills]
     return {"summary": summary, "records": result.records, "timeline": result.timeline, "node_ids": ids}
 
 
@@ -245,6 +266,7 @@ def _replay(a: argparse.Namespace) -> int:
         seeds = [a.seed + k for k in range(a.repeats)]
         workloads_by_seed = {seed: build_workloads(a, seed) for seed in seeds}
         parse_size(a.capacity)
+        parse_kills(a.kill, a.nodes)
         if a.network == "netns":
             if netns.available():
                 raise ValueError(netns.available())

@@ -181,6 +181,12 @@ class LocalCluster:
         except OSError:
             return ""
 
+    def kill(self, index: int) -> None:
+        """SIGKILL node ``index`` (failover runs); :meth:`stop` reaps it."""
+        proc = self.nodes[index].proc
+        if proc.poll() is None:
+            proc.kill()
+
     # ---- stop --------------------------------------------------------------
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM every node, wait up to ``grace`` seconds, then SIGKILL what is left."""

@@ -82,6 +82,8 @@ class RunConfig:
     sample_s: float = 0.25            # real seconds between timeline samples
     drain_timeout_s: float = 120.0    # real seconds to finish after the last arrival
     verify: bool = True
+    kills: list[tuple[int, float]] = field(default_factory=list)   # (node index, trace s): --kill
+    kill: Callable[[int], None] | None = None                       # SIGKILLs node i
 
 
 @dataclass(slots=True)
@@ -92,6 +94,7 @@ class RunResult:
     put_errors: int = 0
     placed_used_pages: int = 0        # local hits on pages the node got by replication, distinct
     node_stats: list[Any] = field(default_factory=list)
+    killed: dict[int, float] = field(default_factory=dict)   # node index -> trace s it was killed
     wall_s: float = 0.0
 
 
@@ -107,6 +110,11 @@ class _Req:
         self.words = page_words(ids)
         self.t_enq = 0.0
         self.step: Step | None = None  # oracle: its planned node, depth and copy
+
+
+async def _no_stats() -> Any:
+    """Stats of a killed node: no namespaces (the sampler counts it as zero)."""
+    return pb.StatsResponse(namespaces=[pb.NamespaceStats()])
 
 
 class Held:
@@ -205,17 +213,21 @@ class Engine:
             late = self.clock_start + step.kv_at / S - time.perf_counter()
             await self.held.wait(self.index, keys[:step.depth],
                                  max(0.0, late) + cost.prefill_s(step.depth * cost.block_tokens) / S)
-        lk = await self.kv.lookup_nodes(cfg.namespace, keys, record=True)
-        local = int(lk.prefix_length)
-        cluster_max = max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending])
-        fetch = cluster_max if step is None else max(local, step.depth)  # the oracle gets what its plan says
-        cached = 0
-        if fetch > 0:
-            got = await self.kv.get(cfg.namespace, keys[:fetch], timeout=cfg.fetch_timeout_s)
-            found = got.found
-            cached = int(found.argmin()) if not found.all() else len(found)
-            if cfg.verify:
-                rec.corrupt = bad_pages(got.pages[:cached], item.words[:cached])
+        local = cluster_max = cached = 0
+        try:
+            lk = await self.kv.lookup_nodes(cfg.namespace, keys, record=True)
+            local = int(lk.prefix_length)
+            cluster_max = max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending])
+            fetch = cluster_max if step is None else max(local, step.depth)  # the oracle gets what its plan says
+            if fetch > 0:
+                got = await self.kv.get(cfg.namespace, keys[:fetch], timeout=cfg.fetch_timeout_s)
+                found = got.found
+                cached = int(found.argmin()) if not found.all() else len(found)
+                if cfg.verify:
+                    rec.corrupt = bad_pages(got.pages[:cached], item.words[:cached])
+        except (KvError, grpc.RpcError, OSError) as exc:  # the node is gone (--kill): the engine recomputes
+            rec.kv_error = f"{type(exc).__name__}: {exc}"[:200]
+            local = cluster_max = cached = 0
         rec.fetch_real_s = time.perf_counter() - t0
         rec.fetch_s = rec.fetch_real_s * S  # the link waits in it ran at link x speedup / byte scale
         local = min(local, cached)
@@ -249,7 +261,7 @@ class Engine:
                 self.own.update(keys[cached:])
                 if self.held is not None:
                     self.held.mark(self.index, keys[cached:])
-            except KvError:
+            except (KvError, grpc.RpcError, OSError):
                 self._result.put_errors += 1
             rec.put_s = time.perf_counter() - t2
         await asyncio.sleep(rec.decode_s / S)
@@ -283,10 +295,30 @@ class Driver:
         return [float(e.load) for e in self.engines]
 
     async def _views(self, keys: list[bytes]) -> list[NodeView]:
+        plain = [NodeView(n, load) for n, load in zip(self.node_ids, self._loads())]
         if not self.cfg.router.needs_prefix:
-            return [NodeView(n, load) for n, load in zip(self.node_ids, self._loads())]
-        lk = await self.kvs[0].lookup_nodes(self.cfg.namespace, keys)
-        return views_from_lookup(self.node_ids, self._loads(), lk.nodes)
+            return plain
+        for i in self._alive():  # the coordinator first; another node if it was killed
+            try:
+                lk = await self.kvs[i].lookup_nodes(self.cfg.namespace, keys)
+                return views_from_lookup(self.node_ids, self._loads(), lk.nodes)
+            except (KvError, grpc.RpcError, OSError):
+                continue
+        return plain
+
+    def _alive(self) -> list[int]:
+        return [i for i in range(len(self.node_ids)) if i not in self.result.killed]
+
+    async def _kill(self) -> None:
+        """SIGKILL the ``--kill`` nodes at their trace times (the cluster does it: ``cfg.kill``)."""
+        loop = asyncio.get_running_loop()
+        for index, t in sorted(self.cfg.kills, key=lambda k: k[1]):
+            delay = self._real_at(t) - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            assert self.cfg.kill is not None
+            self.cfg.kill(index)
+            self.result.killed[index] = (loop.time() - self._start) * self.cfg.speedup
 
     def _real_at(self, t_trace: float) -> float:
         return self._start + t_trace / self.cfg.speedup
@@ -372,7 +404,8 @@ class Driver:
             tl["running"].append([e.running for e in self.engines])
             if k % 4 == 0:
                 try:
-                    st = await asyncio.gather(*(kv.stats(self.cfg.namespace) for kv in self.kvs))
+                    st = await asyncio.gather(*(self.kvs[i].stats(self.cfg.namespace) if i in self._alive()
+                                                else _no_stats() for i in range(len(self.kvs))))
                     tl["stats_t"].append((loop.time() - self._start) * self.cfg.speedup)
                     tl["spec_slots"].append([int(s.namespaces[0].speculative_slots) for s in st])
                     tl["replica_slots"].append([int(s.namespaces[0].replica_slots) for s in st])
@@ -387,7 +420,7 @@ class Driver:
         reusable = reusable_blocks(reqs)
         if cfg.policy == "oracle":
             self.oracle_plan = plan(reqs, reusable, len(self.node_ids), cfg.concurrency, cfg.cost,
-                                    cfg.oracle_lead_s, cfg.oracle_rpc_s * cfg.speedup)
+                                    cfg.oracle_lead_s, cfg.oracle_rpc_s * cfg.speedup, down=dict(cfg.kills))
             self.held = Held(len(self.node_ids))
             self.result.oracle.update(plan=self.oracle_plan.name, plan_p99_s=round(self.oracle_plan.p99, 4),
                                       candidates=self.oracle_plan.candidates,
@@ -421,13 +454,16 @@ class Driver:
             background.append(loop.create_task(self._sample()))
             if cfg.policy == "oracle":
                 background.append(loop.create_task(self._oracle(items, tasks)))
+            if cfg.kills:
+                background.append(loop.create_task(self._kill()))
             await self._dispatch(items, tasks)
             if items:
                 try:
                     await asyncio.wait_for(self._all_done.wait(), cfg.drain_timeout_s)
                 except asyncio.TimeoutError:
                     pass  # unfinished requests stay done=False and are reported
-            self.result.node_stats = list(await asyncio.gather(*(kv.stats(cfg.namespace) for kv in self.kvs)))
+            self.result.node_stats = [self.kvs[i].stats(cfg.namespace) for i in self._alive()]
+            self.result.node_stats = list(await asyncio.gather(*self.result.node_stats))
         finally:
             for task in [*background, *tasks]:
                 task.cancel()

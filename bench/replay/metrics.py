@@ -61,6 +61,7 @@ class RequestRecord:
     local_load_s: float = 0.0  # modelled: local blocks from the pool on the GPU
     put_s: float = 0.0        # measured, real (after the first token: not in TTFT)
     corrupt: int = 0          # fetched pages whose bytes were not the key's
+    kv_error: str = ""        # the node's Lookup/Get failed (e.g. killed): the engine recomputed the prompt
     done: bool = False
     error: str = ""
 
@@ -112,6 +113,7 @@ def aggregate(records: Iterable[RequestRecord], cluster: dict[str, float] | None
         "reusable_ratio": sum(min(r.reusable, r.blocks) for r in done) / blocks if blocks else 0.0,
         "corrupt_pages": sum(r.corrupt for r in recs),
         "ttft_below_prefill": sum(1 for r in done if r.ttft_s < r.prefill_s),
+        "kv_errors": sum(1 for r in recs if r.kv_error),
     }
     out.update(_dist("ttft", [r.ttft_s for r in done]))
     out.update(_dist("ttft_link", [r.ttft_link_s for r in done]))
@@ -150,6 +152,19 @@ def aggregate(records: Iterable[RequestRecord], cluster: dict[str, float] | None
     return out
 
 
+def after_kill(records: Iterable[RequestRecord], node: str, t: float, span_s: float = 30.0) -> dict[str, object]:
+    """TTFT of the requests arriving in the ``span_s`` trace seconds after ``node`` was killed at ``t``."""
+    recs = [r for r in records if t <= r.t < t + span_s]
+    done = [r for r in recs if r.done and not r.error]
+    blocks = sum(r.blocks for r in done)
+    out: dict[str, object] = {"node": node, "t": t, "span_s": span_s, "requests": len(recs),
+                              "completed": len(done), "kv_errors": sum(1 for r in recs if r.kv_error),
+                              "on_killed_node": sum(1 for r in recs if r.node == node),
+                              "miss_ratio": sum(r.miss for r in done) / blocks if blocks else 0.0}
+    out.update(_dist("ttft", [r.ttft_s for r in done]))
+    return out
+
+
 def check(summary: dict[str, Any]) -> list[str]:
     """Sanity problems of one policy's summary (empty when sound)."""
     problems = []
@@ -164,6 +179,8 @@ def check(summary: dict[str, Any]) -> list[str]:
         problems.append(f"{summary['errors']} errors, {summary['unfinished']} unfinished")
     if summary["ttft_below_prefill"]:
         problems.append("TTFT below the modelled prefill")
+    if summary.get("kv_errors") and not summary.get("failover"):
+        problems.append(f"{summary['kv_errors']} failed KV calls without a --kill")
     if summary["corrupt_pages"]:
         problems.append(f"{summary['corrupt_pages']} corrupt pages")
     return problems

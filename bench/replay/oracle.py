@@ -77,8 +77,10 @@ def percentile(values: Sequence[float], q: float) -> float:
 class Sim:
     """List-scheduling model of the engines and the links (trace seconds)."""
 
-    def __init__(self, nodes: int, concurrency: int, cost: Any, lead_s: float = 4.0, rpc_s: float = 0.0) -> None:
+    def __init__(self, nodes: int, concurrency: int, cost: Any, lead_s: float = 4.0, rpc_s: float = 0.0,
+                 down: dict[int, float] | None = None) -> None:
         self.n, self.cost, self.lead_s, self.rpc_s = nodes, cost, lead_s, rpc_s
+        self.down = dict(down or {})  # node -> trace s its store is killed (--kill): no pages there after
         self.slots = [[0.0] * concurrency for _ in range(nodes)]   # heaps of slot free times
         self.unit = [0.0] * nodes                                  # prefill unit free time
         self.egress = [0.0] * nodes
@@ -98,6 +100,8 @@ class Sim:
         """Every choice for ``req`` on node ``n``: recompute what is not local, wait, or copy."""
         cost, ids, t = self.cost, req.hash_ids, req.t
         start = max(t, self.slots[n][0])
+        if self.down.get(n, INF) <= t:  # its store is gone: the engine recomputes everything
+            return [self._step(req, n, 0, start, start)]
         here = self.avail[n]
         ready = 0
         while ready < want and here.get(ids[ready], INF) <= start:
@@ -107,7 +111,7 @@ class Sim:
             return out
         if waits:
             at = max(here.get(h, INF) for h in ids[:want])
-            if at < INF:
+            if at < self.down.get(n, INF):
                 out.append(self._step(req, n, want, start, at))
         if copies and not all(h in here for h in ids[:want]):
             have = 0  # leading blocks that are or will be on n without a copy
@@ -124,6 +128,8 @@ class Sim:
                     continue
                 begin = max(src, self.egress[s], self.ingress[n], t - self.lead_s)
                 end = begin + cost.link_s(want - have) + self.rpc_s
+                if self.down.get(s, INF) <= end or self.down.get(n, INF) <= max(end, start):
+                    continue  # the source or the target dies before the copy lands or is used
                 if best is None or end < best.kv_at:
                     best = Step(n, want, s, have, begin, end)
             if best is not None:
@@ -201,9 +207,9 @@ RULES: dict[str, Rule] = {
 
 
 def simulate(rule: str, requests: Sequence[Any], reusable: Sequence[int], nodes: int, concurrency: int, cost: Any,
-             lead_s: float = 4.0, rpc_s: float = 0.0) -> Plan:
+             lead_s: float = 4.0, rpc_s: float = 0.0, down: dict[int, float] | None = None) -> Plan:
     """One candidate plan: ``rule`` decides each request in arrival order, the simulation books it."""
-    sim, choose, steps = Sim(nodes, concurrency, cost, lead_s, rpc_s), RULES[rule], []
+    sim, choose, steps = Sim(nodes, concurrency, cost, lead_s, rpc_s, down), RULES[rule], []
     for i, (req, want) in enumerate(zip(requests, reusable)):
         step = choose(sim, req, want, i)
         sim.book(req, step)
@@ -213,9 +219,11 @@ def simulate(rule: str, requests: Sequence[Any], reusable: Sequence[int], nodes:
 
 
 def plan(requests: Sequence[Any], reusable: Sequence[int], nodes: int, concurrency: int, cost: Any,
-         lead_s: float = 4.0, rpc_s: float = 0.0, rules: Sequence[str] = tuple(RULES)) -> Plan:
-    """The candidate with the lowest simulated TTFT p99 (then mean); every candidate's numbers attached."""
-    plans = [simulate(r, requests, reusable, nodes, concurrency, cost, lead_s, rpc_s) for r in rules]
+         lead_s: float = 4.0, rpc_s: float = 0.0, rules: Sequence[str] = tuple(RULES),
+         down: dict[int, float] | None = None) -> Plan:
+    """The candidate with the lowest simulated TTFT p99 (then mean); every candidate's numbers attached.
+    ``down``: node -> trace s its store is killed (``--kill``), which the oracle knows too."""
+    plans = [simulate(r, requests, reusable, nodes, concurrency, cost, lead_s, rpc_s, down) for r in rules]
     best = min(plans, key=lambda p: (round(p.p99, 6), p.mean))
     best.candidates = {p.name: {"p99_s": round(p.p99, 4), "mean_s": round(p.mean, 4)} for p in plans}
     return best

@@ -91,7 +91,34 @@ def sweep_table(w: dict[str, Any]) -> str:
             f"{gib[0]:.1f} / {gib[1]:.1f} / {gib[2]:.1f} | {100 * _med(runs, 'spec_waste_ratio'):.0f} |")
     lines.append("")
     lines.append(vs_best_lines(w))
+    fail = failover_table(w)
+    if fail:
+        lines += ["", fail]
     return "\n".join(lines)
+
+
+def failover_table(w: dict[str, Any]) -> str:
+    """TTFT of the requests in the 30 s after each ``--kill``, per configuration (medians over seeds)."""
+    rows = []
+    order = {p: i for i, p in enumerate(POLICIES)}
+    for label in sorted(w.get("runs", {}), key=lambda k: (order.get(k.split("|")[0], 9), k)):
+        runs = [r for r in w["runs"][label] if r.get("failover")]
+        if not runs:
+            continue
+        policy, router = label.split("|")
+        for j, f in enumerate(runs[0]["failover"]):
+            per = [r["failover"][j] for r in runs]
+            rows.append(f"| {policy} | {router} | {f['node']}@{f['t']:g} | {_med(per, 'requests'):.0f} | "
+                        f"{_med(per, 'ttft_p50_s'):.3f} | {_rng(per, 'ttft_p99_s')} | {_med(per, 'ttft_mean_s'):.3f} | "
+                        f"{_med(per, 'on_killed_node'):.0f} | {_med(per, 'kv_errors'):.0f} | "
+                        f"{_med(per, 'miss_ratio'):.2f} |")
+    if not rows:
+        return ""
+    span = w["runs"][next(iter(w["runs"]))][0]["failover"][0]["span_s"]
+    head = (f"After the kill (requests arriving in the {span:g} s after it; the killed node's engine recomputes):\n\n"
+            "| policy | router | kill | requests | TTFT p50 s | TTFT p99 s (min-max) | TTFT mean s | "
+            "on killed node | failed KV calls | miss |\n|---|---|---|---|---|---|---|---|---|---|")
+    return head + "\n" + "\n".join(rows)
 
 
 def vs_best_lines(w: dict[str, Any]) -> str:
