@@ -5,6 +5,7 @@ server options, and the one translation of a failed call into a
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -122,6 +123,9 @@ class BoundaryInterceptor(grpc.aio.ServerInterceptor):
         return call
 
     def _unary_stream(self, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not inspect.isasyncgenfunction(fn):  # writes with context.write (e.g. Health.Watch)
+            return self._unary(method, fn)
+
         async def call(request: Any, context: Any) -> AsyncIterator[Any]:
             try:
                 if isinstance(request, _Undecodable):
@@ -145,6 +149,9 @@ class BoundaryInterceptor(grpc.aio.ServerInterceptor):
         return call
 
     def _stream_stream(self, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not inspect.isasyncgenfunction(fn):
+            return self._stream_unary(method, fn)
+
         async def call(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
             try:
                 async for reply in fn(self._checked(method, requests), context):

@@ -154,3 +154,35 @@ def test_restart_after_long_downtime(daemon, transport: str, downtime: float) ->
     text = ", ".join(f"{s:.2f}/{v:.2f}" for s, v in results)
     print(f"\n{transport}: {downtime:g} s down, listed/served after (s): {text}")
     assert all(s < TIMEOUT and v < TIMEOUT for s, v in results), text
+
+
+def test_grpc_get_at_its_deadline_returns_what_it_has(daemon, transport: str) -> None:  # type: ignore[no-untyped-def]
+    """A gRPC Get with a 1 s deadline of 48 local pages and 4 held by a
+    stopped node (SIGSTOP: alive to the directory, silent to pulls): 12
+    times, the local pages come back and the others are missing; never an
+    error."""
+    nodes = start_cluster(daemon, transport, "--heartbeat-timeout", "5")
+    b, c = nodes["b"], nodes["c"]
+    local, remote = keys_for(48, b"loc"), keys_for(4, b"rem")
+    pages = random_pages(48, MiB)
+    with KvClient(b.address) as kb, KvClient(c.address, data_path="grpc") as kc:
+        kc.put("m", local, pages)
+        kb.put("m", remote, random_pages(4, MiB))
+        wait_until(lambda: holders(kc, remote).get("b") == 4, 5, "directory")
+        b.proc.send_signal(signal.SIGSTOP)
+        errors, took = [], []
+        try:
+            for _ in range(12):
+                start = time.monotonic()
+                try:
+                    got = kc.get("m", local + remote, timeout=1.0)
+                except Exception as exc:  # counted: the test fails on any
+                    errors.append(repr(exc)[:200])
+                    continue
+                took.append(time.monotonic() - start)
+                assert got.found.tolist() == [True] * 48 + [False] * 4
+                assert (got.pages[:48] == pages).all()
+        finally:
+            b.proc.send_signal(signal.SIGCONT)
+        assert not errors, f"{len(errors)} of 12 Gets failed: {errors[:2]}"
+        assert max(took) < 1.3, took

@@ -9,10 +9,11 @@ them for undecodable bodies and unexpected errors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -82,11 +83,12 @@ def namespace_info(ns: Namespace, device: str) -> pb.NamespaceInfo:
 
 class KvStoreService(pb_grpc.KvStoreServicer):
     def __init__(self, node: Node, metrics: NodeMetrics, agent: ClusterAgent,
-                 data_port: Callable[[], int | None]) -> None:
+                 data_port: Callable[[], int | None], shm_path: Callable[[], str | None] = lambda: None) -> None:
         self.node = node
         self.metrics = metrics
         self.agent = agent
         self._data_port = data_port
+        self._shm_path = shm_path
         self._named_leases: OrderedDict[tuple[str, str], _NamedLease] = OrderedDict()
 
     # ---- namespaces ----------------------------------------------------
@@ -163,40 +165,55 @@ class KvStoreService(pb_grpc.KvStoreServicer):
                                    f"(--read-timeout); its slots were freed") from None
 
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
+        """The pages this node holds are streamed at once; then the missing
+        ones are pulled from peers (within ``--deadline-share`` of the
+        deadline, and a margin) and streamed; the last message lists the keys
+        still missing. So a caller at its deadline has the local pages."""
         start = time.perf_counter()
+        keys = list(request.keys)
         try:
-            # leave part of the deadline (and at least a margin) to send what we have
-            remaining = context.time_remaining()
-            budget = None
-            if remaining is not None:
-                budget = max(0.0, min(self.node.config.deadline_share * remaining, remaining - _SEND_MARGIN_S))
-            ns, handle, fetched = await self.agent.replicator.read(request.namespace, list(request.keys), budget,
-                                                                   request.local_only)
+            ns = self.node.namespace(request.namespace)
+            self.node.check_read_batch(ns, keys)
         except KvError as exc:
             self.metrics.ops.labels("get", exc.code.name).inc()
             await context.abort(exc.code, bounded(str(exc)))
             return
+        limit = self.node.config.max_message_bytes - MESSAGE_OVERHEAD
+        if request.max_chunk_bytes:
+            limit = min(limit, request.max_chunk_bytes)
+        per_msg = max(1, limit // ns.layout.page_bytes)
+        local = ns.pool.acquire(keys)
+        ns.counters.hits += len(local.entries)
         try:
-            limit = self.node.config.max_message_bytes - MESSAGE_OVERHEAD
-            if request.max_chunk_bytes:
-                limit = min(limit, request.max_chunk_bytes)
-            page_bytes = ns.layout.page_bytes
-            per_msg = max(1, limit // page_bytes)
-            found_keys = [e.key for e in handle.entries]
-            out = ns.pool.read_out(handle, SOCKET)
-            try:
-                views = out.payload or []
-                for i in range(0, len(views), per_msg):
-                    yield pb.GetResponse(keys=found_keys[i:i + per_msg],
-                                         pages=[v.tobytes() for v in views[i:i + per_msg]])
-            finally:
-                out.release()
-            missing = [k for k, hit in zip(request.keys, handle.found) if not hit]
-            yield pb.GetResponse(missing_keys=missing)
+            with contextlib.closing(_messages(ns, local, per_msg)) as messages:
+                for msg in messages:
+                    yield msg
         finally:
-            self.agent.replicator.end_read(ns, handle, fetched)
-        hits = len(handle.entries)
-        self.metrics.count_get("grpc", hits, len(handle.found) - hits, page_bytes, time.perf_counter() - start)
+            ns.pool.release(local)
+        hits = len(local.entries)
+        missing = [k for k, hit in zip(keys, local.found) if not hit]
+        if missing:
+            remaining = context.time_remaining()
+            budget = None
+            if remaining is not None:
+                budget = max(0.0, min(self.node.config.deadline_share * remaining, remaining - _SEND_MARGIN_S))
+            try:
+                ns, handle, fetched = await self.agent.replicator.read(request.namespace, missing, budget,
+                                                                       request.local_only)
+            except KvError as exc:  # e.g. the namespace was deleted meanwhile
+                self.metrics.ops.labels("get", exc.code.name).inc()
+                await context.abort(exc.code, bounded(str(exc)))
+                return
+            try:
+                with contextlib.closing(_messages(ns, handle, per_msg)) as messages:
+                    for msg in messages:
+                        yield msg
+            finally:
+                self.agent.replicator.end_read(ns, handle, fetched)
+            hits += len(handle.entries)
+            missing = [k for k, hit in zip(missing, handle.found) if not hit]
+        yield pb.GetResponse(missing_keys=missing)
+        self.metrics.count_get("grpc", hits, len(keys) - hits, ns.layout.page_bytes, time.perf_counter() - start)
 
     @_handler("lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
@@ -293,7 +310,22 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         port = self._data_port()
         if port is not None:
             endpoints.append(pb.DataEndpoint(protocol="kvs-tcp", host=cfg.host, port=port, version=WIRE_VERSION))
+        shm = self._shm_path()
+        if shm:  # clients on this host (they can open the socket) move bytes through shared memory
+            endpoints.append(pb.DataEndpoint(protocol="kvs-shm", host=cfg.host, path=shm, version=WIRE_VERSION))
         return pb.NodeInfoResponse(
             node_id=self.node.node_id, version=kvstore.__version__, device=self.node.ops.device,
             max_message_bytes=cfg.max_message_bytes, max_batch_pages=cfg.max_batch_pages,
             max_batch_bytes=cfg.max_batch_bytes, max_pin_ttl_seconds=cfg.max_pin_ttl, data_endpoints=endpoints)
+
+
+def _messages(ns: Namespace, handle: Any, per_msg: int) -> Iterator[pb.GetResponse]:
+    """The held pages of ``handle`` as Get messages of at most ``per_msg`` pages."""
+    found_keys = [e.key for e in handle.entries]
+    out = ns.pool.read_out(handle, SOCKET)
+    try:
+        views = out.payload or []
+        for i in range(0, len(views), per_msg):
+            yield pb.GetResponse(keys=found_keys[i:i + per_msg], pages=[v.tobytes() for v in views[i:i + per_msg]])
+    finally:
+        out.release()
