@@ -33,6 +33,10 @@ kernels:
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
 
+# The slow tests only: the 10,000-case fuzz of every RPC, rejoin after 2.5/10/30 s down.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow -s $(ARGS)
+
 # GPU parity tests only (run on a machine with a CUDA device and `.[gpu]`).
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -m gpu $(ARGS)

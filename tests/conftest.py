@@ -24,6 +24,17 @@ from kvstore.ops.staged import StagedNumpyPageOps
 from kvstore.server.app import NodeServer
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (the 10,000-case fuzz, rejoin after long
+    downtimes) run only when asked for: ``make test-slow`` (``-m slow``)."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with make test-slow (pytest -m slow)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def wait_until(cond: Callable[[], bool], timeout: float, what: str,
                state: Callable[[], Any] | None = None) -> float:
     """Poll ``cond`` until it holds, for at most ``timeout`` seconds; returns
@@ -158,8 +169,9 @@ def check_pools_sound(srv: ServerThread, settle: float = 2.0) -> None:
 
 
 @pytest.fixture(params=[("numpy", "auto", "tcp"), ("numpy", "asyncio", "grpc"), ("staged", "asyncio", "tcp"),
-                        ("staged", "auto", "grpc")],
-                ids=["host-uvloop-tcp", "host-asyncio-grpc", "staged-asyncio-tcp", "staged-uvloop-grpc"])
+                        ("staged", "auto", "grpc"), ("numpy", "auto", "shm"), ("numpy", "asyncio", "shm")],
+                ids=["host-uvloop-tcp", "host-asyncio-grpc", "staged-asyncio-tcp", "staged-uvloop-grpc",
+                     "host-uvloop-shm", "host-asyncio-shm"])
 def node(request, make_server) -> Iterator[tuple[ServerThread, str]]:  # type: ignore[no-untyped-def]
     """A node over each pool memory x event loop, with the client data path
     to use; checks after the test that nothing leaked."""
