@@ -7,8 +7,11 @@ mean something on a shared, noisy host:
 * ``raw tcp``: two processes, blocking ``sendall`` -> ``recv_into`` into a
   preallocated buffer (the ceiling of any loopback transfer).
 * ``kvstore``: a real ``kvstored --device cpu`` process and the Python
-  client, put and get, one page per call, for each page size, over the bulk
-  data channel (``tcp``) and over gRPC streams (``grpc``).
+  client, put and get, one page per call and batches of 8 pages per call
+  (``--batch``), for each page size, through shared memory (``shm``: the
+  co-located path, which counts the copy into the caller's buffer), over the
+  bulk data channel (``tcp``) and over gRPC streams (``grpc``). Ratios are
+  against memcpy for ``shm`` and against raw TCP for the socket paths.
 
 All numbers are measured; none are modelled. Writes ``micro.json``,
 ``micro.md`` and ``micro.png`` to ``--out``.
@@ -86,29 +89,31 @@ def raw_tcp_gbps(total: int = 512 << 20, chunk: int = 4 << 20, repeat: int = 3) 
     return best
 
 
-def bench_store(address: str, path: str, page_bytes: int, total: int, bar: tqdm) -> dict[str, float]:
-    """Put then get ``total`` bytes, one page per call; latency per call."""
+def bench_store(address: str, path: str, page_bytes: int, total: int, bar: tqdm, batch: int = 1) -> dict[str, float]:
+    """Put then get ``total`` bytes, ``batch`` pages per call; latency per call."""
     from kvstore_client import KvClient
 
-    ns = f"bench-{path}-{page_bytes}"
-    count = max(8, total // page_bytes)
+    ns = f"bench-{path}-{page_bytes}-{batch}"
+    count = max(8, total // page_bytes) // batch * batch
     with KvClient(address, data_path=path) as kv:
-        kv.create_namespace(ns, page_bytes, capacity=(count + 1) * page_bytes)
+        kv.create_namespace(ns, page_bytes, capacity=(count + batch) * page_bytes)
         pages = np.random.randint(0, 255, (count, page_bytes), dtype=np.uint8)
         keys = [i.to_bytes(8, "little") for i in range(count)]
-        out = np.empty((1, page_bytes), dtype=np.uint8)
-        kv.put(ns, [b"warm"], pages[:1])
-        kv.get(ns, [b"warm"], out=out)
+        out = np.empty((batch, page_bytes), dtype=np.uint8)
+        warm = [b"warm%d" % i for i in range(batch)]
+        kv.put(ns, warm, pages[:batch])
+        kv.get(ns, warm, out=out)
         put_lat, get_lat = [], []
-        for i in range(count):
-            put_lat.append(_timed(lambda: kv.put(ns, keys[i:i + 1], pages[i:i + 1])))
-            bar.update(page_bytes)
-        for i in range(count):
-            get_lat.append(_timed(lambda: kv.get(ns, keys[i:i + 1], out=out)))
-            assert np.array_equal(out[0], pages[i]), "get returned wrong bytes"
-            bar.update(page_bytes)
+        for i in range(0, count, batch):
+            put_lat.append(_timed(lambda: kv.put(ns, keys[i:i + batch], pages[i:i + batch])))
+            bar.update(page_bytes * batch)
+        for i in range(0, count, batch):
+            get_lat.append(_timed(lambda: kv.get(ns, keys[i:i + batch], out=out)))
+            assert np.array_equal(out, pages[i:i + batch]), "get returned wrong bytes"
+            bar.update(page_bytes * batch)
         kv.delete_namespace(ns)
     return {
+        "batch": batch,
         "put_gbps": count * page_bytes / sum(put_lat) / 1e9,
         "get_gbps": count * page_bytes / sum(get_lat) / 1e9,
         "put_p50_ms": statistics.median(put_lat) * 1e3,
@@ -126,13 +131,15 @@ def render(results: dict) -> str:  # type: ignore[type-arg]
         "",
         f"raw memcpy (64 MiB): **{mem:.2f} GB/s**; raw blocking TCP between two processes: **{tcp:.2f} GB/s**",
         "",
-        "| path | page | put GB/s | get GB/s | put/raw tcp | get/raw tcp | put p50/p99 ms | get p50/p99 ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| path | page | pages/call | put GB/s | get GB/s | put / raw | get / raw | raw | put p50/p99 ms "
+        "| get p50/p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
+        raw, name = (mem, "memcpy") if row["path"] == "shm" else (tcp, "tcp")
         lines.append(
-            f"| {row['path']} | {row['page']} | {row['put_gbps']:.2f} | {row['get_gbps']:.2f} | "
-            f"{row['put_gbps'] / tcp:.2f}x | {row['get_gbps'] / tcp:.2f}x | "
+            f"| {row['path']} | {row['page']} | {row.get('batch', 1)} | {row['put_gbps']:.2f} | {row['get_gbps']:.2f} | "
+            f"{row['put_gbps'] / raw:.2f}x | {row['get_gbps'] / raw:.2f}x | {name} | "
             f"{row['put_p50_ms']:.2f} / {row['put_p99_ms']:.2f} | {row['get_p50_ms']:.2f} / {row['get_p99_ms']:.2f} |")
     return "\n".join(lines) + "\n"
 
@@ -166,13 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/out"), help="folder for micro.{json,md,png}")
     parser.add_argument("--total", type=str, default="256MiB", help="bytes moved per (path, page size, op)")
-    parser.add_argument("--paths", default="tcp,grpc", help="client data paths to measure")
+    parser.add_argument("--paths", default="shm,tcp,grpc", help="client data paths to measure")
+    parser.add_argument("--batch", default="1,8", help="pages per call to measure, e.g. 1,8")
     parser.add_argument("--sizes", default=",".join(SIZES), help="page sizes: " + ",".join(SIZES))
     args = parser.parse_args(argv)
     from kvstore.units import parse_size
 
     total = parse_size(args.total)
     paths = [p for p in args.paths.split(",") if p]
+    batches = [int(b) for b in args.batch.split(",") if b]
     sizes = [s for s in args.sizes.split(",") if s]
     results = {"machine": platform.machine(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"),
                "total_bytes": total, "rows": []}
@@ -181,14 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     results["raw_tcp_gbps"] = raw_tcp_gbps()
     from kvstore.launch import NodeProcess
 
-    node = NodeProcess(["--capacity", f"{2 * total + (64 << 20)}"])
+    node = NodeProcess(["--capacity", f"{2 * total * len(batches) + (64 << 20)}"])
     address = node.address
     try:
-        with tqdm(total=2 * total * len(paths) * len(sizes), unit="B", unit_scale=True, desc="kvstore") as bar:
+        with tqdm(total=2 * total * len(paths) * len(sizes) * len(batches), unit="B", unit_scale=True,
+                  desc="kvstore") as bar:
             for path in paths:
                 for size in sizes:
-                    row = bench_store(address, path, SIZES[size], total, bar)
-                    results["rows"].append({"path": path, "page": size, **row})
+                    for batch in batches:
+                        row = bench_store(address, path, SIZES[size], total, bar, batch)
+                        results["rows"].append({"path": path, "page": size, **row})
     finally:
         node.terminate()
     # raw TCP again after, so drift over the run shows up

@@ -152,6 +152,9 @@ class NodeConfig:
     idle_timeout: float = 120.0
     max_connections: int = 256
     predictor_momentum_window: float = 60.0
+    shm: bool = True
+    shm_dir: str = ""
+    shm_hold_timeout: float = 30.0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -177,6 +180,8 @@ class NodeConfig:
             raise ValueError("predictor_depths must be ascending positive block counts, e.g. 1,2,4,8")
         if not 0 < self.planner_tick <= 60 or not 0 < self.spec_ttl or not 0 < self.predictor_horizon:
             raise ValueError("planner_tick must be in (0, 60]; spec_ttl and predictor_horizon > 0")
+        if not self.shm_hold_timeout > 0:
+            raise ValueError("shm_hold_timeout must be > 0")
         if not self.node_rate >= 0:
             raise ValueError("node_rate must be >= 0")
         if not 0 <= self.spec_threshold <= 1 or not 0 <= self.spec_budget <= 1:
@@ -300,6 +305,12 @@ SETTINGS: tuple[Setting, ...] = (
             "long is closed", "SECONDS"),
     Setting("max_connections", int, "most open connections on the data channel and on the peer transport "
             "listener (each); one more is answered with an error and closed", "N"),
+    Setting("shm", parse_bool, "serve clients on this host through shared memory: host pools live in memfds a "
+            "client maps after asking on a unix socket (true/false)", "BOOL"),
+    Setting("shm_dir", str, "folder of the shared-memory unix socket (default: a 0700 folder "
+            "/tmp/kvstored-UID)", "DIR"),
+    Setting("shm_hold_timeout", float, "longest a shared-memory client may hold pages it was granted (a Get's "
+            "read holds, a Put's reserved slots) before the node takes them back", "SECONDS"),
     Setting("predictor_momentum_window", float, "W of the momentum rule: a prefix seen at least twice within W "
             "seconds is forecast to recur", "SECONDS"),
 )

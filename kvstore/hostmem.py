@@ -27,3 +27,28 @@ def populated_empty(count: int, page_bytes: int) -> np.ndarray:
         return array
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
     return np.frombuffer(region, dtype=np.uint8).reshape(count, page_bytes)
+
+
+def shared_empty(count: int, page_bytes: int, name: str = "kvstore-pool") -> tuple[np.ndarray, int]:
+    """A ``[count, page_bytes]`` uint8 array in an anonymous shared-memory
+    file (``memfd_create``), mapped up front, and that file's descriptor.
+
+    The descriptor can be passed to a process on the same host
+    (``SCM_RIGHTS``), which maps the same pages: the co-located data path.
+    Linux only; raises ``OSError`` elsewhere."""
+    import os
+
+    create = getattr(os, "memfd_create", None)
+    if create is None:
+        raise OSError("memfd_create is not available on this platform")
+    nbytes = count * page_bytes
+    fd = create(name, getattr(os, "MFD_CLOEXEC", 0))
+    try:
+        os.ftruncate(fd, max(nbytes, 1))
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        region = mmap.mmap(fd, max(nbytes, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    array = np.frombuffer(region, dtype=np.uint8, count=nbytes).reshape(count, page_bytes)
+    return array, fd

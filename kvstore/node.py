@@ -205,6 +205,12 @@ class PutBatch:
             self.ns.pool.abort(part.res)
 
 
+def _memfd_ok() -> bool:
+    import os
+
+    return hasattr(os, "memfd_create")
+
+
 class Node:
     """Namespaces of page pools on one device, with leases."""
 
@@ -251,6 +257,7 @@ class Node:
                 f"namespace {name!r}: capacity {capacity} bytes holds no page of {layout.page_bytes} bytes"
             )
         pool = PagePool(self.ops, num_slots, layout.page_bytes, prefault=self.config.prefault,
+                        shared=self.config.shm and self.ops.host_visible and _memfd_ok(),
                         on_change=lambda added, removed: self._changed(name, added, removed))
         ns = Namespace(name, layout, num_slots * layout.page_bytes, pool)
         self.namespaces[name] = ns
@@ -271,6 +278,7 @@ class Node:
             self._drop_lease(lease_id)
         del self.namespaces[name]
         self._changed(name, [], ns.pool.keys())
+        ns.pool.close()
 
     def _changed(self, namespace: str, added: list[bytes], removed: list[bytes]) -> None:
         for listener in self.listeners:
@@ -358,6 +366,8 @@ class Node:
     def close(self) -> None:
         for lease_id in list(self.leases):
             self._drop_lease(lease_id)
+        for ns in self.namespaces.values():
+            ns.pool.close()
 
     def uptime(self) -> float:
         return self._clock() - self.started_at

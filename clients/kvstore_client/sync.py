@@ -1,8 +1,9 @@
 """Blocking client: ``with KvClient("127.0.0.1:7400") as kv: kv.put(...)``.
 
-Control calls go over gRPC. Put/Get bytes go over the node's data channel
-when it advertises one (``data_path="auto"``), else over gRPC streams; both
-give the same results and errors.
+Control calls go over gRPC. Put/Get bytes go through shared memory when the
+client runs on the node's host and the node offers it (``data_path="auto"`` or
+``"shm"``), else over the node's data channel when it advertises one, else
+over gRPC streams; all give the same results and errors.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvstore.framing import PREFIX, WireError, decode_prefix
 from kvstore.errors import InvalidArgument, KvError, Unavailable
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.shm import ShmConn
 from kvstore_client._common import (
     GRPC_OPTIONS, GetAssembler, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, get_frame, page_views,
     parse_result, put_frame, put_messages, translate,
@@ -147,8 +149,8 @@ class KvClient:
     """Blocking kvstore client for one node."""
 
     def __init__(self, address: str, *, data_path: str = "auto", timeout: float | None = 60.0) -> None:
-        if data_path not in ("auto", "grpc", "tcp"):
-            raise ValueError("data_path must be auto, grpc or tcp")
+        if data_path not in ("auto", "grpc", "tcp", "shm"):
+            raise ValueError("data_path must be auto, shm, tcp or grpc")
         self.address = address
         self.timeout = timeout
         self._data_path = data_path
@@ -159,11 +161,14 @@ class KvClient:
         self._page_bytes: dict[str, int] = {}
         self._data: _DataConn | None = None
         self._data_checked = False
+        self._shm: ShmConn | None = None
 
     # ---- lifecycle -------------------------------------------------------
     def close(self) -> None:
         if self._data is not None:
             self._data.close()
+        if self._shm is not None:
+            self._shm.close()
         self._channel.close()
 
     def __enter__(self) -> "KvClient":
@@ -229,6 +234,12 @@ class KvClient:
         if self._data_path == "grpc":
             return None
         if not self._data_checked:
+            if self._data_path in ("auto", "shm"):
+                shm = [e for e in self.node_info().data_endpoints if e.protocol == "kvs-shm"]
+                if shm and ShmConn.usable(shm[0].path):
+                    self._shm = ShmConn(shm[0].path, self.timeout)
+                elif self._data_path == "shm":
+                    raise Unavailable(f"node {self.address} offers no shared-memory path this process can reach")
             endpoints = [e for e in self.node_info().data_endpoints if e.protocol == "kvs-tcp"]
             if endpoints:
                 host = self.address.rpartition(":")[0].strip("[]") or endpoints[0].host
@@ -246,10 +257,12 @@ class KvClient:
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         conn = self._data_conn()
-        if conn is not None and keys:
+        if (conn is not None or self._shm is not None) and keys:
             page_bytes = views[0].nbytes
             if any(v.nbytes != page_bytes for v in views):
                 raise InvalidArgument("pages of one batch must all have the same size")
+            if self._shm is not None:
+                return self._shm.put(namespace, keys, views, page_bytes, kind)
             whole = None
             if isinstance(pages, np.ndarray) and pages.flags.c_contiguous:
                 whole = memoryview(pages).cast("B")
@@ -276,6 +289,8 @@ class KvClient:
         check_get_batch(len(keys), page_bytes, self.node_info())  # before allocating the output
         out = as_out(out, len(keys), page_bytes)
         conn = self._data_conn()
+        if self._shm is not None:
+            return GetResult(keys, self._shm.get(namespace, keys, out, timeout, local_only), out)
         if conn is not None:
             found = conn.get(get_frame(namespace, keys, timeout, local_only), out)
             return GetResult(keys, found, out)

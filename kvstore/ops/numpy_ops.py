@@ -14,6 +14,8 @@ from .base import EngineLayout, KernelArgumentError, PageOps
 
 __all__ = ["NumpyPageOps"]
 
+_ROW_LOOP_BYTES = 16 << 10
+
 
 def _block_rows(tensor: np.ndarray, layout: EngineLayout) -> np.ndarray:
     """View a C-contiguous engine tensor as uint8 ``[num_blocks, block_bytes]``
@@ -52,8 +54,15 @@ class NumpyPageOps(PageOps):
         return np.empty((num_slots, page_bytes), dtype=np.uint8)
 
     def _pack(self, pool: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
-        """Row gather straight into ``out``; ids are validated so ``clip``
-        never clips, and it avoids the buffered ``raise`` mode."""
+        """Row gather straight into ``out``. Rows of 16 KiB and more are
+        copied one by one: ``np.take`` moves them at 2.4-3.3 GB/s on the CI
+        kind of machine, a row loop at 6-11 GB/s (64 MiB of 16 KiB-1 MiB
+        rows). Smaller rows go through ``np.take`` (ids are validated, so
+        ``clip`` never clips, and it avoids the buffered ``raise`` mode)."""
+        if pool.shape[1] >= _ROW_LOOP_BYTES:
+            for i, slot in enumerate(slots.tolist()):
+                out[i] = pool[slot]
+            return
         np.take(pool, slots, axis=0, out=out, mode="clip")
 
     def _unpack(self, staging: np.ndarray, slots: np.ndarray, pool: np.ndarray) -> None:

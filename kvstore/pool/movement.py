@@ -202,6 +202,14 @@ class Landing:
             self.targets = [memoryview(row) for row in self._staging] if carrier.scatter else self._staging
 
     @property
+    def key_slots(self) -> list[int | None]:
+        """Per key of the chunk, its reserved slot (None: the pool already holds it)."""
+        out: list[int | None] = [None] * len(self._keys)
+        for i, slot in zip(self._new, self._slots):
+            out[i] = slot
+        return out
+
+    @property
     def in_place(self) -> bool:
         """Whether the bytes land in the slots themselves (no staging)."""
         return self._staging is None and self._device is None

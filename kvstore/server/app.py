@@ -9,6 +9,7 @@ finish within the grace period, cancel the rest, release leases.
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 from types import TracebackType
 
@@ -21,6 +22,7 @@ from kvstore.cluster.coordinator import Coordinator
 from kvstore.cluster.service import ClusterService
 from kvstore.config import NodeConfig, parse_hostport
 from kvstore.datapath.server import DataServer
+from kvstore.datapath.shm import ShmServer
 from kvstore.metrics import NodeMetrics
 from kvstore.node import Node
 from kvstore.ops.auto import select as select_ops
@@ -50,6 +52,7 @@ class NodeServer:
         self.health = health_aio.HealthServicer()
         self._grpc: grpc.aio.Server | None = None
         self._data: DataServer | None = None
+        self._shm: ShmServer | None = None
         self._metrics_http = None
         self.port = 0
         self.metrics_port: int | None = None
@@ -83,7 +86,8 @@ class NodeServer:
         self.metrics.watch_coordinator(self.coordinator)
         server = grpc.aio.server(options=server_options(self.config.max_message_bytes),
                                  interceptors=[BoundaryInterceptor()])
-        pb_grpc.add_KvStoreServicer_to_server(KvStoreService(node, self.metrics, agent, lambda: self.data_port),
+        pb_grpc.add_KvStoreServicer_to_server(KvStoreService(node, self.metrics, agent, lambda: self.data_port,
+                                                             lambda: self._shm.path if self._shm else None),
                                               server)
         pb_grpc.add_ClusterServicer_to_server(ClusterService(agent), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -100,6 +104,10 @@ class NodeServer:
         if self.config.data_port >= 0:
             self._data = DataServer(node, self.metrics, agent.replicator, host, self.config.data_port)
             await self._data.start()
+        if self.config.shm and ops.host_visible and hasattr(os, "memfd_create"):  # host pools live in memfds
+            name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{node.node_id}-{self.port}")[:80]
+            self._shm = ShmServer(node, self.metrics, agent.replicator, self.config.shm_dir, name)
+            await self._shm.start()
         await agent.start()
         self._coordinator_task = asyncio.get_running_loop().create_task(self.coordinator.run())
         if self.config.metrics_port >= 0:
@@ -124,6 +132,8 @@ class NodeServer:
         await self.health.enter_graceful_shutdown()  # every service -> NOT_SERVING
         if self._data is not None:
             await self._data.stop()
+        if self._shm is not None:
+            await self._shm.stop()
         await self._grpc.stop(grace)
         if self._coordinator_task is not None:
             self._coordinator_task.cancel()

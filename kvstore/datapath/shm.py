@@ -1,0 +1,277 @@
+"""The co-located data path: clients on the node's host move page bytes
+through shared memory instead of a socket.
+
+A host pool lives in an anonymous shared-memory file (``memfd``, see
+``kvstore.hostmem.shared_empty``). A client on the same host connects to the
+node's unix socket (``--shm-dir``; the folder is 0700 and the socket 0600, so
+only the node's own user gets in), and speaks data-channel frames there
+(:mod:`kvstore.framing`) without page payloads:
+
+* ``ATTACH(namespace)`` -> ``RESULT(page_bytes, num_slots)`` with the pool's
+  memfd passed as ``SCM_RIGHTS``: the client maps the pool;
+* ``GET(keys)`` -> (reactive fetch as on every path) the node holds the
+  found pages for reading and answers ``RESULT(found, slots, grant)``; the
+  client copies the rows out of its mapping and sends ``RELEASE(grant)``
+  (no reply), which ends the holds;
+* ``PUT(keys, page_bytes)`` -> the node reserves slots for the new keys
+  (``PutBatch.write_in``) and answers ``RESULT(slots, grant)``, one slot per
+  key (``SHM_PRESENT``: already stored); the client writes the pages into
+  those slots and sends ``COMMIT(grant)``; the node computes the checksums
+  from the slots, commits and answers ``RESULT(put)``.
+
+A grant is leased: the node takes back its holds or reservation after
+``--shm-hold-timeout`` seconds, or when the client's connection ends (a
+client that dies mid-operation leaks nothing). Trust: every client that may
+attach a namespace is trusted with all of it (as with a CUDA IPC handle);
+namespaces, and so tenants, do not share a segment. Device pools are not
+shared this way (their clients use the socket paths).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvstore.cluster.replicator import Replicator
+from kvstore.errors import InvalidArgument, KvError, ResourceExhausted, Unavailable
+from kvstore.framing import ChannelClosed, WireError, encode_header, read_frame, server_limits
+from kvstore.metrics import NodeMetrics
+from kvstore.node import Namespace, Node, PutBatch
+from kvstore.pool.movement import SOCKET, Landing
+from kvstore.pool.pool import PageKind, ReadHandle
+from kvstore.v1 import kvstore_pb2 as pb
+
+log = logging.getLogger(__name__)
+SHM_PRESENT = (1 << 64) - 1  # a PUT slot meaning "already stored: write nothing"
+
+
+def default_dir() -> str:
+    return f"/tmp/kvstored-{os.getuid()}"
+
+
+@dataclass(slots=True)
+class _Grant:
+    ns: Namespace
+    read: tuple[ReadHandle, set[bytes]] | None = None
+    write: tuple[PutBatch, Landing, float] | None = None
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Conn:
+    sock: socket.socket
+    grants: dict[int, _Grant] = field(default_factory=dict)
+
+
+class ShmServer:
+    """The unix-socket side of the shared-memory data path."""
+
+    def __init__(self, node: Node, metrics: NodeMetrics, reader: Replicator, folder: str, name: str) -> None:
+        self._node = node
+        self._metrics = metrics
+        self._reader = reader
+        self._dir = folder or default_dir()
+        self.path = os.path.join(self._dir, f"{name}.sock")
+        self._sock: socket.socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._conns: set[_Conn] = set()
+        self._ids = itertools.count(1)
+        self._limits = server_limits(node.config)  # header cap, read/idle timeouts, connections: as the data channel
+
+    async def start(self) -> None:
+        os.makedirs(self._dir, mode=0o700, exist_ok=True)
+        os.chmod(self._dir, 0o700)
+        try:
+            os.unlink(self.path)  # a previous node's socket on this name
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(self.path)
+        os.chmod(self.path, 0o600)
+        sock.listen(128)
+        sock.setblocking(False)
+        self._sock = sock
+        self._spawn(self._accept())
+
+    async def stop(self) -> None:
+        if self._sock is None:
+            return
+        self._sock.close()
+        self._sock = None
+        for conn in list(self._conns):
+            conn.sock.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._sock)
+            except OSError:
+                return
+            if len(self._conns) >= self._limits.max_connections:
+                sock.close()
+                continue
+            sock.setblocking(False)
+            conn = _Conn(sock)
+            self._conns.add(conn)
+            self._spawn(self._serve(conn))
+
+    async def _serve(self, conn: _Conn) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    header, payload_len = await read_frame(loop, conn.sock, self._limits)
+                except ChannelClosed:
+                    return
+                if payload_len:
+                    raise WireError("shared-memory frames carry no payload")
+                try:
+                    await self._handle(loop, conn, header)
+                except KvError as exc:
+                    await self._reply(loop, conn, code=exc.code, message=str(exc))
+        except WireError as exc:
+            await self._reply(loop, conn, code=grpc.StatusCode.INVALID_ARGUMENT, message=str(exc))
+        except (ChannelClosed, ConnectionError, OSError):
+            pass
+        finally:
+            for grant_id in list(conn.grants):
+                self._end(conn, grant_id, commit=False)
+            self._conns.discard(conn)
+            conn.sock.close()
+
+    async def _handle(self, loop: asyncio.AbstractEventLoop, conn: _Conn, h: Any) -> None:
+        op = h.op
+        if op == pb.DataHeader.ATTACH:
+            await self._attach(loop, conn, h)
+        elif op == pb.DataHeader.GET:
+            await self._get(loop, conn, h)
+        elif op == pb.DataHeader.RELEASE:
+            self._end(conn, h.grant, commit=False)
+        elif op == pb.DataHeader.PUT:
+            await self._put(loop, conn, h)
+        elif op == pb.DataHeader.COMMIT:
+            await self._commit(loop, conn, h)
+        else:
+            raise InvalidArgument(f"op {int(op)} is not a shared-memory request")
+
+    async def _reply(self, loop: asyncio.AbstractEventLoop, conn: _Conn, fds: list[int] | None = None,
+                     code: grpc.StatusCode | None = None, message: str = "", **fields: Any) -> None:
+        header = pb.DataHeader(op=pb.DataHeader.RESULT, code=code.value[0] if code else 0, message=message[:300],
+                               **fields)
+        frame = encode_header(header, 0)
+        if fds:
+            # Small: one sendmsg carries the frame and the descriptor.
+            conn.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        else:
+            await loop.sock_sendall(conn.sock, frame)
+
+    def _namespace(self, name: str) -> Namespace:
+        ns = self._node.namespace(name)
+        if ns.pool.shm_fd < 0:
+            raise Unavailable(f"namespace {name[:100]!r} is not in shared memory here (device pool or --shm off)")
+        return ns
+
+    async def _attach(self, loop: asyncio.AbstractEventLoop, conn: _Conn, h: Any) -> None:
+        ns = self._namespace(h.namespace)
+        await self._reply(loop, conn, fds=[ns.pool.shm_fd], page_bytes=ns.layout.page_bytes,
+                          num_slots=ns.pool.num_slots)
+
+    def _grant(self, conn: _Conn, grant: _Grant) -> int:
+        grant_id = next(self._ids)
+        conn.grants[grant_id] = grant
+        timeout = self._node.config.shm_hold_timeout
+        grant.timer = asyncio.get_running_loop().call_later(timeout, self._expire, conn, grant_id)
+        return grant_id
+
+    def _expire(self, conn: _Conn, grant_id: int) -> None:
+        if grant_id in conn.grants:
+            log.warning("shm: a client held grant %d past --shm-hold-timeout; taking it back", grant_id)
+            self._end(conn, grant_id, commit=False)
+
+    def _end(self, conn: _Conn, grant_id: int, commit: bool) -> _Grant | None:
+        grant = conn.grants.pop(grant_id, None)
+        if grant is None:
+            return None
+        if grant.timer is not None:
+            grant.timer.cancel()
+        if grant.read is not None:
+            handle, fetched = grant.read
+            self._reader.end_read(grant.ns, handle, fetched)
+        if grant.write is not None and not commit:
+            batch, landing, _ = grant.write
+            landing.abandon()
+            batch.abort()
+        return grant
+
+    async def _get(self, loop: asyncio.AbstractEventLoop, conn: _Conn, h: Any) -> None:
+        start = time.perf_counter()
+        self._namespace(h.namespace)
+        share = self._node.config.deadline_share
+        timeout = share * h.deadline_ms / 1000 if h.deadline_ms else None
+        ns, handle, fetched = await self._reader.read(h.namespace, list(h.keys), timeout, h.local_only)
+        grant_id = self._grant(conn, _Grant(ns, read=(handle, fetched)))
+        await self._reply(loop, conn, found=handle.found, slots=handle.slots, grant=grant_id,
+                          page_bytes=ns.layout.page_bytes)
+        hits = len(handle.entries)
+        self._metrics.count_get("shm", hits, len(handle.found) - hits, ns.layout.page_bytes,
+                                time.perf_counter() - start)
+
+    async def _put(self, loop: asyncio.AbstractEventLoop, conn: _Conn, h: Any) -> None:
+        ns = self._namespace(h.namespace)
+        if h.page_bytes != ns.layout.page_bytes:
+            raise InvalidArgument(f"pages of {h.page_bytes} bytes; namespace {ns.name[:100]!r} pages are "
+                                  f"{ns.layout.page_bytes} bytes")
+        if h.kind not in (0, PageKind.PRIMARY, PageKind.REPLICA, PageKind.SPECULATIVE):
+            raise InvalidArgument(f"unknown page kind {int(h.kind)}")
+        batch = self._node.begin_put(h.namespace, PageKind(h.kind or PageKind.PRIMARY),
+                                     timeout=self._node.config.shm_hold_timeout)
+        try:
+            landing = batch.write_in(list(h.keys), SOCKET)
+        except BaseException:
+            batch.abort()
+            raise
+        grant_id = self._grant(conn, _Grant(ns, write=(batch, landing, time.perf_counter())))
+        slots = [SHM_PRESENT if s is None else s for s in landing.key_slots]
+        await self._reply(loop, conn, slots=slots, grant=grant_id, page_bytes=ns.layout.page_bytes)
+
+    async def _commit(self, loop: asyncio.AbstractEventLoop, conn: _Conn, h: Any) -> None:
+        grant = conn.grants.get(h.grant)
+        if grant is None or grant.write is None:
+            raise ResourceExhausted(f"grant {int(h.grant)} is not a live reservation (taken back after "
+                                    f"--shm-hold-timeout?)")
+        self._end(conn, h.grant, commit=True)
+        batch, landing, start = grant.write
+        try:
+            landing.finish()
+            result = batch.commit()
+        finally:
+            batch.abort()  # no-op after commit
+        page_bytes = grant.ns.layout.page_bytes
+        self._metrics.ops.labels("put", "OK").inc()
+        self._metrics.bytes.labels("put", "shm").inc(result.stored * page_bytes)
+        self._metrics.latency.labels("put", "shm").observe(time.perf_counter() - start)
+        await self._reply(loop, conn, put=pb.PutResponse(stored=result.stored, already_present=result.already_present,
+                                                         evicted=result.evicted))
