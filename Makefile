@@ -11,7 +11,7 @@ VVENV   ?= .venv-vllm
 VBIN    := $(VVENV)/bin
 VSTAMP  := $(VVENV)/.installed
 
-.PHONY: install proto test test-gpu test-vllm bench run run-full demo kernels clean
+.PHONY: install proto test test-gpu test-vllm bench run run-full run-sweep demo kernels clean
 
 install: $(STAMP)
 
@@ -75,12 +75,23 @@ run: $(STAMP)
 	$(BIN)/kvctl replay --device cpu $(RUN_ARGS) $(ARGS)
 
 # The whole sweep: both workloads and the recurring/ramp/mixed shapes, cache-aware thresholds
-# 4/8/16/32 and round-robin too, 3 seeds (hours on 2 cores; add ARGS to narrow it).
+# 4/8/16/32 and round-robin too, 3 seeds (hours on 2 cores; FULL_ARGS replaces it, ARGS adds flags).
+FULL_ARGS ?= --trace bench/data/mooncake_conversation.jsonl --window 60 \
+  --trace agent-fanout --trace recurring --trace ramp --trace mixed --nodes 8 --preset llama3-70b-tp8 \
+  --policies none,reactive,full,predictive,oracle --routers round-robin,least-load,cache-aware \
+  --balance-abs 4,8,16,32 --repeats 3 --out bench/out/replay-full
 run-full: $(STAMP)
-	$(BIN)/kvctl replay --device cpu --trace bench/data/mooncake_conversation.jsonl --window 60 \
-	  --trace agent-fanout --trace recurring --trace ramp --trace mixed --nodes 8 --preset llama3-70b-tp8 \
-	  --policies none,reactive,full,predictive,oracle --routers round-robin,least-load,cache-aware \
-	  --balance-abs 4,8,16,32 --repeats 3 --out bench/out/replay-full $(ARGS)
+	$(BIN)/kvctl replay --device cpu $(FULL_ARGS) $(ARGS)
+
+# The sweep sized for a 2-core machine (about 20 minutes): the conversation window and agent-fanout,
+# none/reactive/predictive under least-load and cache-aware@8/@32, the oracle, 3 seeds
+# (docs/benchmark.md "Repeats" has its tables).
+SWEEP_ARGS ?= --trace bench/data/mooncake_conversation.jsonl --window 60 --trace agent-fanout \
+  --nodes 8 --preset llama3-70b-tp8 --policies none,reactive,predictive,oracle \
+  --routers least-load,cache-aware --balance-abs 8,32 --network shaped --link rdma-400g --repeats 3 \
+  --no-plots --out bench/out/replay-sweep
+run-sweep: $(STAMP)
+	$(BIN)/kvctl replay --device cpu $(SWEEP_ARGS) $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
