@@ -159,8 +159,10 @@ def test_restart_after_long_downtime(daemon, transport: str, downtime: float) ->
 def test_grpc_get_at_its_deadline_returns_what_it_has(daemon, transport: str) -> None:  # type: ignore[no-untyped-def]
     """A gRPC Get with a 1 s deadline of 48 local pages and 4 held by a
     stopped node (SIGSTOP: alive to the directory, silent to pulls): 12
-    times, the local pages come back and the others are missing; never an
-    error."""
+    times, what comes back is byte-exact and the stopped node's pages are
+    missing; never an error. (The local pages are streamed first; on a
+    loaded machine some may still miss the deadline: then they are missing
+    too, not an error.)"""
     nodes = start_cluster(daemon, transport, "--heartbeat-timeout", "5")
     b, c = nodes["b"], nodes["c"]
     local, remote = keys_for(48, b"loc"), keys_for(4, b"rem")
@@ -170,7 +172,7 @@ def test_grpc_get_at_its_deadline_returns_what_it_has(daemon, transport: str) ->
         kb.put("m", remote, random_pages(4, MiB))
         wait_until(lambda: holders(kc, remote).get("b") == 4, 5, "directory")
         b.proc.send_signal(signal.SIGSTOP)
-        errors, took = [], []
+        errors, took, whole = [], [], []
         try:
             for _ in range(12):
                 start = time.monotonic()
@@ -180,9 +182,11 @@ def test_grpc_get_at_its_deadline_returns_what_it_has(daemon, transport: str) ->
                     errors.append(repr(exc)[:200])
                     continue
                 took.append(time.monotonic() - start)
-                assert got.found.tolist() == [True] * 48 + [False] * 4
-                assert (got.pages[:48] == pages).all()
+                whole.append(bool(got.found[:48].all()))
+                assert not got.found[48:].any()
+                assert (got.pages[:48][got.found[:48]] == pages[got.found[:48]]).all()
         finally:
             b.proc.send_signal(signal.SIGCONT)
         assert not errors, f"{len(errors)} of 12 Gets failed: {errors[:2]}"
         assert max(took) < 1.3, took
+        assert any(whole), "no Get brought back the 48 local pages"

@@ -148,7 +148,7 @@ def test_idle_and_half_open_connections_are_closed(make_server) -> None:  # type
     closed after --idle-timeout; a client whose pooled connection was closed
     that way reconnects without an error."""
     srv = make_server(idle_timeout=0.5)
-    with KvClient(srv.address) as kv:
+    with KvClient(srv.address, data_path="tcp") as kv:
         kv.create_namespace("m", PAGE)
         silent = data_socket(srv)
         used_once = data_socket(srv)
