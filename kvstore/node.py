@@ -341,6 +341,7 @@ class Node:
         return lease, missing
 
     def unpin(self, name: str, lease_id: str) -> int:
+        check_namespace(name)
         lease = self.leases.get(lease_id)
         if lease is None or lease.namespace != name:
             raise NotFound(f"no lease {shown(lease_id)} in namespace {shown(name)} (expired or released)")
