@@ -131,6 +131,8 @@ def restart_seen(daemon, transport: str, downtime: float) -> tuple[float, float]
         listed = time.monotonic()
         wait_until(lambda: kc.get("m", keys, timeout=1.0).found.all(), 30, "c to get a's pages")
         served = time.monotonic() - listed
+    for d in [*nodes.values(), again]:
+        d.stop()  # the next run starts a fresh cluster
     return seen, served
 
 
@@ -149,8 +151,6 @@ def test_restart_after_long_downtime(daemon, transport: str, downtime: float) ->
     results = []
     for _ in range(runs):
         results.append(restart_seen(daemon, transport, downtime))
-        for d in list(getattr(daemon, "started", [])):
-            d.stop()
     text = ", ".join(f"{s:.2f}/{v:.2f}" for s, v in results)
     print(f"\n{transport}: {downtime:g} s down, listed/served after (s): {text}")
     assert all(s < TIMEOUT and v < TIMEOUT for s, v in results), text
