@@ -110,8 +110,8 @@ def replay_parser() -> argparse.ArgumentParser:
     c.add_argument("--heartbeat", type=float, default=0.2, help="kvstored --heartbeat-interval (real s)")
     c.add_argument("--planner-tick", type=float, default=0.2, help="kvstored --planner-tick for predictive (real s)")
     c.add_argument("--spec-ttl", type=float, default=60.0, help="speculative replica TTL (real s), also the oracle's")
-    c.add_argument("--oracle-lead", type=float, default=4.0, help="oracle decides and copies this long before "
-                   "arrival (trace s)")
+    c.add_argument("--oracle-lead", type=float, default=4.0, help="the oracle copies a prefix to a request's node "
+                   "no earlier than this before the request arrives (trace s)")
     c.add_argument("--kill", action="append", default=[], metavar="NODE@T",
                    help="failover: SIGKILL node NODE (n3, or 3) at trace second T of every run (repeatable); the "
                         "report gives TTFT in the 30 s after it; the engine in front of it recomputes")
