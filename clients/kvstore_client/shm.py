@@ -35,6 +35,7 @@ class ShmConn:
         self._pools: dict[str, np.ndarray] = {}
         self._maps: list[mmap.mmap] = []
         self._lock = threading.Lock()
+        self._got_reply = False
 
     @staticmethod
     def usable(path: str) -> bool:
@@ -65,6 +66,7 @@ class ShmConn:
             n = self._sock.recv_into(view)
             if n == 0:
                 raise ConnectionError("node closed the shared-memory socket")
+            self._got_reply = True
             view = view[n:]
 
     def _send(self, header: pb.DataHeader) -> None:
@@ -77,6 +79,7 @@ class ShmConn:
             data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
             if not data:
                 raise ConnectionError("node closed the shared-memory socket")
+            self._got_reply = True
             fd = fds[0] if fds else -1
             buf = bytearray(data)
         else:
@@ -95,14 +98,36 @@ class ShmConn:
         return parse_result(bytes(body[:header_len])), fd
 
     def _exchange(self, header: pb.DataHeader, want_fd: bool = False) -> tuple[pb.DataHeader, int]:
+        """One request and its answer. A connection the node closed while it
+        sat idle (``--idle-timeout``) fails before any answer byte: the
+        request goes once more on a fresh connection (the mappings stay)."""
+        for attempt in (0, 1):
+            reused = self._sock is not None
+            self._got_reply = False
+            try:
+                self._send(header)
+                return self._result(want_fd)
+            except KvError:
+                raise
+            except (OSError, ValueError, WireError) as exc:
+                self._drop_socket()
+                if attempt == 0 and reused and not self._got_reply and not isinstance(exc, TimeoutError):
+                    continue
+                raise Unavailable(f"shared-memory path to {self.path} failed: {exc}") from None
+        raise AssertionError("unreachable")
+
+    def _release(self, grant: int) -> None:
+        """End a grant (one-way). If the connection is gone the node has
+        already ended it with the connection."""
         try:
-            self._send(header)
-            return self._result(want_fd)
-        except KvError:
-            raise
-        except (OSError, ValueError, WireError) as exc:
-            self.close()
-            raise Unavailable(f"shared-memory path to {self.path} failed: {exc}") from None
+            self._send(pb.DataHeader(op=pb.DataHeader.RELEASE, grant=grant))
+        except OSError:
+            self._drop_socket()
+
+    def _drop_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     def _pool(self, namespace: str) -> np.ndarray:
         pool = self._pools.get(namespace)
@@ -137,7 +162,7 @@ class ShmConn:
                 for row, slot in zip(np.flatnonzero(found).tolist(), slots.tolist()):
                     out[row] = pool[slot]  # one memcpy a page (np.take is 3-4x slower on large rows)
             finally:
-                self._send(pb.DataHeader(op=pb.DataHeader.RELEASE, grant=reply.grant))
+                self._release(reply.grant)
             return found
 
     def put(self, namespace: str, keys: Sequence[bytes], views: Sequence[memoryview], page_bytes: int,
@@ -147,7 +172,7 @@ class ShmConn:
             reply, _ = self._exchange(pb.DataHeader(op=pb.DataHeader.PUT, namespace=namespace, keys=keys,
                                                     page_bytes=page_bytes, kind=kind))
             if len(reply.slots) != len(keys):
-                self._send(pb.DataHeader(op=pb.DataHeader.RELEASE, grant=reply.grant))
+                self._release(reply.grant)
                 raise Unavailable("shared-memory reply does not match the request")
             for view, slot in zip(views, reply.slots):
                 if slot != SHM_PRESENT:
