@@ -3,6 +3,7 @@ chunking of gRPC messages and data-channel frames. No I/O here."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -146,6 +147,25 @@ def translate(exc: grpc.RpcError) -> KvError:
 
 # ---- data channel frames --------------------------------------------------
 
+class BlockingFrames:
+    """A blocking socket of frames (the data channel, the shared-memory
+    socket): exact reads that note whether any answer byte arrived, so a
+    request on a connection the node closed while idle can be sent again."""
+
+    _sock: "socket.socket | None" = None
+    _got_reply: bool = False
+    _what: str = "connection"
+
+    def _recv_exact(self, view: memoryview) -> None:
+        assert self._sock is not None
+        while view.nbytes:
+            n = self._sock.recv_into(view)
+            if n == 0:
+                raise ConnectionError(f"node closed the {self._what}")
+            self._got_reply = True
+            view = view[n:]
+
+
 def put_frame(namespace: str, keys: Sequence[bytes], page_bytes: int, kind: int) -> bytes:
     header = pb.DataHeader(op=pb.DataHeader.PUT, namespace=namespace, keys=keys, page_bytes=page_bytes, kind=kind)
     return encode_header(header, len(keys) * page_bytes)
@@ -166,6 +186,6 @@ def parse_result(header_bytes: bytes | bytearray) -> pb.DataHeader:
     return header
 
 
-__all__ = ["GetAssembler", "GetResult", "Lease", "PutResult", "decode_prefix", "page_views", "as_out", "put_messages",
+__all__ = ["BlockingFrames", "GetAssembler", "GetResult", "Lease", "PutResult", "decode_prefix", "page_views", "as_out", "put_messages",
            "check_get_batch",
            "translate", "put_frame", "get_frame", "parse_result"]

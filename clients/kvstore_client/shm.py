@@ -20,13 +20,15 @@ import numpy as np
 from kvstore.errors import KvError, Unavailable
 from kvstore.framing import PREFIX, WireError, decode_prefix, encode_header
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore_client._common import PutResult, parse_result
+from kvstore_client._common import BlockingFrames, PutResult, parse_result
 
 SHM_PRESENT = (1 << 64) - 1
 
 
-class ShmConn:
+class ShmConn(BlockingFrames):
     """One connection to a node's shared-memory socket, with its mappings."""
+
+    _what = "shared-memory socket"
 
     def __init__(self, path: str, timeout: float | None) -> None:
         self.path = path
@@ -59,15 +61,6 @@ class ShmConn:
                 raise Unavailable(f"shared-memory socket {self.path}: {exc}") from None
             self._sock = sock
         return self._sock
-
-    def _recv_exact(self, view: memoryview) -> None:
-        assert self._sock is not None
-        while view.nbytes:
-            n = self._sock.recv_into(view)
-            if n == 0:
-                raise ConnectionError("node closed the shared-memory socket")
-            self._got_reply = True
-            view = view[n:]
 
     def _send(self, header: pb.DataHeader) -> None:
         self._socket().sendall(encode_header(header, 0))

@@ -23,15 +23,17 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.shm import ShmConn
 from kvstore_client._common import (
-    GRPC_OPTIONS, GetAssembler, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, get_frame, page_views,
+    GRPC_OPTIONS, BlockingFrames, GetAssembler, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, get_frame, page_views,
     parse_result, put_frame, put_messages, translate,
 )
 
 T = TypeVar("T")
 
 
-class _DataConn:
+class _DataConn(BlockingFrames):
     """One blocking connection to a node's data channel (reconnects lazily)."""
+
+    _what = "data channel"
 
     def __init__(self, host: str, port: int, timeout: float | None) -> None:
         self._addr = (host, port)
@@ -51,15 +53,6 @@ class _DataConn:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
         return self._sock
-
-    def _recv_exact(self, view: memoryview) -> None:
-        assert self._sock is not None
-        while view.nbytes:
-            n = self._sock.recv_into(view)
-            if n == 0:
-                raise ConnectionError("node closed the data channel")
-            self._got_reply = True
-            view = view[n:]
 
     def _result(self) -> tuple[pb.DataHeader, int]:
         prefix = bytearray(PREFIX.size)
