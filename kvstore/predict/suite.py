@@ -46,8 +46,7 @@ VALID_SEED = 102
 EVAL_SEEDS = (0, 1, 2)
 RECENCY_TAU_S = 1800.0    # a trace's training rows weigh exp((t - t_last) / tau): drift (chosen on validation)
 TRAIN_FROM_S = 420.0      # the replay's conversation window (0-120 s) plus H is never trained on
-DATA_DIRS = (Path(__file__).resolve().parents[2] / "bench" / "data",
-             Path(__file__).resolve().parents[3] / "shared" / "data")
+DATA_DIRS = (Path(__file__).resolve().parents[2] / "bench" / "data",)  # the traces the repository ships
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ class Source:
 
 
 def find_data(name: str) -> Path | None:
-    """A shared trace file by name (bench/data first, then ../shared/data)."""
+    """A shipped trace file by name (bench/data)."""
     for d in DATA_DIRS:
         if (d / name).is_file():
             return d / name
@@ -132,7 +131,7 @@ def default_sources(names: Sequence[str] | None = None) -> list[Source]:
     def conversation(seed: int = 0) -> list[Request]:
         if not conv:
             if conv_path is None:
-                raise FileNotFoundError("mooncake_conversation.jsonl not found in bench/data or ../shared/data")
+                raise FileNotFoundError("mooncake_conversation.jsonl not found in bench/data")
             conv.extend(load_mooncake(conv_path))
         return conv
 
