@@ -106,21 +106,30 @@ def decode_header(body: bytes | memoryview) -> pb.DataHeader:
 
 
 
+async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview,
+                     timeout: float | None) -> int:
+    """One receive into ``view``: ``TimeoutError`` after ``timeout`` seconds
+    without a byte (None: no limit); any other socket error is :class:`ChannelClosed`."""
+    try:
+        if timeout is None:
+            return await loop.sock_recv_into(sock, view)
+        async with asyncio.timeout(timeout):
+            return await loop.sock_recv_into(sock, view)
+    except TimeoutError:
+        raise
+    except OSError as exc:  # TimeoutError is an OSError: it is passed on above
+        raise ChannelClosed(str(exc)) from None
+
+
 async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview,
                      timeout: float | None = None) -> None:
     """Fill ``view`` from ``sock`` or raise :class:`ChannelClosed`; with
     ``timeout``, raise :class:`Stalled` when no byte comes for that long."""
     while view.nbytes:
         try:
-            if timeout is None:
-                n = await loop.sock_recv_into(sock, view)
-            else:
-                async with asyncio.timeout(timeout):
-                    n = await loop.sock_recv_into(sock, view)
+            n = await _recv_into(loop, sock, view, timeout)
         except TimeoutError:
             raise Stalled(f"no byte for {timeout:g} s in the middle of a frame") from None
-        except OSError as exc:
-            raise ChannelClosed(str(exc)) from None
         if n == 0:
             raise ChannelClosed("peer closed the connection mid-frame")
         view = view[n:]
@@ -147,15 +156,9 @@ async def read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
     prefix = bytearray(PREFIX.size)
     view = memoryview(prefix)
     try:
-        if limits.idle_timeout is None:
-            n = await loop.sock_recv_into(sock, view)
-        else:
-            async with asyncio.timeout(limits.idle_timeout):
-                n = await loop.sock_recv_into(sock, view)
+        n = await _recv_into(loop, sock, view, limits.idle_timeout)
     except TimeoutError:
         raise Idle(f"no request for {limits.idle_timeout:g} s") from None
-    except OSError as exc:
-        raise ChannelClosed(str(exc)) from None
     if n == 0:
         raise ChannelClosed("peer closed the connection")
     await recv_exact(loop, sock, view[n:], limits.read_timeout)

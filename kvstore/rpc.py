@@ -5,6 +5,7 @@ server options, and the one translation of a failed call into a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -103,6 +104,17 @@ class BoundaryInterceptor(grpc.aio.ServerInterceptor):
             log.error("%s: unexpected error, answered INTERNAL", method, exc_info=exc)
         await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the node)")
 
+    @contextlib.asynccontextmanager
+    async def _guard(self, method: str, context: Any) -> AsyncIterator[None]:
+        """Around every handler: an abort or a cancellation passes through;
+        any other exception becomes the bounded answer of :meth:`_fail`."""
+        try:
+            yield
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            await self._fail(method, exc, context)
+
     @staticmethod
     async def _checked(method: str, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async for request in requests:
@@ -112,14 +124,10 @@ class BoundaryInterceptor(grpc.aio.ServerInterceptor):
 
     def _unary(self, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         async def call(request: Any, context: Any) -> Any:
-            try:
+            async with self._guard(method, context):
                 if isinstance(request, _Undecodable):
                     raise _undecodable(method, request)
                 return await fn(request, context)
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                await self._fail(method, exc, context)
         return call
 
     def _unary_stream(self, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -127,25 +135,17 @@ class BoundaryInterceptor(grpc.aio.ServerInterceptor):
             return self._unary(method, fn)
 
         async def call(request: Any, context: Any) -> AsyncIterator[Any]:
-            try:
+            async with self._guard(method, context):
                 if isinstance(request, _Undecodable):
                     raise _undecodable(method, request)
                 async for reply in fn(request, context):
                     yield reply
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                await self._fail(method, exc, context)
         return call
 
     def _stream_unary(self, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         async def call(requests: AsyncIterator[Any], context: Any) -> Any:
-            try:
+            async with self._guard(method, context):
                 return await fn(self._checked(method, requests), context)
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                await self._fail(method, exc, context)
         return call
 
     def _stream_stream(self, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -153,11 +153,7 @@ class BoundaryInterceptor(grpc.aio.ServerInterceptor):
             return self._stream_unary(method, fn)
 
         async def call(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-            try:
+            async with self._guard(method, context):
                 async for reply in fn(self._checked(method, requests), context):
                     yield reply
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                await self._fail(method, exc, context)
         return call
