@@ -32,7 +32,7 @@ import numpy as np
 
 from kvstore.predict.evaluate import best_f1_threshold, gate, pr_auc, precision_recall_at, roc_auc
 from kvstore.predict.features import FeatureStore, HoldersCount, momentum_prob, need_in_s
-from kvstore.predict.forecast import CLUSTER, Forecast, RateForecaster
+from kvstore.predict.forecast import Forecast, RateForecaster
 from kvstore.predict.labels import EventLog, make_labels
 from kvstore.predict.model import BurstModel, ModelError
 from kvstore.predict.types import Access, PredictorConfig, PrefixId
@@ -152,13 +152,13 @@ class Predictor:
 
     # -- event-loop side -----------------------------------------------------
     def observe(self, access: Access) -> None:
-        """Account one request (features, the label log and the rate forecaster)."""
+        """Account one request (features, the label log and the rate forecaster;
+        the cluster-wide stream is only forecast offline, by ``forecast_eval``)."""
         self.fs.observe(access)
         self._events.append(access)
         depth = max((d for d in self.cfg.depths if d <= len(access.keys)), default=0)
         if depth:
             self.forecaster.observe((access.namespace, access.keys[depth - 1]), access.t)
-        self.forecaster.observe(CLUSTER, access.t)
 
     def forecast(self, now: float | None = None, lead_s: float | None = None,
                  keys: Sequence[PrefixId] | None = None) -> Forecast:
