@@ -11,6 +11,7 @@ host page pools use this.
 from __future__ import annotations
 
 import mmap
+import os
 
 import numpy as np
 
@@ -29,6 +30,11 @@ def populated_empty(count: int, page_bytes: int) -> np.ndarray:
     return np.frombuffer(region, dtype=np.uint8).reshape(count, page_bytes)
 
 
+def shared_memory_available() -> bool:
+    """Whether host pools can live in memfds here (Linux)."""
+    return hasattr(os, "memfd_create")
+
+
 def shared_empty(count: int, page_bytes: int, name: str = "kvstore-pool") -> tuple[np.ndarray, int]:
     """A ``[count, page_bytes]`` uint8 array in an anonymous shared-memory
     file (``memfd_create``), mapped up front, and that file's descriptor.
@@ -36,8 +42,6 @@ def shared_empty(count: int, page_bytes: int, name: str = "kvstore-pool") -> tup
     The descriptor can be passed to a process on the same host
     (``SCM_RIGHTS``), which maps the same pages: the co-located data path.
     Linux only; raises ``OSError`` elsewhere."""
-    import os
-
     create = getattr(os, "memfd_create", None)
     if create is None:
         raise OSError("memfd_create is not available on this platform")

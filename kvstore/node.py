@@ -17,6 +17,7 @@ from typing import Any
 
 from kvstore.config import NodeConfig
 from kvstore.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, shown
+from kvstore.hostmem import shared_memory_available
 from kvstore.ops.base import PageOps
 from kvstore.pool.layout import PageLayout, check_keys, check_namespace
 from kvstore.pool.movement import SOCKET, Carrier, Landing, page_checksum
@@ -205,12 +206,6 @@ class PutBatch:
             self.ns.pool.abort(part.res)
 
 
-def _memfd_ok() -> bool:
-    import os
-
-    return hasattr(os, "memfd_create")
-
-
 class Node:
     """Namespaces of page pools on one device, with leases."""
 
@@ -225,6 +220,8 @@ class Node:
         self._clock = clock
         self.started_at = clock()
         self.address = config.listen  # replaced by the bound address once serving
+        # host pools live in memfds that clients on this host map (the shared-memory path)
+        self.shares_memory = config.shm and ops.host_visible and shared_memory_available()
         for spec in config.namespace:
             self.create_namespace(spec.name, PageLayout(spec.page_bytes), spec.capacity)
 
@@ -257,7 +254,7 @@ class Node:
                 f"namespace {name!r}: capacity {capacity} bytes holds no page of {layout.page_bytes} bytes"
             )
         pool = PagePool(self.ops, num_slots, layout.page_bytes, prefault=self.config.prefault,
-                        shared=self.config.shm and self.ops.host_visible and _memfd_ok(),
+                        shared=self.shares_memory,
                         on_change=lambda added, removed: self._changed(name, added, removed))
         ns = Namespace(name, layout, num_slots * layout.page_bytes, pool)
         self.namespaces[name] = ns

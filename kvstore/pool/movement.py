@@ -265,4 +265,4 @@ class Landing:
         if self._staging is not None:
             self._pool.staging.give(self._staging)
             self._staging = None
-        self._device = None if self._finished else self._device
+        self._device = None

@@ -19,6 +19,7 @@ the slots. A key is never visible before its bytes are complete.
 from __future__ import annotations
 
 import enum
+import os
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -117,8 +118,6 @@ class PagePool:
     def close(self) -> None:
         """Give back the shared-memory file (its pages go once no client maps them)."""
         if self.shm_fd >= 0:
-            import os
-
             os.close(self.shm_fd)
             self.shm_fd = -1
 

@@ -9,7 +9,6 @@ finish within the grace period, cancel the rest, release leases.
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
 from types import TracebackType
 
@@ -104,7 +103,7 @@ class NodeServer:
         if self.config.data_port >= 0:
             self._data = DataServer(node, self.metrics, agent.replicator, host, self.config.data_port)
             await self._data.start()
-        if self.config.shm and ops.host_visible and hasattr(os, "memfd_create"):  # host pools live in memfds
+        if node.shares_memory:
             name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{node.node_id}-{self.port}")[:80]
             self._shm = ShmServer(node, self.metrics, agent.replicator, self.config.shm_dir, name)
             await self._shm.start()
