@@ -123,7 +123,12 @@ def test_daemon_loads_a_trained_model_and_exposes_predictor_metrics(tmp_path, da
 
 def test_demand_sized_fanout_is_copied_as_a_tree(make_server) -> None:  # type: ignore[no-untyped-def]
     """With --node-rate the forecast demand asks for every node; the copies go
-    as a tree (a serves two, they serve the rest), not five out of a."""
+    as a tree (landed targets serve later ones), not five out of a.
+
+    The demand may reach the planner over one tick or several (on a slow
+    machine the lookups straddle ticks, and a shallow copy may go before a
+    deeper one), so the test checks what any tree guarantees: some of the
+    pages were sent by a node other than the primary."""
     common = dict(replication="predictive", transport="tcp", heartbeat_interval=0.05, heartbeat_timeout=2.0,
                   planner_tick=0.1, spec_ttl=30.0, capacity=32 << 20, node_rate=0.2)
     a = make_server(node_id="a", **common)
@@ -144,7 +149,8 @@ def test_demand_sized_fanout_is_copied_as_a_tree(make_server) -> None:  # type: 
             return sum(1 for s in others if s.call(lambda s=s: s.node.namespace("m").pool.speculative_slots) == 8)
 
         wait_until(lambda: spread() == 5, 15, "speculative replicas on all five other nodes", state=spread)
-    saved = a.call(lambda: a.server.coordinator.egress_saved_s)
-    assert saved > 0, "every copy went out of the primary"
+    sent = a.call(lambda: dict(a.server.coordinator.pages_from))
+    assert sum(sent.values()) == 5 * 8, sent
+    assert sent.get("a", 0) < 5 * 8, f"every page went out of the primary: {sent}"
     for srv in servers:
         check_pools_sound(srv)

@@ -84,6 +84,7 @@ class Coordinator:
         self.tick_seconds: list[float] = []
         self.decision_sources: Counter[str] = Counter()  # replicate decisions by the scorer behind them
         self.egress_saved_s = 0.0  # holder egress seconds copy trees saved against copying all from one source
+        self.pages_from: Counter[str] = Counter()  # speculative pages copied, by the node that sent them
         self._scorer: dict[tuple[str, bytes], str] = {}
 
     # ---- inputs (the agent's Placement calls) --------------------------------
@@ -322,6 +323,8 @@ class Coordinator:
         if moved and took > 0:
             self.bandwidth = (1 - _BANDWIDTH_ALPHA) * self.bandwidth + _BANDWIDTH_ALPHA * moved / took
         self.metrics.spec_bytes.labels(kind.name.lower()).inc(moved)
+        if kind is PageKind.SPECULATIVE:
+            self.pages_from[source] += reply.copied
         return reply.copied + reply.already_present == len(set(keys))
 
     async def _copy_tree(self, d: Decision, nbytes: int) -> None:
@@ -382,6 +385,7 @@ class Coordinator:
         if self.predictor is not None:
             out.update(self.predictor.stats())
         out["egress_saved_s"] = self.egress_saved_s
+        out["pages_from"] = dict(self.pages_from)
         total = sum(self.decision_sources.values())
         out["decision_sources"] = {k: v / total for k, v in self.decision_sources.items()} if total else {}
         return out
