@@ -8,6 +8,7 @@ never drift apart. Precedence: defaults < config file < environment < flags.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -155,6 +156,14 @@ class NodeConfig:
     shm: bool = True
     shm_dir: str = ""
     shm_hold_timeout: float = 30.0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_client_auth: bool = False
+    token_file: str = ""
+    cluster_secret_file: str = ""
+    insecure: bool = False
+    membership: str = "gossip"
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -210,9 +219,37 @@ class NodeConfig:
             if not -1 <= getattr(self, port_name) <= 65535:
                 raise ValueError(f"{port_name} must be -1..65535")
 
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_auth and not self.tls_ca:
+            raise ValueError("tls_client_auth needs tls_ca (the CA that signs client certificates)")
+        if not (self.membership == "gossip" or self.membership.startswith(("etcd://", "etcds://"))):
+            raise ValueError("membership must be 'gossip' or etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS)")
+
     @property
     def host(self) -> str:
         return parse_hostport(self.listen)[0]
+
+    @property
+    def tls(self) -> bool:
+        """Whether this node's ports speak TLS (it has a certificate)."""
+        return bool(self.tls_cert)
+
+    @property
+    def loopback_only(self) -> bool:
+        """Whether the listen host is a loopback address (development mode is allowed there)."""
+        host = self.host
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
+    @property
+    def secured(self) -> bool:
+        """TLS, client tokens and a cluster secret: what a node off loopback needs."""
+        return self.tls and bool(self.token_file) and bool(self.cluster_secret_file)
 
 
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(NodeConfig) if f.name != "extra"}
@@ -311,6 +348,24 @@ SETTINGS: tuple[Setting, ...] = (
             "/tmp/kvstored-UID)", "DIR"),
     Setting("shm_hold_timeout", float, "longest a shared-memory client may hold pages it was granted (a Get's "
             "read holds, a Put's reserved slots) before the node takes them back", "SECONDS"),
+    Setting("tls_cert", str, "PEM certificate chain of this node: every port (gRPC, data channel, peer transport, "
+            "metrics) speaks TLS with it; re-read when the file changes", "FILE"),
+    Setting("tls_key", str, "PEM private key of --tls-cert", "FILE"),
+    Setting("tls_ca", str, "PEM CA bundle that signs the cluster's node certificates (peers are verified "
+            "against it) and, with --tls-client-auth, client certificates", "FILE"),
+    Setting("tls_client_auth", parse_bool, "require a client certificate signed by --tls-ca on every port "
+            "(mTLS; true/false)", "BOOL"),
+    Setting("token_file", str, "TOML file of client tokens, each with a tenant and a role (read, write, admin), "
+            "and tenant quotas; re-read when it changes (rotation without restart). Unset: no client "
+            "authentication (loopback development mode only)", "FILE"),
+    Setting("cluster_secret_file", str, "file holding the cluster's shared secret: peers prove membership with "
+            "an HMAC of every cluster call (replay-protected). Unset: any caller may act as a peer (loopback "
+            "development mode only)", "FILE"),
+    Setting("insecure", parse_bool, "allow listening beyond loopback without TLS, tokens and a cluster secret "
+            "(logged loudly; never in production)", "BOOL"),
+    Setting("membership", str, "gossip (heartbeats between --peers) or etcd://HOST:PORT[,HOST:PORT] "
+            "(etcds:// for TLS with --tls-ca/--tls-cert/--tls-key): liveness and the coordinator by etcd "
+            "leases", "URL"),
     Setting("predictor_momentum_window", float, "W of the momentum rule: a prefix seen at least twice within W "
             "seconds is forecast to recur", "SECONDS"),
 )

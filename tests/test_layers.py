@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("node", ("node",)),
     ("pool", ("pool",)),
     ("ops", ("ops",)),
-    ("bottom", ("config", "errors", "units", "metrics", "framing", "rpc", "hostmem", "loops", "v1", "protogen",
+    ("bottom", ("config", "errors", "units", "metrics", "framing", "rpc", "hostmem", "loops", "v1", "protogen", "security",
                 "")),
 ]
 RANK = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}
