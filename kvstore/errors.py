@@ -60,12 +60,24 @@ class DeadlineExceeded(KvError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Unauthenticated(KvError):
+    """No credentials, or credentials this node does not accept (a bad token, a forged peer)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(KvError):
+    """Authenticated, but this caller may not do this (another tenant's namespace, a read-only token)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class PoolExhausted(ResourceExhausted):
     """No free or evictable slot: every page is pinned or being read."""
 
 
 _BY_VALUE = {cls.code.value[0]: cls for cls in (InvalidArgument, NotFound, AlreadyExists, ResourceExhausted, Unavailable,
-                                               DeadlineExceeded)}
+                                               DeadlineExceeded, Unauthenticated, PermissionDenied)}
 
 
 def error_for_code(code: int, message: str) -> KvError:

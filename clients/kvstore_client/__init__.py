@@ -10,7 +10,8 @@
 """
 
 from kvstore.errors import (
-    AlreadyExists, InvalidArgument, KvError, NotFound, PoolExhausted, ResourceExhausted, Unavailable,
+    AlreadyExists, InvalidArgument, KvError, NotFound, PermissionDenied, PoolExhausted, ResourceExhausted,
+    Unauthenticated, Unavailable,
 )
 from kvstore.v1.kvstore_pb2 import PRIMARY, REPLICA, SPECULATIVE
 from kvstore_client._common import GetResult, Lease, PutResult
