@@ -22,5 +22,5 @@ from kvstore_client.sync import KvClient
 __all__ = [
     "AsyncKvClient", "KvClient", "GetResult", "PutResult", "Lease", "chain_keys", "root_key", "KEY_BYTES",
     "KvError", "InvalidArgument", "NotFound", "AlreadyExists", "ResourceExhausted", "PoolExhausted",
-    "Unavailable", "PRIMARY", "REPLICA", "SPECULATIVE",
+    "Unavailable", "Unauthenticated", "PermissionDenied", "PRIMARY", "REPLICA", "SPECULATIVE",
 ]
