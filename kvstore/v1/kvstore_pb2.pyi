@@ -327,18 +327,20 @@ class NodeInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DataEndpoint(_message.Message):
-    __slots__ = ("protocol", "host", "port", "version", "path")
+    __slots__ = ("protocol", "host", "port", "version", "path", "tls")
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
     protocol: str
     host: str
     port: int
     version: int
     path: str
-    def __init__(self, protocol: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., version: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+    tls: bool
+    def __init__(self, protocol: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., version: _Optional[int] = ..., path: _Optional[str] = ..., tls: _Optional[bool] = ...) -> None: ...
 
 class NodeInfoResponse(_message.Message):
     __slots__ = ("node_id", "version", "device", "max_message_bytes", "max_batch_pages", "max_batch_bytes", "max_pin_ttl_seconds", "data_endpoints")
@@ -361,7 +363,7 @@ class NodeInfoResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., max_batch_pages: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_pin_ttl_seconds: _Optional[float] = ..., data_endpoints: _Optional[_Iterable[_Union[DataEndpoint, _Mapping]]] = ...) -> None: ...
 
 class DataHeader(_message.Message):
-    __slots__ = ("op", "namespace", "keys", "page_bytes", "kind", "code", "message", "found", "put", "checksums", "local_only", "deadline_ms", "slots", "grant", "num_slots")
+    __slots__ = ("op", "namespace", "keys", "page_bytes", "kind", "code", "message", "found", "put", "checksums", "local_only", "deadline_ms", "slots", "grant", "num_slots", "token")
     class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OP_UNSPECIFIED: _ClassVar[DataHeader.Op]
@@ -371,6 +373,7 @@ class DataHeader(_message.Message):
         ATTACH: _ClassVar[DataHeader.Op]
         RELEASE: _ClassVar[DataHeader.Op]
         COMMIT: _ClassVar[DataHeader.Op]
+        HELLO: _ClassVar[DataHeader.Op]
     OP_UNSPECIFIED: DataHeader.Op
     PUT: DataHeader.Op
     GET: DataHeader.Op
@@ -378,6 +381,7 @@ class DataHeader(_message.Message):
     ATTACH: DataHeader.Op
     RELEASE: DataHeader.Op
     COMMIT: DataHeader.Op
+    HELLO: DataHeader.Op
     OP_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +397,7 @@ class DataHeader(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     op: DataHeader.Op
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -408,7 +413,8 @@ class DataHeader(_message.Message):
     slots: _containers.RepeatedScalarFieldContainer[int]
     grant: int
     num_slots: int
-    def __init__(self, op: _Optional[_Union[DataHeader.Op, str]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., kind: _Optional[_Union[PageKind, str]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., found: _Optional[_Iterable[bool]] = ..., put: _Optional[_Union[PutResponse, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ..., local_only: _Optional[bool] = ..., deadline_ms: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., grant: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
+    token: str
+    def __init__(self, op: _Optional[_Union[DataHeader.Op, str]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., kind: _Optional[_Union[PageKind, str]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., found: _Optional[_Iterable[bool]] = ..., put: _Optional[_Union[PutResponse, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ..., local_only: _Optional[bool] = ..., deadline_ms: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., grant: _Optional[int] = ..., num_slots: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
 
 class TransportEndpoint(_message.Message):
     __slots__ = ("kind", "host", "port")
