@@ -82,6 +82,39 @@ def test_keys_beyond_the_limit_drop_the_stalest() -> None:
     assert len(f.forecast(300.0, 10.0)) == len(f)
 
 
+def _row_median(a: np.ndarray) -> np.ndarray:
+    """Median of each row ignoring nan (nan for a row with none): a sort of
+    the few values per row, much faster than ``np.nanmedian``."""
+    if not a.size:
+        return np.full(len(a), np.nan)
+    valid = np.isfinite(a)
+    count = valid.sum(axis=1)
+    ordered = np.sort(np.where(valid, a, np.inf), axis=1)
+    lo = np.take_along_axis(ordered, np.maximum(count - 1, 0)[:, None] // 2, axis=1)[:, 0]
+    hi = np.take_along_axis(ordered, (count // 2)[:, None], axis=1)[:, 0]
+    with np.errstate(invalid="ignore"):
+        return np.where(count > 0, (lo + hi) / 2, np.nan)
+
+
+def test_kept_periods_equal_the_batch_median_of_the_onset_spacings() -> None:
+    """Periods are kept per key as onsets arrive (a forecast only indexes
+    them); they must equal the median of the ring's spacings and their MAD,
+    computed over all keys at once, including rows reused after a drop."""
+    rng = np.random.default_rng(7)
+    f = RateForecaster(ForecastConfig(max_keys=60, gap_s=5.0))
+    t = 0.0
+    for _ in range(3000):
+        t += float(rng.exponential(0.5))
+        f.observe(int(rng.integers(0, 80)), t)
+    rows = np.fromiter(f._row.values(), dtype=np.int64)
+    diffs = np.diff(f.onsets[rows], axis=1)
+    period = _row_median(diffs)
+    spread = _row_median(np.abs(diffs - period[:, None])) * 1.4826
+    assert np.isfinite(period).sum() > 10
+    np.testing.assert_allclose(f.period[rows], period, equal_nan=True)
+    np.testing.assert_allclose(f.spread[rows], spread, equal_nan=True)
+
+
 def recurring_trace(seed: int = 0, prefixes: int = 6, period: tuple[float, float] = (60.0, 120.0),
                     duration: float = 900.0) -> list[Request]:
     """Prefixes whose bursts of 12 requests return every 60-120 s with jitter."""

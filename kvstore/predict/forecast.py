@@ -19,13 +19,15 @@ keeps, per key (a prefix id, or ``CLUSTER`` for all requests):
 a burst starts within ``(now, now + T]`` (a normal onset around
 ``last onset + period``, with the jitter as its spread), the seconds until
 it, the expected arrivals, and the expected count in the next ``T`` seconds.
-Observing costs a few microseconds a request; a forecast of 100k keys a few
-milliseconds.
+Observing costs about 5 us a request (a key's period and jitter are updated
+when it starts a burst, so forecasts only index them); a forecast of all of
+100k keys about 14 ms, of a hundred named keys about 1.5 ms (this machine).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -79,20 +81,6 @@ def _prior(period: np.ndarray, sigma_share: float) -> tuple[float, float]:
     return median, max(float(np.median(np.abs(known - median))) * 1.4826, sigma_share * median)
 
 
-def _row_median(a: np.ndarray) -> np.ndarray:
-    """Median of each row ignoring nan (nan for a row with none): a sort of
-    the few values per row, much faster than ``np.nanmedian``."""
-    if not a.size:
-        return np.full(len(a), np.nan)
-    valid = np.isfinite(a)
-    count = valid.sum(axis=1)
-    ordered = np.sort(np.where(valid, a, np.inf), axis=1)
-    lo = np.take_along_axis(ordered, np.maximum(count - 1, 0)[:, None] // 2, axis=1)[:, 0]
-    hi = np.take_along_axis(ordered, (count // 2)[:, None], axis=1)[:, 0]
-    with np.errstate(invalid="ignore"):
-        return np.where(count > 0, (lo + hi) / 2, np.nan)
-
-
 def _phi(x: np.ndarray) -> np.ndarray:
     """Standard normal CDF, vectorised (Abramowitz-Stegun 7.1.26, |err| < 1.5e-7)."""
     z = np.abs(x) / _SQRT2
@@ -111,6 +99,7 @@ class RateForecaster:
         self._keys: list[Hashable | None] = []
         self._free: list[int] = []
         self._cap = 0
+        self._prior: tuple[float, float] | None = None
         self._grow(1024)
 
     def _grow(self, cap: int) -> None:
@@ -128,6 +117,8 @@ class RateForecaster:
         self.rate_l = more(self.rate_l if old else None, 0.0)
         self.count = more(self.count if old else None, 0.0)        # arrivals in the current burst
         self.size = more(self.size if old else None, 0.0)          # mean arrivals per burst
+        self.period = more(self.period if old else None, np.nan)   # median onset spacing (nan: < 2 onsets)
+        self.spread = more(self.spread if old else None, np.nan)   # its robust spread (MAD x 1.4826)
         self._keys.extend([None] * (cap - self._cap))
         self._cap = cap
 
@@ -148,6 +139,7 @@ class RateForecaster:
         self._row[key] = row
         self._keys[row] = key
         self.onsets[row] = np.nan
+        self.period[row] = self.spread[row] = np.nan
         self.last[row], self.seen[row] = -np.inf, t
         self.rate_s[row] = self.rate_l[row] = self.count[row] = self.size[row] = 0.0
         return row
@@ -159,6 +151,7 @@ class RateForecaster:
             del self._row[key]
             self._keys[row] = None
             self._free.append(int(row))
+        self._prior = None
 
     # ---- the stream --------------------------------------------------------
     def observe(self, key: Hashable, t: float, n: float = 1.0) -> None:
@@ -173,6 +166,7 @@ class RateForecaster:
             ring[:-1] = ring[1:]
             ring[-1] = t
             self.count[row] = 0.0
+            self._new_onset(row)
         self.count[row] += n
         self.last[row] = t
         dt = max(0.0, t - self.seen[row])
@@ -180,18 +174,30 @@ class RateForecaster:
         self.rate_l[row] = self.rate_l[row] * math.exp(-dt / cfg.tau_long_s) + n / cfg.tau_long_s
         self.seen[row] = t
 
+    def _new_onset(self, row: int) -> None:
+        """Refresh ``row``'s period and spread from its onset ring (a handful of
+        values: plain Python beats numpy here), so a forecast only indexes them."""
+        ring = self.onsets[row].tolist()
+        diffs = [b - a for a, b in zip(ring, ring[1:]) if math.isfinite(a) and math.isfinite(b)]
+        if not diffs:
+            return
+        period = statistics.median(diffs)
+        self.period[row] = period
+        self.spread[row] = statistics.median([abs(d - period) for d in diffs]) * 1.4826
+        self._prior = None
+
     # ---- forecasts ---------------------------------------------------------
     def prior(self) -> tuple[float, float]:
-        """(period, spread) of the keys that recur: what a key seen once borrows."""
-        rows = np.fromiter(self._row.values(), dtype=np.int64, count=len(self._row))
-        return _prior(self._periods(rows)[0], self.cfg.sigma_share)
+        """(period, spread) of the keys that recur: what a key seen once borrows
+        (cached until a key's period changes)."""
+        if self._prior is None:
+            rows = np.fromiter(self._row.values(), dtype=np.int64, count=len(self._row))
+            self._prior = _prior(self.period[rows], self.cfg.sigma_share)
+        return self._prior
 
     def _periods(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per row: the median onset spacing and its robust spread (nan: fewer than 2 onsets)."""
-        diffs = np.diff(self.onsets[rows], axis=1)
-        period = _row_median(diffs)
-        spread = _row_median(np.abs(diffs - period[:, None])) * 1.4826
-        return period, spread
+        return self.period[rows], self.spread[rows]
 
     def forecast(self, now: float, horizon_s: float, keys: Sequence[Hashable] | None = None) -> Forecast:
         """Every tracked key (or ``keys``), looking ``horizon_s`` ahead of ``now``.
@@ -200,12 +206,12 @@ class RateForecaster:
         (a recurring prefix that skipped a beat); a borrowed period gets one
         chance: once its onset is overdue, the key has no forecast."""
         cfg = self.cfg
-        all_rows = np.fromiter(self._row.values(), dtype=np.int64, count=len(self._row))
-        all_period, all_spread = self._periods(all_rows)
-        prior_p, prior_s = _prior(all_period, cfg.sigma_share)
+        prior_p, prior_s = self.prior()
         if keys is None:
-            keys, rows, known = list(self._row), all_rows, np.ones(len(all_rows), bool)
-            period, spread = all_period, all_spread
+            keys = list(self._row)
+            rows = np.fromiter(self._row.values(), dtype=np.int64, count=len(self._row))
+            known = np.ones(len(rows), bool)
+            period, spread = self._periods(rows)
         else:
             rows = np.array([self._row.get(k, -1) for k in keys], dtype=np.int64)
             known = rows >= 0
