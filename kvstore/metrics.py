@@ -106,6 +106,9 @@ class NodeMetrics:
                                       buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.spec_bytes = Counter("kvstore_replication_bytes", "Bytes the coordinator had copied, by kind "
                                   "(speculative, replica for the full policy)", ["kind"], registry=self.registry)
+        self.auth_rejected = Counter("kvstore_auth_rejected", "Calls refused for their credentials, by plane "
+                                     "(client: token missing, unknown or of too low a role; peer: cluster "
+                                     "proof missing, forged, stale or replayed)", ["plane"], registry=self.registry)
         self.registry.register(_PoolCollector(node))
 
     def watch_coordinator(self, coordinator: Any) -> None:

@@ -34,6 +34,7 @@ from kvstore.errors import KvError
 from kvstore.framing import server_limits
 from kvstore.metrics import NodeMetrics
 from kvstore.node import Node
+from kvstore.security.identity import ClusterSecret
 from kvstore.transport.base import Transport
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -81,7 +82,9 @@ class ClusterAgent:
         self.directory = Directory()
         self.outbox = Outbox()
         node.listeners.append(self.outbox.record)
-        self.peers = PeerClient(self.membership, reconnect_s=min(1.0, config.heartbeat_timeout / 2))
+        secret = ClusterSecret.from_config(config)  # peers check every call's proof against it
+        sign = (lambda method, body: secret.sign(method, self.self_info.node_id, body)) if secret else None
+        self.peers = PeerClient(self.membership, reconnect_s=min(1.0, config.heartbeat_timeout / 2), sign=sign)
         self.replicator = Replicator(node, config, transport, metrics, self._endpoint_of, self.locate,
                                      self._live_peers)
         self.placement: Placement = NoPlacement()

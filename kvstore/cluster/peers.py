@@ -9,6 +9,7 @@ carries out its placements through it (:meth:`PeerClient.replicate`,
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -16,6 +17,7 @@ import grpc
 from kvstore.cluster.membership import Membership
 from kvstore.errors import Unavailable
 from kvstore.rpc import CHANNEL_OPTIONS, from_rpc_error
+from kvstore.security.identity import METADATA_KEY
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -30,10 +32,15 @@ class PeerClient:
     default grows to two minutes); here the backoff is capped at
     ``reconnect_s``, and :meth:`reset` drops a channel at once when the peer
     is heard from again (a restart on the same address), so a returning node
-    is reached within a heartbeat, however long it was down."""
+    is reached within a heartbeat, however long it was down.
 
-    def __init__(self, membership: Membership, reconnect_s: float = 1.0) -> None:
+    With ``sign`` (``sign(method, request_bytes) -> proof``, the cluster
+    secret's), every call carries its proof in ``x-kvstore-peer``."""
+
+    def __init__(self, membership: Membership, reconnect_s: float = 1.0,
+                 sign: Callable[[str, bytes], str] | None = None) -> None:
         self._membership = membership
+        self._sign = sign
         self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.ClusterStub]] = {}
         backoff_ms = max(50, int(reconnect_s * 1000))
         self._options = CHANNEL_OPTIONS + [("grpc.initial_reconnect_backoff_ms", min(100, backoff_ms)),
@@ -58,8 +65,11 @@ class PeerClient:
 
     async def call_address(self, address: str, method: str, request: Any, timeout: float) -> Any:
         """One Cluster RPC to ``address``; raises a :class:`KvError`."""
+        metadata = None
+        if self._sign is not None:  # a fresh proof per call, over the bytes the stub sends
+            metadata = ((METADATA_KEY, self._sign(method, request.SerializeToString())),)
         try:
-            return await getattr(self._stub(address), method)(request, timeout=timeout)
+            return await getattr(self._stub(address), method)(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, f"{method} at {address}") from None
         except asyncio.CancelledError:

@@ -29,6 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextvars import ContextVar
 
 from kvstore.errors import Unauthenticated
 
@@ -36,6 +37,9 @@ MIN_SECRET_BYTES = 16
 WINDOW_S = 30.0
 MAX_PROOF_CHARS = 512
 _VERSION = "v1"
+METADATA_KEY = "x-kvstore-peer"  # gRPC metadata of a cluster call: the caller's proof
+# The proven node id of the cluster call being served (set by the server's auth interceptor).
+PEER: ContextVar[str | None] = ContextVar("kvstore_peer", default=None)
 
 
 def _field(data: bytes) -> bytes:

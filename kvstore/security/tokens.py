@@ -24,14 +24,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 import tomllib
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.errors import Unauthenticated
+from kvstore.errors import InvalidArgument, Unauthenticated, shown
 from kvstore.units import parse_size
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ NODE = "node"  # a peer proven by the cluster secret: cluster calls, not client 
 _RANK = {role: i for i, role in enumerate(ROLES)}
 TENANT_SEPARATOR = "/"  # between a tenant and its namespace in the node's internal names
 MAX_TOKEN_BYTES = 4096
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,63}")  # namespace characters, less the separator
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ class Principal:
 
 
 DEVELOPMENT = Principal("", "admin")  # no token file: everything allowed, names unqualified
+# The caller of the gRPC call being served, set by the server's auth interceptor
+# (None: no interceptor set one; a node with a token file then refuses the call).
+CALLER: ContextVar[Principal | None] = ContextVar("kvstore_caller", default=None)
 
 
 @dataclass(frozen=True)
@@ -84,9 +90,8 @@ def token_hash(token: str | bytes) -> str:
 
 
 def _check_tenant(name: Any, where: str) -> str:
-    if not isinstance(name, str) or not name or len(name) > 64 or TENANT_SEPARATOR in name \
-            or not name.isprintable():
-        raise ValueError(f"{where}: tenant must be 1-64 printable characters without {TENANT_SEPARATOR!r}")
+    if not isinstance(name, str) or not _TENANT.fullmatch(name):
+        raise ValueError(f"{where}: a tenant is 1-64 letters, digits and '._:@+-', starting with a letter or digit")
     return name
 
 
@@ -237,3 +242,29 @@ def bearer(value: str | bytes | None) -> str:
         return ""
     scheme, _, token = value.strip().partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
+
+
+# ---- tenant-qualified namespace names ----------------------------------------------------
+# With tokens, a tenant's namespace "m" is "TENANT/m" inside the node (its pool,
+# the directory, peers' calls), so two tenants never share a name or a page.
+# Development mode (tenant "") keeps names as the client gave them.
+def qualify(principal: Principal, name: str) -> str:
+    """The node's internal name of the caller's namespace ``name``."""
+    if not principal.tenant:
+        return name
+    if not isinstance(name, str) or TENANT_SEPARATOR in name:
+        raise InvalidArgument(f"bad namespace name {shown(name)}: {TENANT_SEPARATOR!r} is reserved "
+                              f"(names are per tenant)")
+    return f"{principal.tenant}{TENANT_SEPARATOR}{name}" if name else ""
+
+
+def owns(principal: Principal, internal: str) -> bool:
+    """Whether the internal name ``internal`` is one of the caller's namespaces."""
+    return not principal.tenant or internal.startswith(principal.tenant + TENANT_SEPARATOR)
+
+
+def unqualify(principal: Principal, internal: str) -> str:
+    """The name the caller knows for its namespace ``internal``."""
+    if not principal.tenant:
+        return internal
+    return internal[len(principal.tenant) + 1:] if owns(principal, internal) else internal

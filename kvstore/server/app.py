@@ -27,6 +27,7 @@ from kvstore.node import Node
 from kvstore.ops.auto import select as select_ops
 from kvstore.ops.base import PageOps
 from kvstore.rpc import BoundaryInterceptor, server_options
+from kvstore.server.auth import AuthInterceptor
 from kvstore.server.service import KvStoreService
 from kvstore.transport.auto import make_transport
 from kvstore.transport.base import Transport
@@ -84,7 +85,8 @@ class NodeServer:
         agent.placement = self.coordinator
         self.metrics.watch_coordinator(self.coordinator)
         server = grpc.aio.server(options=server_options(self.config.max_message_bytes),
-                                 interceptors=[BoundaryInterceptor()])
+                                 interceptors=[BoundaryInterceptor(),
+                                               AuthInterceptor.from_config(self.config, self.metrics)])
         pb_grpc.add_KvStoreServicer_to_server(KvStoreService(node, self.metrics, agent, lambda: self.data_port,
                                                              lambda: self._shm.path if self._shm else None),
                                               server)

@@ -4,6 +4,14 @@ Every handler parses the request, calls the node, builds the response, and
 turns a :class:`KvError` into the matching status code with its message
 (bounded in length). :class:`kvstore.rpc.BoundaryInterceptor` stands behind
 them for undecodable bodies and unexpected errors.
+
+Tenants: with a token file, :class:`kvstore.server.auth.AuthInterceptor`
+sets the caller's principal, and every namespace name a client gives is its
+tenant's (``m`` is ``acme/m`` inside the node, :func:`qualify`), so equal
+keys of two tenants are in two pools, and another tenant's namespace is
+NOT_FOUND like one that does not exist. CreateNamespace stays within the
+tenant's quota (namespaces, reserved bytes). Without a token file names are
+used as given (development mode).
 """
 
 from __future__ import annotations
@@ -22,12 +30,14 @@ import grpc
 import kvstore
 from kvstore.cluster.agent import ClusterAgent
 from kvstore.framing import WIRE_VERSION
-from kvstore.errors import DeadlineExceeded, InvalidArgument, KvError, bounded, shown
+from kvstore.errors import (DeadlineExceeded, InvalidArgument, KvError, ResourceExhausted, Unauthenticated, bounded,
+                            shown)
 from kvstore.metrics import NodeMetrics
 from kvstore.node import MESSAGE_OVERHEAD, Namespace, Node, PutBatch, page_kind
 from kvstore.pool.layout import PageLayout
 from kvstore.pool.movement import SOCKET
 from kvstore.pool.pool import PageKind
+from kvstore.security.tokens import CALLER, DEVELOPMENT, Principal, TokenStore, owns, qualify, unqualify
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -69,10 +79,11 @@ def _handler(op: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., A
     return wrap
 
 
-def namespace_info(ns: Namespace, device: str) -> pb.NamespaceInfo:
+def namespace_info(ns: Namespace, device: str, name: str | None = None) -> pb.NamespaceInfo:
+    """``ns`` as a client sees it (``name``: the name it knows, without its tenant)."""
     layout = ns.layout
     return pb.NamespaceInfo(
-        namespace=ns.name,
+        namespace=ns.name if name is None else name,
         layout=pb.PageLayout(page_bytes=layout.page_bytes, block_tokens=layout.block_tokens,
                              num_layers=layout.num_layers, kv_heads=layout.kv_heads,
                              head_dim=layout.head_dim, dtype=layout.dtype),
@@ -83,34 +94,78 @@ def namespace_info(ns: Namespace, device: str) -> pb.NamespaceInfo:
 
 class KvStoreService(pb_grpc.KvStoreServicer):
     def __init__(self, node: Node, metrics: NodeMetrics, agent: ClusterAgent,
-                 data_port: Callable[[], int | None], shm_path: Callable[[], str | None] = lambda: None) -> None:
+                 data_port: Callable[[], int | None], shm_path: Callable[[], str | None] = lambda: None,
+                 tokens: TokenStore | None = None) -> None:
         self.node = node
+        self._tokens = tokens if tokens is not None else TokenStore.from_config(node.config)  # tenant quotas
         self.metrics = metrics
         self.agent = agent
         self._data_port = data_port
         self._shm_path = shm_path
         self._named_leases: OrderedDict[tuple[str, str], _NamedLease] = OrderedDict()
 
+    # ---- tenants -------------------------------------------------------
+    def _caller(self) -> Principal:
+        """Who is calling: the interceptor's principal, or DEVELOPMENT on a
+        node without a token file (with one and no principal: refused)."""
+        principal = CALLER.get()
+        if principal is not None:
+            return principal
+        if self._tokens is not None:
+            raise Unauthenticated("this node requires a client token (authorization: Bearer <token>)")
+        return DEVELOPMENT
+
+    def _name(self, name: str) -> str:
+        """The internal name of the caller's namespace ``name``."""
+        return qualify(self._caller(), name)
+
+    def _within_quota(self, who: Principal, name: str, capacity: int) -> int:
+        """The capacity a new namespace of ``who`` may reserve (0: the node's
+        free bytes), or ResourceExhausted past the tenant's quota. No await
+        between this and the creation: two calls cannot both take the rest."""
+        if self._tokens is None or not who.tenant or name in self.node.namespaces:
+            return capacity  # development mode, or exist_ok / AlreadyExists decides
+        quota = self._tokens.quota(who.tenant)
+        mine = [ns for internal, ns in self.node.namespaces.items() if owns(who, internal)]
+        if quota.max_namespaces is not None and len(mine) >= quota.max_namespaces:
+            raise ResourceExhausted(f"tenant {who.tenant!r} has {len(mine)} namespaces here, its quota is "
+                                    f"{quota.max_namespaces}")
+        if quota.max_bytes is None:
+            return capacity
+        left = quota.max_bytes - sum(ns.capacity for ns in mine)
+        free = self.node.config.capacity - self.node.reserved_bytes
+        want = capacity or min(left, free)
+        if want > left or want <= 0:
+            raise ResourceExhausted(f"tenant {who.tenant!r} may reserve {max(0, left)} more bytes here "
+                                    f"(quota {quota.max_bytes}); asked for {capacity or 'the rest'}")
+        return want
+
     # ---- namespaces ----------------------------------------------------
     @_handler("create_namespace")
     async def CreateNamespace(self, request: pb.CreateNamespaceRequest, context: Any) -> pb.NamespaceInfo:
         lay = request.layout
         layout = PageLayout(lay.page_bytes, lay.block_tokens, lay.num_layers, lay.kv_heads, lay.head_dim, lay.dtype)
-        ns = self.node.create_namespace(request.namespace, layout, request.capacity_bytes, request.exist_ok)
-        return namespace_info(ns, self.node.ops.device)
+        who = self._caller()
+        name = qualify(who, request.namespace)
+        capacity = self._within_quota(who, name, request.capacity_bytes)
+        ns = self.node.create_namespace(name, layout, capacity, request.exist_ok)
+        return namespace_info(ns, self.node.ops.device, request.namespace)
 
     @_handler("describe_namespace")
     async def DescribeNamespace(self, request: pb.DescribeNamespaceRequest, context: Any) -> pb.NamespaceInfo:
-        return namespace_info(self.node.namespace(request.namespace), self.node.ops.device)
+        return namespace_info(self.node.namespace(self._name(request.namespace)), self.node.ops.device,
+                              request.namespace)
 
     @_handler("list_namespaces")
     async def ListNamespaces(self, request: pb.ListNamespacesRequest, context: Any) -> pb.ListNamespacesResponse:
+        who = self._caller()
         return pb.ListNamespacesResponse(
-            namespaces=[namespace_info(ns, self.node.ops.device) for ns in self.node.namespaces.values()])
+            namespaces=[namespace_info(ns, self.node.ops.device, unqualify(who, name))
+                        for name, ns in self.node.namespaces.items() if owns(who, name)])
 
     @_handler("delete_namespace")
     async def DeleteNamespace(self, request: pb.DeleteNamespaceRequest, context: Any) -> pb.DeleteNamespaceResponse:
-        self.node.delete_namespace(request.namespace)
+        self.node.delete_namespace(self._name(request.namespace))
         return pb.DeleteNamespaceResponse()
 
     # ---- pages ---------------------------------------------------------
@@ -123,13 +178,14 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         batch = None
         nbytes = 0
         messages = request_iterator.__aiter__()
+        who = self._caller()
         try:
             while (chunk := await self._next_put(messages, batch)) is not None:
                 if batch is None:
-                    batch = self.node.begin_put(chunk.namespace, page_kind(chunk.kind, PageKind.PRIMARY))
-                elif chunk.namespace and chunk.namespace != batch.ns.name:
-                    raise InvalidArgument(f"one Put stream names two namespaces: {shown(batch.ns.name)}, "
-                                          f"{shown(chunk.namespace)}")
+                    batch = self.node.begin_put(qualify(who, chunk.namespace), page_kind(chunk.kind, PageKind.PRIMARY))
+                elif chunk.namespace and qualify(who, chunk.namespace) != batch.ns.name:
+                    raise InvalidArgument(f"one Put stream names two namespaces: "
+                                          f"{shown(unqualify(who, batch.ns.name))}, {shown(chunk.namespace)}")
                 elif chunk.kind and page_kind(chunk.kind, batch.kind) is not batch.kind:
                     raise InvalidArgument(f"one Put stream names two page kinds: {batch.kind.name}, {chunk.kind}")
                 batch.add(chunk.keys, chunk.pages)
@@ -172,7 +228,8 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         start = time.perf_counter()
         keys = list(request.keys)
         try:
-            ns = self.node.namespace(request.namespace)
+            name = self._name(request.namespace)
+            ns = self.node.namespace(name)
             self.node.check_read_batch(ns, keys)
         except KvError as exc:
             self.metrics.ops.labels("get", exc.code.name).inc()
@@ -198,7 +255,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
             if remaining is not None:
                 budget = max(0.0, min(self.node.config.deadline_share * remaining, remaining - _SEND_MARGIN_S))
             try:
-                ns, handle, fetched = await self.agent.replicator.read(request.namespace, missing, budget,
+                ns, handle, fetched = await self.agent.replicator.read(name, missing, budget,
                                                                        request.local_only)
             except KvError as exc:  # e.g. the namespace was deleted meanwhile
                 self.metrics.ops.labels("get", exc.code.name).inc()
@@ -217,18 +274,19 @@ class KvStoreService(pb_grpc.KvStoreServicer):
 
     @_handler("lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+        name = self._name(request.namespace)
         if request.lease_ttl_seconds or request.lease_id:
-            return await self._lookup_and_lease(request)
-        return await self.agent.lookup(request.namespace, list(request.keys), request.record)
+            return await self._lookup_and_lease(name, request)
+        return await self.agent.lookup(name, list(request.keys), request.record)
 
-    async def _lookup_and_lease(self, request: pb.LookupRequest) -> pb.LookupResponse:
+    async def _lookup_and_lease(self, name: str, request: pb.LookupRequest) -> pb.LookupResponse:
         """Lookup that pins this node's answer in the same call, idempotent
         per ``lease_id``: a repeat neither pins nor records again.
 
         The check and the pin run without an await between them, so two
         concurrent calls with one key on the loop cannot both pin.
         """
-        name, keys, client_id = request.namespace, list(request.keys), request.lease_id
+        keys, client_id = list(request.keys), request.lease_id
         if len(client_id.encode()) > 128:
             raise InvalidArgument("lease_id must be at most 128 bytes")
         now = time.monotonic()
@@ -262,34 +320,35 @@ class KvStoreService(pb_grpc.KvStoreServicer):
 
     @_handler("exists")
     async def Exists(self, request: pb.KeysRequest, context: Any) -> pb.ExistsResponse:
-        return pb.ExistsResponse(exists=self.node.exists(request.namespace, list(request.keys)))
+        return pb.ExistsResponse(exists=self.node.exists(self._name(request.namespace), list(request.keys)))
 
     @_handler("delete")
     async def Delete(self, request: pb.KeysRequest, context: Any) -> pb.DeleteResponse:
-        deleted, not_found, pinned = self.node.delete(request.namespace, list(request.keys))
+        deleted, not_found, pinned = self.node.delete(self._name(request.namespace), list(request.keys))
         return pb.DeleteResponse(deleted=deleted, not_found=not_found, pinned=pinned)
 
     @_handler("pin")
     async def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinResponse:
-        lease, missing = self.node.pin(request.namespace, list(request.keys), request.ttl_seconds)
+        lease, missing = self.node.pin(self._name(request.namespace), list(request.keys), request.ttl_seconds)
         return pb.PinResponse(lease_id=lease.lease_id, pinned_keys=lease.keys, missing_keys=missing,
                               expires_in_seconds=request.ttl_seconds)
 
     @_handler("unpin")
     async def Unpin(self, request: pb.UnpinRequest, context: Any) -> pb.UnpinResponse:
-        return pb.UnpinResponse(released=self.node.unpin(request.namespace, request.lease_id))
+        return pb.UnpinResponse(released=self.node.unpin(self._name(request.namespace), request.lease_id))
 
     # ---- node ----------------------------------------------------------
     @_handler("stats")
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         node = self.node
-        names = [request.namespace] if request.namespace else list(node.namespaces)
+        who = self._caller()
+        names = [qualify(who, request.namespace)] if request.namespace else [n for n in node.namespaces if owns(who, n)]
         out = []
         for name in names:
             ns = node.namespace(name)
             pool = ns.pool
             out.append(pb.NamespaceStats(
-                namespace=name, page_bytes=ns.layout.page_bytes, capacity_bytes=ns.capacity,
+                namespace=unqualify(who, name), page_bytes=ns.layout.page_bytes, capacity_bytes=ns.capacity,
                 used_bytes=pool.used_slots * ns.layout.page_bytes, num_slots=pool.num_slots,
                 used_slots=pool.used_slots, pinned_slots=pool.pinned_slots,
                 speculative_slots=pool.speculative_slots, hits=ns.counters.hits, misses=ns.counters.misses,
@@ -297,11 +356,13 @@ class KvStoreService(pb_grpc.KvStoreServicer):
                 active_leases=sum(1 for lease in node.leases.values() if lease.namespace == name),
                 remote_hits=ns.counters.remote_hits, replica_slots=pool.replica_slots,
                 speculative_hits=pool.spec_hits, speculative_wasted_bytes=pool.spec_wasted * ns.layout.page_bytes))
-        view = self.agent.status()
-        return pb.StatsResponse(node_id=node.node_id, uptime_seconds=node.uptime(),
-                                capacity_bytes=node.config.capacity, reserved_bytes=node.reserved_bytes,
-                                namespaces=out, device=node.ops.device, coordinator=view.coordinator,
-                                members=view.members)
+        reply = pb.StatsResponse(node_id=node.node_id, uptime_seconds=node.uptime(),
+                                 capacity_bytes=node.config.capacity, namespaces=out, device=node.ops.device)
+        if who.allows("admin"):  # the node-wide view: other tenants' reservations, the cluster's members
+            view = self.agent.status()
+            reply.reserved_bytes, reply.coordinator = node.reserved_bytes, view.coordinator
+            reply.members.extend(view.members)
+        return reply
 
     @_handler("node_info")
     async def NodeInfo(self, request: pb.NodeInfoRequest, context: Any) -> pb.NodeInfoResponse:
