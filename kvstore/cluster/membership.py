@@ -10,6 +10,12 @@ keeps a warm copy of the directory from the same reports) to the next one,
 as every node computes them from its own view: no election, no consensus. Views can disagree for up to a
 timeout (e.g. during a partition); the coordinator's state is soft, so the
 worst outcome is a wasted or missing replica, never wrong data.
+
+:class:`MembershipView` is what the agent, the peer client and the
+coordinator role ask of membership; the gossip :class:`Membership` here and
+the etcd backend (``kvstore.cluster.etcd_membership``, liveness by etcd
+leases, the coordinator elected with one) both offer it, and
+:func:`~kvstore.cluster.membership_backend.make_membership` picks one from ``--membership``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -36,8 +43,56 @@ class Change:
     restarted: bool = False
 
 
+class MembershipView(Protocol):
+    """This node's view of the live members and of who coordinates."""
+
+    self_info: pb.MemberInfo
+    #: liveness comes from heartbeats between peers (gossip); False where an
+    #: outside engine decides it, and heartbeats only carry reports
+    from_heartbeats: bool
+
+    @property
+    def self_id(self) -> str: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def heard(self, info: pb.MemberInfo) -> Change | None:
+        """A heartbeat *from* ``info.node_id``."""
+
+    def observe(self, info: pb.MemberInfo) -> Change | None:
+        """An answer by ``info.node_id``."""
+
+    def expire(self) -> list[pb.MemberInfo]:
+        """Members gone since the last call (a restarted one's old incarnation included)."""
+
+    def alive(self, node_id: str) -> bool: ...
+
+    def member(self, node_id: str) -> pb.MemberInfo | None: ...
+
+    def live_ids(self) -> list[str]: ...
+
+    def coordinator(self) -> str:
+        """Who coordinates ("" when nobody may right now)."""
+
+    def standby(self) -> str:
+        """Who keeps the second copy of the directory ("" none)."""
+
+    @property
+    def is_coordinator(self) -> bool: ...
+
+    @property
+    def keeps_directory(self) -> bool: ...
+
+    def view(self) -> list[pb.MemberInfo]:
+        """Every live member (this node first) with role and age filled in."""
+
+
 class Membership:
-    """This node's view of the live members."""
+    """This node's view of the live members, from heartbeats (gossip)."""
+
+    from_heartbeats = True
 
     def __init__(self, self_info: pb.MemberInfo, timeout: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -49,6 +104,12 @@ class Membership:
         self._clock = clock
         self._members: dict[str, Member] = {}
         self._pending: dict[str, Member] = {}  # heard from, not yet answering
+
+    async def start(self) -> None:
+        pass  # driven by the agent's heartbeats alone
+
+    async def stop(self) -> None:
+        pass
 
     def heard(self, info: pb.MemberInfo) -> Change | None:
         """Record a heartbeat *from* ``info.node_id``: it refreshes a live
@@ -168,14 +229,16 @@ class Round:
     learned: dict[str, float]     # gossip-learned addresses still worth probing
 
 
-def plan_round(membership: Membership, self_address: str, static: set[str], learned: dict[str, float],
+def plan_round(membership: MembershipView, self_address: str, static: set[str], learned: dict[str, float],
                last_coordinator: str, now: float, horizon: float) -> Round:
     """One heartbeat round: whom to probe and where the directory report goes.
 
     Every static peer and every address learned by gossip within ``horizon``
     seconds is probed (a dead one may come back); the report rides on the
     heartbeats to the coordinator and to the standby, or applies locally
-    where this node is one of them."""
+    where this node is one of them. Where liveness does not come from
+    heartbeats (etcd), only those two are called: O(nodes) heartbeats per
+    round for the fleet, not O(nodes^2), and no addresses to learn."""
     coordinator, standby = membership.coordinator(), membership.standby()
     mine = coordinator == membership.self_id
 
@@ -183,7 +246,11 @@ def plan_round(membership: Membership, self_address: str, static: set[str], lear
         member = membership.member(node_id) if node_id and node_id != membership.self_id else None
         return member.address if member is not None else ""
 
-    kept = {a: t for a, t in learned.items() if now - t < horizon}
-    targets = tuple(sorted((static | set(kept)) - {self_address}))
+    if membership.from_heartbeats:
+        kept = {a: t for a, t in learned.items() if now - t < horizon}
+        probed = static | set(kept)
+    else:
+        kept, probed = {}, {address(coordinator), address(standby)} - {""}
+    targets = tuple(sorted(probed - {self_address}))
     return Round(coordinator, coordinator != last_coordinator, mine, address(coordinator), standby,
                  address(standby), targets, kept)
