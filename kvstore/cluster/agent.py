@@ -26,7 +26,8 @@ from typing import Any, Protocol
 
 from kvstore.cluster.checks import check_key_batch
 from kvstore.cluster.directory import Directory, Outbox
-from kvstore.cluster.membership import Membership, plan_round
+from kvstore.cluster.membership import plan_round
+from kvstore.cluster.membership_backend import make_membership
 from kvstore.cluster.peers import PeerClient
 from kvstore.cluster.replicator import Replicator
 from kvstore.config import NodeConfig
@@ -78,7 +79,8 @@ class ClusterAgent:
         self.metrics = metrics
         self.incarnation = uuid.uuid4().hex[:16]
         self.self_info = pb.MemberInfo(node_id=node.node_id, address=node.address, incarnation=self.incarnation)
-        self.membership = Membership(self.self_info, config.heartbeat_timeout)
+        # gossip (heartbeats) or etcd (leases, and an elected coordinator): --membership
+        self.membership = make_membership(config, self.self_info, lambda: self._wake.set())
         self.directory = Directory()
         self.outbox = Outbox()
         node.listeners.append(self.outbox.record)
@@ -105,6 +107,7 @@ class ClusterAgent:
         self.transport.set_limits(server_limits(self.config))
         endpoint = await self.transport.start(self.config.host, self.config.transport_port, self.replicator.serve)
         self.self_info.endpoints.append(endpoint)
+        await self.membership.start()
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
@@ -113,6 +116,7 @@ class ClusterAgent:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         self._task = None
+        await self.membership.stop()  # etcd: the lease goes now, not a TTL later
         await self.replicator.close()
         await self.peers.close()
         await self.transport.close()
