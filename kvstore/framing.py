@@ -12,10 +12,17 @@ A frame is a fixed 20-byte prefix, a ``kvstore.v1.DataHeader`` protobuf of
 
 A request is a PUT (payload: the pages) or a GET (no payload); the node
 answers each with one RESULT (payload: the found pages of a GET). Requests on
-one connection are answered in order.
+one connection are answered in order. On a port that authenticates its
+callers, the first frame is a HELLO carrying a token (:func:`hello`,
+:func:`expect_hello`).
+
+Every helper takes a plain non-blocking socket or a
+:class:`~kvstore.security.tls.TlsStream` on one (:data:`Conn`): the plain
+socket goes straight to the loop's ``sock_recv_into``/``sock_sendall``.
 
 Version history:
-    1  first version (PUT, GET, RESULT).
+    1  first version (PUT, GET, RESULT); HELLO (op 7) added within 1: a node
+       that does not authenticate answers it OK and ignores its token.
 """
 
 from __future__ import annotations
@@ -23,14 +30,19 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from kvstore.config import NodeConfig
-from kvstore.errors import bounded
+from kvstore.errors import KvError, Unauthenticated, bounded, error_for_code
+from kvstore.security.tls import TlsStream
 from kvstore.v1 import kvstore_pb2 as pb
+
+Conn = socket.socket | TlsStream  # what the helpers below read and write
 
 MAGIC = b"KVSD"
 WIRE_VERSION = 1
@@ -106,22 +118,31 @@ def decode_header(body: bytes | memoryview) -> pb.DataHeader:
 
 
 
-async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview,
+async def _recv_into(loop: asyncio.AbstractEventLoop, sock: Conn, view: memoryview,
                      timeout: float | None) -> int:
     """One receive into ``view``: ``TimeoutError`` after ``timeout`` seconds
     without a byte (None: no limit); any other socket error is :class:`ChannelClosed`."""
     try:
+        recv = sock.recv_into(loop, view) if sock.__class__ is TlsStream else loop.sock_recv_into(sock, view)
         if timeout is None:
-            return await loop.sock_recv_into(sock, view)
+            return await recv
         async with asyncio.timeout(timeout):
-            return await loop.sock_recv_into(sock, view)
+            return await recv
     except TimeoutError:
         raise
-    except OSError as exc:  # TimeoutError is an OSError: it is passed on above
+    except OSError as exc:  # TimeoutError is an OSError: it is passed on above (ssl.SSLError is one too)
         raise ChannelClosed(str(exc)) from None
 
 
-async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview,
+async def sendall(loop: asyncio.AbstractEventLoop, sock: Conn, data: bytes | bytearray | memoryview) -> None:
+    """Send all of ``data`` (encrypted on a :class:`TlsStream`)."""
+    if sock.__class__ is TlsStream:
+        await sock.sendall(loop, data)  # type: ignore[union-attr]
+    else:
+        await loop.sock_sendall(sock, data)
+
+
+async def recv_exact(loop: asyncio.AbstractEventLoop, sock: Conn, view: memoryview,
                      timeout: float | None = None) -> None:
     """Fill ``view`` from ``sock`` or raise :class:`ChannelClosed`; with
     ``timeout``, raise :class:`Stalled` when no byte comes for that long."""
@@ -135,7 +156,7 @@ async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, view:
         view = view[n:]
 
 
-async def drain(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes: int, scratch: memoryview,
+async def drain(loop: asyncio.AbstractEventLoop, sock: Conn, nbytes: int, scratch: memoryview,
                 timeout: float | None = None) -> None:
     """Read and drop ``nbytes`` through ``scratch`` so the connection stays in step."""
     while nbytes:
@@ -144,7 +165,7 @@ async def drain(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes: in
         nbytes -= chunk
 
 
-async def read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+async def read_frame(loop: asyncio.AbstractEventLoop, sock: Conn,
                      limits: Limits = Limits()) -> tuple[pb.DataHeader, int]:
     """Read one prefix and header: (header, announced payload length).
 
@@ -173,12 +194,12 @@ async def read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
     return decode_header(body), payload_len
 
 
-async def send_views(loop: asyncio.AbstractEventLoop, sock: socket.socket, header: pb.DataHeader,
+async def send_views(loop: asyncio.AbstractEventLoop, sock: Conn, header: pb.DataHeader,
                      views: list[memoryview]) -> None:
     """Send one frame: ``header`` then ``views`` back to back, without joining them."""
-    await loop.sock_sendall(sock, encode_header(header, sum(v.nbytes for v in views)))
+    await sendall(loop, sock, encode_header(header, sum(v.nbytes for v in views)))
     for view in views:
-        await loop.sock_sendall(sock, view)
+        await sendall(loop, sock, view)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -216,13 +237,13 @@ def error_frame(code: grpc.StatusCode, message: str) -> bytes:
     return encode_header(pb.DataHeader(op=pb.DataHeader.RESULT, code=code.value[0], message=bounded(message)), 0)
 
 
-async def reply_error(loop: asyncio.AbstractEventLoop, sock: socket.socket, code: grpc.StatusCode,
+async def reply_error(loop: asyncio.AbstractEventLoop, sock: Conn, code: grpc.StatusCode,
                       message: str, timeout: float | None = 1.0) -> None:
     """Send an error frame, best effort: a peer that does not read it within
     ``timeout`` seconds (or is gone) is not waited for."""
     try:
         async with asyncio.timeout(timeout):
-            await loop.sock_sendall(sock, error_frame(code, message))
+            await sendall(loop, sock, error_frame(code, message))
     except (OSError, TimeoutError):
         pass
 
@@ -235,6 +256,72 @@ def refuse(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
     except OSError:
         pass
     sock.close()
+
+
+# ---- TLS and HELLO: opening a connection ---------------------------------------------
+
+async def open_served(loop: asyncio.AbstractEventLoop, sock: socket.socket, context: ssl.SSLContext | None,
+                      limits: Limits) -> Conn:
+    """A just-accepted connection, after the TLS handshake when ``context``
+    is given (within ``limits.read_timeout``); :class:`ChannelClosed` if the
+    handshake fails (a plaintext client, an unknown certificate)."""
+    if context is None:
+        return sock
+    try:
+        return await TlsStream.wrap(loop, sock, context, server_side=True, timeout=limits.read_timeout)
+    except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+        raise ChannelClosed(f"TLS handshake failed: {exc}") from None
+
+
+async def open_client(loop: asyncio.AbstractEventLoop, sock: socket.socket, context: ssl.SSLContext | None,
+                      server_hostname: str, timeout: float | None = None) -> Conn:
+    """A connected socket, after the client's TLS handshake when ``context``
+    is given; raises OSError (ssl.SSLError) or TimeoutError."""
+    if context is None:
+        return sock
+    return await TlsStream.wrap(loop, sock, context, server_side=False, server_hostname=server_hostname,
+                                timeout=timeout)
+
+
+def hello_frame(token: str) -> bytes:
+    return encode_header(pb.DataHeader(op=pb.DataHeader.HELLO, token=token), 0)
+
+
+async def hello(loop: asyncio.AbstractEventLoop, sock: Conn, token: str, timeout: float | None = None) -> None:
+    """The caller's side of HELLO: send ``token``, read the answer; the node's
+    refusal is raised as its typed error (:class:`Unauthenticated`)."""
+    await sendall(loop, sock, hello_frame(token))
+    reply, payload_len = await read_frame(loop, sock, Limits(read_timeout=timeout, idle_timeout=timeout))
+    if reply.op != pb.DataHeader.RESULT or payload_len:
+        raise WireError(f"HELLO answered with op {reply.op} and {payload_len} payload bytes")
+    if reply.code:
+        raise error_for_code(reply.code, reply.message)
+
+
+async def expect_hello(loop: asyncio.AbstractEventLoop, sock: Conn, limits: Limits,
+                       authenticate: Callable[[str], Any]) -> Any:
+    """The server's side: the first frame must be a HELLO whose token
+    ``authenticate`` accepts; its answer (a principal, a node id) is returned
+    once the caller was told OK. A refusal is answered with the error
+    (UNAUTHENTICATED) and raised as :class:`ChannelClosed`: close the connection."""
+    try:
+        request, payload_len = await read_frame(loop, sock, limits)
+        if request.op != pb.DataHeader.HELLO or payload_len:
+            raise Unauthenticated("this port needs credentials: send a HELLO frame with a token first")
+        who = authenticate(request.token)
+    except KvError as exc:
+        await reply_error(loop, sock, exc.code, str(exc), limits.read_timeout)
+        raise ChannelClosed(f"caller refused: {exc}") from None
+    except WireError as exc:
+        await reply_error(loop, sock, grpc.StatusCode.INVALID_ARGUMENT, str(exc), limits.read_timeout)
+        raise ChannelClosed(f"bad first frame: {exc}") from None
+    await sendall(loop, sock, encode_header(pb.DataHeader(op=pb.DataHeader.RESULT), 0))
+    return who
+
+
+async def skip_hello(loop: asyncio.AbstractEventLoop, sock: Conn) -> None:
+    """A HELLO on a port that does not authenticate: answered OK, token ignored."""
+    await sendall(loop, sock, encode_header(pb.DataHeader(op=pb.DataHeader.RESULT), 0))
 
 
 def server_limits(config: NodeConfig) -> Limits:

@@ -1,11 +1,14 @@
 """What the sync and asyncio clients share: page buffers, results, errors,
-chunking of gRPC messages and data-channel frames. No I/O here."""
+chunking of gRPC messages and data-channel frames, and the client's
+credentials (:class:`Credentials`). No I/O here."""
 
 from __future__ import annotations
 
+import collections
 import socket
+import ssl
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -15,6 +18,7 @@ from kvstore.hostmem import populated_empty
 from kvstore.node import MESSAGE_OVERHEAD, PutResult
 from kvstore.errors import KvError, ResourceExhausted, Unavailable, error_for_code
 from kvstore.rpc import CHANNEL_OPTIONS
+from kvstore.security.tls import client_context, grpc_channel_credentials, grpc_name_options
 from kvstore.v1 import kvstore_pb2 as pb
 
 PageData = np.ndarray | Sequence[bytes | bytearray | memoryview | np.ndarray]
@@ -145,6 +149,100 @@ def translate(exc: grpc.RpcError) -> KvError:
     return error_for_code(code.value[0], details or code.name)
 
 
+# ---- credentials -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Credentials:
+    """What a client shows a node: TLS (``tls_ca``: the CA that signed the
+    node's certificate; ``tls_cert``/``tls_key``: a client certificate, for
+    nodes with ``--tls-client-auth``), the name to verify the node's
+    certificate for (``server_name``, default: the host of the address
+    dialled) and a bearer ``token`` (sent on every gRPC call and as the
+    data channel's HELLO)."""
+
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    token: str | None = None
+    server_name: str | None = None
+    _ssl: list[ssl.SSLContext] = field(default_factory=list, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_cert and not self.tls_ca:
+            raise ValueError("a client certificate (tls_cert) needs tls_ca: the CA of the node's certificate")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_ca)
+
+    def channel_options(self) -> list[tuple[str, object]]:
+        return list(GRPC_OPTIONS) + (grpc_name_options(self.server_name) if self.tls else [])
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc_channel_credentials(self.tls_ca or "", self.tls_cert or "", self.tls_key or "")
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The data channel's client context (built once)."""
+        if not self._ssl:
+            self._ssl.append(client_context(self.tls_ca or "", self.tls_cert or "", self.tls_key or ""))
+        return self._ssl[0]
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
+                                                    "wait_for_ready", "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class BearerInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call of a blocking channel."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def _details(self, d: grpc.ClientCallDetails) -> _Details:
+        return _Details(d.method, d.timeout, list(d.metadata or ()) + list(self._metadata), d.credentials,
+                        d.wait_for_ready, getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), requests)
+
+
+def blocking_channel(address: str, creds: Credentials) -> grpc.Channel:
+    """A blocking channel to ``address``: TLS when ``creds.tls``, the token on every call."""
+    if creds.tls:
+        channel = grpc.secure_channel(address, creds.channel_credentials(), options=creds.channel_options())
+    else:
+        channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    return grpc.intercept_channel(channel, BearerInterceptor(creds.metadata())) if creds.token else channel
+
+
+def data_endpoint(info: pb.NodeInfoResponse, creds: Credentials, address: str) -> pb.DataEndpoint | None:
+    """The data channel to dial, or None. A TLS client dials it with TLS (a
+    node with a certificate speaks TLS on every port); a plaintext client is
+    told when the node says its data channel is TLS."""
+    endpoints = [e for e in info.data_endpoints if e.protocol == "kvs-tcp"]
+    if not endpoints:
+        return None
+    if endpoints[0].tls and not creds.tls:
+        raise Unavailable(f"node {address} speaks TLS on its data channel: pass tls_ca (the CA of its certificate)")
+    return endpoints[0]
+
+
 # ---- data channel frames --------------------------------------------------
 
 class BlockingFrames:
@@ -186,6 +284,6 @@ def parse_result(header_bytes: bytes | bytearray) -> pb.DataHeader:
     return header
 
 
-__all__ = ["BlockingFrames", "GetAssembler", "GetResult", "Lease", "PutResult", "decode_prefix", "page_views", "as_out", "put_messages",
+__all__ = ["BearerInterceptor", "Credentials", "blocking_channel", "data_endpoint", "BlockingFrames", "GetAssembler", "GetResult", "Lease", "PutResult", "decode_prefix", "page_views", "as_out", "put_messages",
            "check_get_batch",
            "translate", "put_frame", "get_frame", "parse_result"]

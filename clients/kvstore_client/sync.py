@@ -4,6 +4,12 @@ Control calls go over gRPC. Put/Get bytes go through shared memory when the
 client runs on the node's host and the node offers it (``data_path="auto"`` or
 ``"shm"``), else over the node's data channel when it advertises one, else
 over gRPC streams; all give the same results and errors.
+
+Security: with ``tls_ca`` the gRPC channel and the data channel speak TLS
+(the node's certificate verified against ``tls_ca`` and for the host
+dialled, or ``server_name``); ``tls_cert``/``tls_key`` add a client
+certificate (mTLS). ``token`` goes as ``authorization: Bearer`` on every
+gRPC call and as the data channel's HELLO.
 """
 
 from __future__ import annotations
@@ -17,13 +23,13 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.framing import PREFIX, WireError, decode_prefix
+from kvstore.framing import PREFIX, WireError, decode_prefix, hello_frame
 from kvstore.errors import InvalidArgument, KvError, Unavailable
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.shm import ShmConn
 from kvstore_client._common import (
-    GRPC_OPTIONS, BlockingFrames, GetAssembler, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, get_frame, page_views,
+    BlockingFrames, Credentials, blocking_channel, data_endpoint, GetAssembler, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, get_frame, page_views,
     parse_result, put_frame, put_messages, translate,
 )
 
@@ -35,9 +41,10 @@ class _DataConn(BlockingFrames):
 
     _what = "data channel"
 
-    def __init__(self, host: str, port: int, timeout: float | None) -> None:
+    def __init__(self, host: str, port: int, timeout: float | None, creds: Credentials = Credentials()) -> None:
         self._addr = (host, port)
         self._timeout = timeout
+        self._creds = creds
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._got_reply = False
@@ -48,10 +55,24 @@ class _DataConn(BlockingFrames):
             self._sock = None
 
     def _socket(self) -> socket.socket:
+        """The connection: TLS handshake (with ``tls_ca``) and HELLO (with a
+        token) done; a HELLO refusal is raised as its typed error."""
         if self._sock is None:
             sock = socket.create_connection(self._addr, timeout=self._timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock = sock
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self._creds.tls:
+                    sock = self._creds.ssl_context().wrap_socket(
+                        sock, server_hostname=self._creds.server_name or self._addr[0])
+                self._sock = sock
+                if self._creds.token:
+                    sock.sendall(hello_frame(self._creds.token))
+                    self._result()
+                    self._got_reply = False  # the answer to come is the request's
+            except BaseException:
+                sock.close()
+                self._sock = None
+                raise
         return self._sock
 
     def _result(self) -> tuple[pb.DataHeader, int]:
@@ -141,13 +162,16 @@ class LookupFuture:
 class KvClient:
     """Blocking kvstore client for one node."""
 
-    def __init__(self, address: str, *, data_path: str = "auto", timeout: float | None = 60.0) -> None:
+    def __init__(self, address: str, *, data_path: str = "auto", timeout: float | None = 60.0,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 token: str | None = None, server_name: str | None = None) -> None:
         if data_path not in ("auto", "grpc", "tcp", "shm"):
             raise ValueError("data_path must be auto, shm, tcp or grpc")
         self.address = address
         self.timeout = timeout
         self._data_path = data_path
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._creds = Credentials(tls_ca, tls_cert, tls_key, token, server_name)
+        self._channel = blocking_channel(address, self._creds)
         self._stub = pb_grpc.KvStoreStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._info: pb.NodeInfoResponse | None = None
@@ -233,10 +257,10 @@ class KvClient:
                     self._shm = ShmConn(shm[0].path, self.timeout)
                 elif self._data_path == "shm":
                     raise Unavailable(f"node {self.address} offers no shared-memory path this process can reach")
-            endpoints = [e for e in self.node_info().data_endpoints if e.protocol == "kvs-tcp"]
-            if endpoints:
-                host = self.address.rpartition(":")[0].strip("[]") or endpoints[0].host
-                self._data = _DataConn(host, endpoints[0].port, self.timeout)
+            endpoint = data_endpoint(self.node_info(), self._creds, self.address)
+            if endpoint is not None:
+                host = self.address.rpartition(":")[0].strip("[]") or endpoint.host
+                self._data = _DataConn(host, endpoint.port, self.timeout, self._creds)
             elif self._data_path == "tcp":
                 raise Unavailable(f"node {self.address} offers no data channel")
             self._data_checked = True

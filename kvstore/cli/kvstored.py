@@ -2,6 +2,10 @@
 
 SIGTERM/SIGINT start a graceful stop: health goes NOT_SERVING, new calls are
 refused, in-flight calls get ``--grace`` seconds, then the process exits 0.
+
+A node asked to listen beyond loopback without TLS, client tokens and a
+cluster secret exits 1 at once, naming what is missing, unless
+``--insecure`` (docs/security.md).
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ async def serve(config: NodeConfig, ready: asyncio.Event | None = None) -> None:
     """Run a node until SIGTERM/SIGINT, then stop gracefully."""
     server = NodeServer(config)
     await server.start()
-    # One line on stdout for scripts and tests that start us on port 0.
+    # One line on stdout for scripts and tests that start us on port 0; mode:
+    # secure, development (loopback without all credentials) or insecure.
     print(f"kvstored ready grpc={server.address} data_port={server.data_port} "
-          f"metrics_port={server.metrics_port} node_id={server.node.node_id if server.node else ''}",
+          f"metrics_port={server.metrics_port} node_id={server.node.node_id if server.node else ''} "
+          f"mode={server.mode} tls={'on' if server.config.tls else 'off'}",
           flush=True)
     if ready is not None:
         ready.set()

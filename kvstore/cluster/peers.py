@@ -48,10 +48,16 @@ class PeerClient:
                                            ("grpc.max_reconnect_backoff_ms", backoff_ms)]
         self._closing: set[asyncio.Task[None]] = set()
 
+    # TLS to peers (set by the node when it has a certificate): the cluster CA
+    # verifies the peer and its listen host (the SAN rule), the node's own
+    # certificate is the client certificate. None: plaintext channels.
+    credentials: grpc.ChannelCredentials | None = None
+
     def _stub(self, address: str) -> pb_grpc.ClusterStub:
         entry = self._channels.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            channel = grpc.aio.insecure_channel(address, options=self._options) if self.credentials is None \
+                else grpc.aio.secure_channel(address, self.credentials, options=self._options)
             entry = self._channels[address] = (channel, pb_grpc.ClusterStub(channel))
         return entry[1]
 

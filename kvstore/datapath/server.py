@@ -20,6 +20,14 @@ connections (one more gets an error frame and is closed), headers capped
 before they are read, idle connections closed after ``--idle-timeout``.
 Every malformed or stalled frame is answered with an error frame, then the
 connection is closed; the node keeps serving.
+
+Security: with a TLS context (``tls``, the node's certificate, reloaded by
+:class:`~kvstore.security.tls.ReloadingContext`) every connection starts
+with a TLS handshake and then runs over a
+:class:`~kvstore.security.tls.TlsStream`: the same frame code, decrypting
+into the slots. With ``authenticate`` (the node's token store), its first
+frame must be a HELLO whose token it accepts; the principal it returns is
+the connection's caller.
 """
 
 from __future__ import annotations
@@ -27,15 +35,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
 from kvstore.cluster.replicator import Replicator
 from kvstore.errors import InvalidArgument, KvError, ResourceExhausted, shown
 from kvstore.framing import (
-    ChannelClosed, Idle, Stalled, WireError, accept_loop, drain, encode_header, listen, read_frame, recv_exact,
-    refuse, reply_error, send_views, server_limits,
+    ChannelClosed, Conn, Idle, Stalled, WireError, accept_loop, drain, encode_header, expect_hello, listen, open_served,
+    read_frame, recv_exact, refuse, reply_error, send_views, sendall, server_limits, skip_hello,
 )
 from kvstore.metrics import NodeMetrics
 from kvstore.node import Node, PutBatch, page_kind
@@ -51,8 +62,12 @@ _CHUNK_BYTES = 4 << 20  # a PUT reserves slots for about this many bytes at a ti
 class DataServer:
     """Accepts data-channel connections and serves frames in order."""
 
-    def __init__(self, node: Node, metrics: NodeMetrics, reader: Replicator, host: str, port: int) -> None:
+    def __init__(self, node: Node, metrics: NodeMetrics, reader: Replicator, host: str, port: int, *,
+                 tls: Callable[[], ssl.SSLContext] | None = None,
+                 authenticate: Callable[[str], Any] | None = None) -> None:
         self._node = node
+        self._tls = tls  # the current server context, per accepted connection (reloads)
+        self._authenticate = authenticate
         self._reader = reader
         self._metrics = metrics
         self._host, self._port = host, port
@@ -93,24 +108,48 @@ class DataServer:
     def _accepted(self, conn: socket.socket) -> None:
         if len(self._conns) >= self._limits.max_connections:
             self._metrics.ops.labels("connect", "RESOURCE_EXHAUSTED").inc()
+            if self._tls is not None:  # no plaintext frame before the handshake
+                conn.close()
+                return
             refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED,
                    f"data channel: {len(self._conns)} connections open, the limit (--max-connections)")
             return
         self._conns.add(conn)
         self._spawn(self._serve(conn))
 
-    async def _serve(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
+    async def _open(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[Conn, Any] | None:
+        """TLS handshake and HELLO, as configured: (connection, principal), or
+        None when the caller failed either (answered, where it can be)."""
         try:
+            conn = await open_served(loop, sock, self._tls() if self._tls else None, self._limits)
+            principal = None
+            if self._authenticate is not None:
+                principal = await expect_hello(loop, conn, self._limits, self._authenticate)
+        except ChannelClosed as exc:
+            self._metrics.ops.labels("connect", "UNAUTHENTICATED").inc()
+            log.info("data channel: refused a connection: %s", exc)
+            return None
+        return conn, principal
+
+    async def _serve(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        conn: Conn = sock
+        try:
+            opened = await self._open(loop, sock)
+            if opened is None:
+                return
+            conn, principal = opened
             while True:
                 try:
                     header, payload_len = await read_frame(loop, conn, self._limits)
                 except ChannelClosed:
                     return  # clean end or idle between frames (or mid-frame: nothing was reserved yet)
                 if header.op == pb.DataHeader.PUT:
-                    await self._put(loop, conn, header, payload_len)
+                    await self._put(loop, conn, header, payload_len, principal)
                 elif header.op == pb.DataHeader.GET and payload_len == 0:
-                    await self._get(loop, conn, header)
+                    await self._get(loop, conn, header, principal)
+                elif header.op == pb.DataHeader.HELLO and payload_len == 0 and self._authenticate is None:
+                    await skip_hello(loop, conn)
                 else:
                     raise WireError(f"unexpected op {header.op} with {payload_len} payload bytes")
         except Stalled as exc:
@@ -125,11 +164,12 @@ class DataServer:
             log.exception("data channel: unexpected error; closing the connection")
             await self._reply_error(loop, conn, grpc.StatusCode.INTERNAL, "internal error (logged by the node)")
         finally:
-            self._conns.discard(conn)
-            conn.close()
+            self._conns.discard(sock)
+            sock.close()
 
-    async def _put(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
-                   header: pb.DataHeader, payload_len: int) -> None:
+    async def _put(self, loop: asyncio.AbstractEventLoop, conn: Conn, header: pb.DataHeader, payload_len: int,
+                   principal: Any = None) -> None:
+        """One PUT frame; ``principal``: the caller HELLO authenticated (None without tokens)."""
         start = time.perf_counter()
         keys = list(header.keys)
         try:
@@ -168,9 +208,9 @@ class DataServer:
         self._metrics.latency.labels("put", "data").observe(time.perf_counter() - start)
         reply = pb.DataHeader(op=pb.DataHeader.RESULT, put=pb.PutResponse(
             stored=result.stored, already_present=result.already_present, evicted=result.evicted))
-        await loop.sock_sendall(conn, encode_header(reply, 0))
+        await sendall(loop, conn, encode_header(reply, 0))
 
-    async def _receive(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, batch: PutBatch,
+    async def _receive(self, loop: asyncio.AbstractEventLoop, conn: Conn, batch: PutBatch,
                        keys: list[bytes], page_bytes: int) -> KvError | None:
         """Receive a PUT's pages chunk by chunk; each chunk's slots are
         reserved only once its first byte is here, and chunks grow from one
@@ -201,7 +241,8 @@ class DataServer:
             i, size = i + len(chunk), min(most, size * 2)
         return None
 
-    async def _get(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, header: pb.DataHeader) -> None:
+    async def _get(self, loop: asyncio.AbstractEventLoop, conn: Conn, header: pb.DataHeader,
+                   principal: Any = None) -> None:
         start = time.perf_counter()
         # leave part of the caller's deadline to send what we have
         share = self._node.config.deadline_share
@@ -225,17 +266,17 @@ class DataServer:
         hits = len(handle.entries)
         self._metrics.count_get("data", hits, len(handle.found) - hits, page_bytes, time.perf_counter() - start)
 
-    async def _drain(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, nbytes: int) -> None:
+    async def _drain(self, loop: asyncio.AbstractEventLoop, conn: Conn, nbytes: int) -> None:
         """Read and drop ``nbytes`` so the connection stays in step."""
         if nbytes > self._node.config.max_batch_bytes + _DRAIN_CHUNK:
             raise WireError(f"refusing to drain {nbytes} bytes")
         await drain(loop, conn, nbytes, memoryview(self._scratch), self._limits.read_timeout)
 
-    async def _refuse(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, exc: KvError,
+    async def _refuse(self, loop: asyncio.AbstractEventLoop, conn: Conn, exc: KvError,
                       op: str = "put") -> None:
         self._metrics.ops.labels(op, exc.code.name).inc()
         await self._reply_error(loop, conn, exc.code, str(exc))
 
-    async def _reply_error(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
+    async def _reply_error(self, loop: asyncio.AbstractEventLoop, conn: Conn,
                            code: grpc.StatusCode, message: str) -> None:
         await reply_error(loop, conn, code, message, self._limits.read_timeout)

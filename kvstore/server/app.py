@@ -4,13 +4,25 @@ Start order: pool/ops -> gRPC server (bound, port known) -> data channel ->
 metrics -> health SERVING. Stop runs the other way in steps, like uvicorn and
 gRPC's own guidance: health NOT_SERVING, stop accepting, let in-flight calls
 finish within the grace period, cancel the rest, release leases.
+
+Security (docs/security.md, "Transport security"): before anything binds,
+:func:`~kvstore.security.tls.listen_mode` decides the node's mode
+(``secure``, ``development`` on loopback, ``insecure`` with a loud warning)
+or refuses to start. With a certificate every port speaks TLS: gRPC
+(reloading credentials), the data channel and the TCP peer transport
+(reloading contexts), metrics over HTTPS; without one, metrics bind to
+loopback unless ``--insecure``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
+import threading
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,6 +39,12 @@ from kvstore.node import Node
 from kvstore.ops.auto import select as select_ops
 from kvstore.ops.base import PageOps
 from kvstore.rpc import BoundaryInterceptor, server_options
+from kvstore.security.identity import ClusterSecret
+from kvstore.security.tls import (
+    ReloadingContext, TlsFiles, grpc_channel_credentials, grpc_server_credentials, listen_mode, peer_context,
+    server_context,
+)
+from kvstore.security.tokens import TokenStore
 from kvstore.server.auth import AuthInterceptor
 from kvstore.server.service import KvStoreService
 from kvstore.transport.auto import make_transport
@@ -58,6 +76,9 @@ class NodeServer:
         self.metrics_port: int | None = None
         self._stopping = False
         self._stopped = asyncio.Event()
+        self.mode = ""  # secure, development or insecure (listen_mode), once started
+        self._tls = TlsFiles.of(config)
+        self._server_tls: ReloadingContext | None = None
 
     @property
     def address(self) -> str:
@@ -69,17 +90,40 @@ class NodeServer:
         return self._data.port if self._data is not None else None
 
     def _transport(self) -> Transport:
-        """The peer transport, shaped to ``--link-rate``/``--link-latency`` when set."""
-        return shape(make_transport(self.config.transport), self.config.link_rate, self.config.link_latency)
+        """The peer transport, shaped to ``--link-rate``/``--link-latency`` when
+        set; TLS both ways and a HELLO proof of the cluster secret on each
+        connection when configured (which rules UCX out: auto picks TCP)."""
+        cfg, tls = self.config, self._tls
+        secret = ClusterSecret.from_config(cfg)
+        options: dict[str, Any] = {}
+        if tls is not None:
+            # peers prove themselves with their node certificate when there is a cluster CA
+            peers_in = ReloadingContext(tls, lambda f: server_context(f, require_client_cert=bool(f.ca)))
+            peers_out = ReloadingContext(tls, peer_context)
+            options.update(server_tls=peers_in.get, client_tls=peers_out.get)
+        if secret is not None:
+            options.update(prove=lambda: secret.sign("transport", self.node.node_id if self.node else ""),
+                           verify=lambda token: secret.verify(token, "transport"))
+        transport = make_transport(cfg.transport, secure=tls is not None or secret is not None,
+                                   insecure=cfg.insecure, **options)
+        return shape(transport, cfg.link_rate, cfg.link_latency)
 
     async def start(self) -> None:
         """Bind everything and report SERVING; a second call does nothing."""
         if self._grpc is not None:
             return
+        self.mode = listen_mode(self.config)  # raises RefusedToStart before anything binds
+        if self.mode == "insecure":
+            log.warning("INSECURE: listening on %s beyond loopback without TLS, client tokens and a cluster secret "
+                        "(--insecure): anyone who reaches these ports can read, write and join. Never in production.",
+                        self.config.listen)
+        transport = self._transport()
         ops = self._ops or select_ops("auto", self.config.device)
         self.node = node = Node(self.config, ops)
         self.metrics = NodeMetrics(node)
-        self.agent = agent = ClusterAgent(node, self.config, self._transport(), self.metrics)
+        self.agent = agent = ClusterAgent(node, self.config, transport, self.metrics)
+        if self._tls is not None:
+            agent.peers.credentials = grpc_channel_credentials(self._tls.ca, self._tls.cert, self._tls.key)
         self.coordinator = Coordinator(self.config, agent.directory, agent.membership, agent.peers, self.metrics,
                                        page_bytes=self._page_bytes)
         agent.placement = self.coordinator
@@ -93,7 +137,12 @@ class NodeServer:
         pb_grpc.add_ClusterServicer_to_server(ClusterService(agent), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         host, port = parse_hostport(self.config.listen)
-        self.port = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if self._tls is not None:
+            self._server_tls = ReloadingContext(self._tls, server_context)
+            self.port = server.add_secure_port(bind, grpc_server_credentials(self._tls))
+        else:
+            self.port = server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"could not bind gRPC to {self.config.listen}")
         node.address = self.address
@@ -103,7 +152,10 @@ class NodeServer:
         await server.start()
         self._grpc = server
         if self.config.data_port >= 0:
-            self._data = DataServer(node, self.metrics, agent.replicator, host, self.config.data_port)
+            tokens = TokenStore.from_config(self.config)
+            self._data = DataServer(node, self.metrics, agent.replicator, host, self.config.data_port,
+                                    tls=self._server_tls.get if self._server_tls else None,
+                                    authenticate=tokens.authenticate if tokens else None)
             await self._data.start()
         if node.shares_memory:
             name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{node.node_id}-{self.port}")[:80]
@@ -112,14 +164,18 @@ class NodeServer:
         await agent.start()
         self._coordinator_task = asyncio.get_running_loop().create_task(self.coordinator.run())
         if self.config.metrics_port >= 0:
-            from prometheus_client import start_http_server
-
-            self._metrics_http, _ = start_http_server(self.config.metrics_port, host, registry=self.metrics.registry)
+            # HTTPS with the node's certificate; plaintext only on loopback unless --insecure
+            metrics_host = host if self._tls is not None or self.config.insecure or self.config.loopback_only \
+                else "127.0.0.1"
+            self._metrics_http = _metrics_server(self.config.metrics_port, metrics_host, self.metrics.registry,
+                                                 self._server_tls.get if self._server_tls else None,
+                                                 self.config.read_timeout)
             self.metrics_port = self._metrics_http.server_port
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("kvstored %s serving gRPC on %s, data channel port %s, metrics port %s, device %s",
-                 node.node_id, self.address, self.data_port, self.metrics_port, ops.device)
+        log.info("kvstored %s serving gRPC on %s, data channel port %s, metrics port %s, device %s, mode %s%s",
+                 node.node_id, self.address, self.data_port, self.metrics_port, ops.device, self.mode,
+                 ", TLS" if self._tls else "")
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful shutdown in steps; safe to call twice."""
@@ -166,3 +222,31 @@ class NodeServer:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.stop(grace=0)
+
+
+def _metrics_server(port: int, host: str, registry: Any, tls: Callable[[], ssl.SSLContext] | None,
+                    read_timeout: float) -> Any:
+    """Prometheus' HTTP server; with ``tls`` (the node's reloading server
+    context) HTTPS, each connection wrapped with the current context and its
+    handshake done in the request's own thread."""
+    from prometheus_client import start_http_server
+
+    if tls is None:
+        return start_http_server(port, host, registry=registry)[0]
+    from wsgiref.simple_server import make_server
+
+    from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler, make_wsgi_app
+
+    class HttpsServer(ThreadingWSGIServer):
+        def get_request(self) -> tuple[Any, Any]:
+            sock, addr = self.socket.accept()
+            sock.settimeout(read_timeout)
+            return tls().wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            log.debug("metrics: a request from %s failed", client_address, exc_info=True)
+
+    HttpsServer.address_family, addr = _get_best_family(host, port)
+    httpd = make_server(addr, port, make_wsgi_app(registry), HttpsServer, handler_class=_SilentHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True, name="metrics-https").start()
+    return httpd
