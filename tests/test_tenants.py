@@ -254,3 +254,51 @@ def test_token_rotation_without_restart(tenant_node, callers, token_file) -> Non
 
 def test_separator_in_a_client_name_is_refused(callers) -> None:
     assert code_of(lambda: callers("acme-write").create("a/b")) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# ---- the shared-memory path ---------------------------------------------------------------
+def shm_path(caller: Caller) -> str:
+    endpoints = caller.NodeInfo(pb.NodeInfoRequest()).data_endpoints
+    paths = [e.path for e in endpoints if e.protocol == "kvs-shm"]
+    if not paths:
+        pytest.skip("this node serves no shared memory (no memfd here)")
+    return paths[0]
+
+
+def test_shared_memory_needs_the_token_and_keeps_tenants_apart(tenant_node, callers, token_file) -> None:
+    import numpy as np
+
+    from kvstore.errors import NotFound, PermissionDenied, Unauthenticated
+    from kvstore_client.shm import ShmConn
+
+    writer = callers("acme-write")
+    path = shm_path(writer)
+    writer.create("m")
+    keys = keys_for(4)
+    pages = random_pages(4, PAGE)
+    out = np.zeros((4, PAGE), dtype=np.uint8)
+    anonymous = ShmConn(path, 5.0)
+    with pytest.raises(Unauthenticated):
+        anonymous.get("m", keys, out, None, True)
+    anonymous.close()
+    with pytest.raises(Unauthenticated):
+        ShmConn(path, 5.0, token="guess").get("m", keys, out, None, True)
+    acme = ShmConn(path, 5.0, token="acme-write")
+    assert acme.put("m", keys, [memoryview(p) for p in pages], PAGE, 0).stored == 4
+    assert acme.get("m", keys, out, None, True).all() and np.array_equal(out, pages)
+    assert writer.get("m", keys) == {k: bytes(p) for k, p in zip(keys, pages)}  # the tenant's own "m"
+    reader = ShmConn(path, 5.0, token="acme-read")
+    out[:] = 0
+    assert reader.get("m", keys, out, None, True).all() and np.array_equal(out, pages)
+    assert not reader._pools["m"].flags.writeable  # a read-only mapping
+    with pytest.raises(PermissionDenied):
+        reader.put("m", keys_for(1, b"r"), [memoryview(pages[0])], PAGE, 0)
+    globex = ShmConn(path, 5.0, token="globex-write")
+    with pytest.raises(NotFound):
+        globex.get("m", keys, out, None, True)
+    write_tokens(token_file, TOKENS.replace('token = "acme-write"', 'token = "acme-write-2"'))
+    time.sleep(1.2)
+    with pytest.raises(Unauthenticated):  # the open connection stops working with its token
+        acme.get("m", keys, out, None, True)
+    for conn in (acme, reader, globex):
+        conn.close()

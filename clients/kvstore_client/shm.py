@@ -30,8 +30,9 @@ class ShmConn(BlockingFrames):
 
     _what = "shared-memory socket"
 
-    def __init__(self, path: str, timeout: float | None) -> None:
+    def __init__(self, path: str, timeout: float | None, token: str = "") -> None:
         self.path = path
+        self._token = token  # a node with a token file wants it in a HELLO first
         self._timeout = timeout
         self._sock: socket.socket | None = None
         self._pools: dict[str, np.ndarray] = {}
@@ -60,6 +61,13 @@ class ShmConn(BlockingFrames):
                 sock.close()
                 raise Unavailable(f"shared-memory socket {self.path}: {exc}") from None
             self._sock = sock
+            if self._token:
+                try:
+                    sock.sendall(encode_header(pb.DataHeader(op=pb.DataHeader.HELLO, token=self._token), 0))
+                    self._result()
+                except BaseException:
+                    self._drop_socket()
+                    raise
         return self._sock
 
     def _send(self, header: pb.DataHeader) -> None:
@@ -132,7 +140,10 @@ class ShmConn(BlockingFrames):
                 nbytes = reply.num_slots * reply.page_bytes
                 # populated: first writes into fresh slots then run at memcpy speed, not the page-fault rate
                 flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                region = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                try:
+                    region = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                except PermissionError:  # a read-only token's descriptor: map it for reading
+                    region = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
             pool = np.frombuffer(region, dtype=np.uint8, count=nbytes).reshape(reply.num_slots, reply.page_bytes)

@@ -25,6 +25,13 @@ client that dies mid-operation leaks nothing). Trust: every client that may
 attach a namespace is trusted with all of it (as with a CUDA IPC handle);
 namespaces, and so tenants, do not share a segment. Device pools are not
 shared this way (their clients use the socket paths).
+
+With a token file, the first frame must be ``HELLO(token)`` (answered
+``RESULT`` code 0, or UNAUTHENTICATED and the connection closed); the token
+is checked again on every request (a rotated-out token stops working on an
+open connection too), names are the tenant's (as on gRPC), GET/ATTACH need
+``read`` and PUT/COMMIT ``write``. A ``read`` caller's ATTACH passes a
+read-only descriptor: it can map the pool only for reading.
 """
 
 from __future__ import annotations
@@ -42,12 +49,13 @@ from typing import Any
 import grpc
 
 from kvstore.cluster.replicator import Replicator
-from kvstore.errors import InvalidArgument, KvError, ResourceExhausted, Unavailable
+from kvstore.errors import InvalidArgument, KvError, PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable
 from kvstore.framing import ChannelClosed, WireError, encode_header, read_frame, server_limits
 from kvstore.metrics import NodeMetrics
 from kvstore.node import Namespace, Node, PutBatch
 from kvstore.pool.movement import SOCKET, Landing
 from kvstore.pool.pool import PageKind, ReadHandle
+from kvstore.security.tokens import DEVELOPMENT, Principal, TokenStore, qualify
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -70,6 +78,8 @@ class _Grant:
 class _Conn:
     sock: socket.socket
     grants: dict[int, _Grant] = field(default_factory=dict)
+    token: str = ""  # the HELLO's token, checked again on every request
+    principal: Principal = DEVELOPMENT
 
 
 class ShmServer:
@@ -86,6 +96,7 @@ class ShmServer:
         self._conns: set[_Conn] = set()
         self._ids = itertools.count(1)
         self._limits = server_limits(node.config)  # header cap, read/idle timeouts, connections: as the data channel
+        self._tokens = TokenStore.from_config(node.config)
 
     async def start(self) -> None:
         os.makedirs(self._dir, mode=0o700, exist_ok=True)
@@ -141,6 +152,8 @@ class ShmServer:
     async def _serve(self, conn: _Conn) -> None:
         loop = asyncio.get_running_loop()
         try:
+            if self._tokens is not None and not await self._hello(loop, conn):
+                return
             while True:
                 try:
                     header, payload_len = await read_frame(loop, conn.sock, self._limits)
@@ -149,7 +162,12 @@ class ShmServer:
                 if payload_len:
                     raise WireError("shared-memory frames carry no payload")
                 try:
+                    self._authorize(conn, header.op)
                     await self._handle(loop, conn, header)
+                except Unauthenticated as exc:  # the token was rotated out: this connection ends
+                    self._metrics.auth_rejected.labels("client").inc()
+                    await self._reply(loop, conn, code=exc.code, message=str(exc))
+                    return
                 except KvError as exc:
                     await self._reply(loop, conn, code=exc.code, message=str(exc))
         except WireError as exc:
@@ -162,9 +180,42 @@ class ShmServer:
             self._conns.discard(conn)
             conn.sock.close()
 
+    async def _hello(self, loop: asyncio.AbstractEventLoop, conn: _Conn) -> bool:
+        """The connection's first frame: HELLO with a valid token, or it ends."""
+        assert self._tokens is not None
+        try:
+            header, payload_len = await read_frame(loop, conn.sock, self._limits)
+        except ChannelClosed:
+            return False
+        try:
+            if payload_len or header.op != pb.DataHeader.HELLO:
+                raise Unauthenticated("this node requires a HELLO frame with a client token first")
+            conn.principal = self._tokens.authenticate(header.token)
+            conn.token = header.token
+        except Unauthenticated as exc:
+            self._metrics.auth_rejected.labels("client").inc()
+            await self._reply(loop, conn, code=exc.code, message=str(exc))
+            return False
+        await self._reply(loop, conn)
+        return True
+
+    def _authorize(self, conn: _Conn, op: int) -> None:
+        """Raise unless the connection's token (still valid) allows ``op``."""
+        if self._tokens is None:
+            return
+        conn.principal = self._tokens.authenticate(conn.token)
+        need = "write" if op in (pb.DataHeader.PUT, pb.DataHeader.COMMIT) else "read"
+        if not conn.principal.allows(need):
+            raise PermissionDenied(f"shared memory: this op needs a token with the {need} role; this one has "
+                                   f"{conn.principal.role}")
+
     async def _handle(self, loop: asyncio.AbstractEventLoop, conn: _Conn, h: Any) -> None:
         op = h.op
-        if op == pb.DataHeader.ATTACH:
+        if op == pb.DataHeader.HELLO:  # a node without tokens accepts (and ignores) one
+            if self._tokens is not None:
+                raise InvalidArgument("HELLO comes once, as the first frame")
+            await self._reply(loop, conn)
+        elif op == pb.DataHeader.ATTACH:
             await self._attach(loop, conn, h)
         elif op == pb.DataHeader.GET:
             await self._get(loop, conn, h)
@@ -195,9 +246,16 @@ class ShmServer:
         return ns
 
     async def _attach(self, loop: asyncio.AbstractEventLoop, conn: _Conn, h: Any) -> None:
-        ns = self._namespace(h.namespace)
-        await self._reply(loop, conn, fds=[ns.pool.shm_fd], page_bytes=ns.layout.page_bytes,
-                          num_slots=ns.pool.num_slots)
+        ns = self._namespace(qualify(conn.principal, h.namespace))
+        if conn.principal.allows("write"):
+            await self._reply(loop, conn, fds=[ns.pool.shm_fd], page_bytes=ns.layout.page_bytes,
+                              num_slots=ns.pool.num_slots)
+            return
+        fd = os.open(f"/proc/self/fd/{ns.pool.shm_fd}", os.O_RDONLY | os.O_CLOEXEC)  # a read-only descriptor
+        try:
+            await self._reply(loop, conn, fds=[fd], page_bytes=ns.layout.page_bytes, num_slots=ns.pool.num_slots)
+        finally:
+            os.close(fd)
 
     def _grant(self, conn: _Conn, grant: _Grant) -> int:
         grant_id = next(self._ids)
@@ -228,10 +286,11 @@ class ShmServer:
 
     async def _get(self, loop: asyncio.AbstractEventLoop, conn: _Conn, h: Any) -> None:
         start = time.perf_counter()
-        self._namespace(h.namespace)
+        name = qualify(conn.principal, h.namespace)
+        self._namespace(name)
         share = self._node.config.deadline_share
         timeout = share * h.deadline_ms / 1000 if h.deadline_ms else None
-        ns, handle, fetched = await self._reader.read(h.namespace, list(h.keys), timeout, h.local_only)
+        ns, handle, fetched = await self._reader.read(name, list(h.keys), timeout, h.local_only)
         grant_id = self._grant(conn, _Grant(ns, read=(handle, fetched)))
         await self._reply(loop, conn, found=handle.found, slots=handle.slots, grant=grant_id,
                           page_bytes=ns.layout.page_bytes)
@@ -240,13 +299,13 @@ class ShmServer:
                                 time.perf_counter() - start)
 
     async def _put(self, loop: asyncio.AbstractEventLoop, conn: _Conn, h: Any) -> None:
-        ns = self._namespace(h.namespace)
+        ns = self._namespace(qualify(conn.principal, h.namespace))
         if h.page_bytes != ns.layout.page_bytes:
             raise InvalidArgument(f"pages of {h.page_bytes} bytes; namespace {ns.name[:100]!r} pages are "
                                   f"{ns.layout.page_bytes} bytes")
         if h.kind not in (0, PageKind.PRIMARY, PageKind.REPLICA, PageKind.SPECULATIVE):
             raise InvalidArgument(f"unknown page kind {int(h.kind)}")
-        batch = self._node.begin_put(h.namespace, PageKind(h.kind or PageKind.PRIMARY),
+        batch = self._node.begin_put(ns.name, PageKind(h.kind or PageKind.PRIMARY),
                                      timeout=self._node.config.shm_hold_timeout)
         try:
             landing = batch.write_in(list(h.keys), SOCKET)
