@@ -1,0 +1,366 @@
+"""``kvctl replay --sim``: the replay as a discrete-event simulation, seconds per run instead of minutes.
+
+The same workloads, routers, cost model, oracle plan and metrics as the real
+replay (:mod:`bench.replay.engine`), and the same predictor, planner,
+directory and link physics as the daemons (:mod:`bench.replay.sim_cluster`,
+:mod:`bench.replay.sim_coord`, :mod:`bench.replay.sim_kernel`), on a
+simulated clock in trace seconds. No sockets, no processes, no wall clock.
+
+One engine per node, as in :mod:`bench.replay.engine`: ``concurrency`` slots
+(FIFO) and one serial prefill unit; per request: wait for a slot; (oracle) wait
+for the planned prefix; ``Lookup(record)`` on its node (the access goes to the
+predictor with the next heartbeat); ``Get`` of the cluster-cached prefix (the
+node's reactive fetch, under every policy but ``none``); wait for the prefill
+unit; prefill the uncached tokens (first token); ``Put`` what it lacked;
+decode; free the slot. TTFT = queueing + fetch + local load + prefill, as
+:class:`~bench.replay.metrics.RequestRecord` defines it.
+
+What the simulation does not have, and the real run does: CPU contention and
+dispatch lag on the harness machine, and RPC overheads other than a fixed
+``rpc_ms`` per KV round trip (real milliseconds, x speedup in trace time like
+every measured wait). ``results.json`` marks every simulated summary
+``"simulated": true``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.replay.cluster import ClusterSpec
+from bench.replay.costmodel import CostModel
+from bench.replay.metrics import RequestRecord, after_kill, aggregate, cluster_summary
+from bench.replay.oracle import Plan, Step, plan
+from bench.replay.routers import NodeView, Router, make_router, views_from_lookup
+from bench.replay.sim_cluster import PRIMARY, SPECULATIVE, ClusterParams, SimCluster
+from bench.replay.sim_coord import SimCoordinator, node_config
+from bench.replay.sim_kernel import Event, Process, Semaphore, Sim
+from bench.replay.workload import Workload, reusable_blocks
+from kvstore.predict.trace import hash_key
+from kvstore.units import parse_size
+
+DEFAULT_RPC_MS = 1.5   # real ms per KV round trip (Lookup, Get, Put, Replicate) on the harness machine
+
+
+@dataclass(slots=True)
+class SimConfig:
+    policy: str
+    router: Router
+    cost: CostModel
+    namespace: str
+    nodes: int
+    speedup: float = 4.0
+    concurrency: int = 8
+    daemon_args: list[str] = field(default_factory=list)  # what the real daemons would get (ClusterSpec.args)
+    link_rate: float = 50e9          # unscaled bytes per trace second
+    link_latency: float = 5e-6       # trace seconds
+    capacity_bytes: int = 256 << 20
+    oracle_lead_s: float = 4.0
+    oracle_rpc_s: float = 0.005      # real s, as RunConfig
+    spec_ttl_s: float = 60.0
+    fetch_timeout_s: float = 5.0     # real s
+    drain_timeout_s: float = 120.0   # real s
+    sample_s: float = 0.25           # real s
+    rpc_ms: float = DEFAULT_RPC_MS
+    kills: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Held:
+    """The oracle's harness-side knowledge of which pages each node holds, as events (engine.Held)."""
+
+    def __init__(self, sim: Sim, nodes: int) -> None:
+        self.sim, self._ev = sim, [dict[bytes, Event]() for _ in range(nodes)]
+
+    def _event(self, n: int, k: bytes) -> Event:
+        ev = self._ev[n].get(k)
+        if ev is None:
+            ev = self._ev[n][k] = self.sim.event()
+        return ev
+
+    def has(self, n: int, k: bytes) -> bool:
+        ev = self._ev[n].get(k)
+        return ev is not None and ev.fired
+
+    def mark(self, n: int, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            self._event(n, k).succeed()
+
+    def wait(self, n: int, keys: Sequence[bytes], timeout: float | None) -> Event:
+        every = self.sim.all_of(self._event(n, k) for k in keys if not self.has(n, k))
+        return every if timeout is None else self.sim.any_of([every, self.sim.timeout(timeout)])
+
+
+class SimEngine:
+    def __init__(self, sim: Sim, concurrency: int) -> None:
+        self.slots = Semaphore(sim, concurrency)
+        self.prefill = Semaphore(sim, 1)
+        self.waiting = self.running = 0
+        self.own: set[bytes] = set()
+        self.used_placed: set[bytes] = set()
+
+    @property
+    def load(self) -> int:
+        return self.waiting + self.running
+
+
+class SimDriver:
+    """One policy run of one workload on the simulated cluster."""
+
+    def __init__(self, workload: Workload, cfg: SimConfig) -> None:
+        self.workload, self.cfg = workload, cfg
+        self.sim = Sim()
+        S = cfg.speedup
+        dcfg = node_config(cfg.daemon_args)
+        params = ClusterParams(
+            nodes=cfg.nodes, namespace=cfg.namespace, page_bytes=cfg.cost.page_bytes,
+            scaled_page_bytes=cfg.cost.scaled_page_bytes, capacity_bytes=cfg.capacity_bytes,
+            policy="reactive" if cfg.policy == "oracle" else cfg.policy, speedup=S,
+            heartbeat_s=dcfg.heartbeat_interval, heartbeat_timeout_s=dcfg.heartbeat_timeout,
+            fetch_timeout_s=min(cfg.fetch_timeout_s, dcfg.fetch_timeout), link_rate=cfg.link_rate,
+            link_latency=cfg.link_latency, depth_cap=dcfg.predictor_depths[-1])
+        self.cluster = SimCluster(self.sim, params)
+        self.coord: SimCoordinator | None = None
+        if cfg.policy in ("predictive", "full"):
+            self.coord = SimCoordinator(dcfg, self.cluster, rpc_s=cfg.rpc_ms / 1e3)
+            self.cluster.placement = self.coord
+        self.engines = [SimEngine(self.sim, cfg.concurrency) for _ in range(cfg.nodes)]
+        self.rpc = cfg.rpc_ms / 1e3 * S          # one KV round trip, trace s
+        self.records: list[RequestRecord] = []
+        self.timeline: dict[str, Any] = {"t": [], "waiting": [], "running": [], "stats_t": [], "spec_slots": [],
+                                         "replica_slots": []}
+        self.oracle: dict[str, Any] = {}
+        self.oracle_plan: Plan | None = None
+        self.held: Held | None = None
+        self.put_errors = 0
+        self.killed: dict[int, float] = {}
+        self._left = 0
+
+    # ---- requests ----------------------------------------------------------------
+    def _views(self, keys: list[bytes]) -> tuple[list[NodeView], float]:
+        loads = [float(e.load) for e in self.engines]
+        ids = self.cluster.ids
+        if not self.cfg.router.needs_prefix or not self.cluster.alive(0):
+            return [NodeView(n, load) for n, load in zip(ids, loads)], 0.0
+        return views_from_lookup(ids, loads, self.cluster.prefixes(keys)), self.cfg.rpc_ms / 1e3
+
+    def _arrive(self, i: int, keys: list[bytes], step: Step | None) -> None:
+        rec = self.records[i]
+        if step is not None and self.oracle_plan is not None:
+            node, reason, route_s = step.node, f"oracle-{self.oracle_plan.name}", 0.0
+        else:
+            views, route_s = self._views(keys)
+            node, reason = self.cfg.router.choose(views, len(keys))
+        rec.route_s, rec.node, rec.route_reason = route_s, self.cluster.ids[node], reason
+        eng = self.engines[node]
+        eng.waiting += 1
+        self.sim.process(self._serve(node, rec, keys, step))
+
+    def _serve(self, n: int, rec: RequestRecord, keys: list[bytes], step: Step | None) -> Process:
+        sim, cfg, cost, cl, eng = self.sim, self.cfg, self.cfg.cost, self.cluster, self.engines[n]
+        t_enq = sim.now
+        yield eng.slots.acquire()
+        eng.waiting -= 1
+        eng.running += 1
+        slot_wait = sim.now - t_enq
+        t0 = sim.now
+        if step is not None and step.depth > 0 and self.held is not None:
+            late = step.kv_at - sim.now
+            yield self.held.wait(n, keys[:step.depth], max(0.0, late) + cost.prefill_s(step.depth * cost.block_tokens))
+        local = cluster_max = cached = 0
+        if cl.alive(n):
+            yield sim.timeout(self.rpc)  # Lookup
+            local, nodes = cl.lookup(n, keys, record=True)
+            cluster_max = max([local] + [int(e.prefix_length) for e in nodes if not e.pending])
+            fetch = cluster_max if step is None else max(local, step.depth)
+            if fetch > 0:
+                yield cl.fetch_missing(n, keys[:fetch])
+                yield sim.timeout(self.rpc)  # Get
+                pool = cl.pools[n]
+                cached = pool.prefix(keys[:fetch]) if cl.alive(n) else 0
+                pool.read(keys[:cached])
+                pool.hits += cached
+                pool.misses += fetch - cached
+        else:
+            rec.kv_error = "UNAVAILABLE: node killed (simulated)"
+        rec.fetch_real_s = (sim.now - t0) / cfg.speedup
+        rec.fetch_s = sim.now - t0
+        local = min(local, cached)
+        rec.local, rec.remote, rec.miss = local, cached - local, rec.blocks - cached
+        cl.pools[n].remote_hits += rec.remote
+        rec.cluster_cached = cluster_max
+        rec.recomputed_cached = max(0, min(cluster_max, rec.blocks) - cached)
+        rec.cold_prefill_s = cost.prefill_s(rec.input_tokens)
+        for k in keys[:local]:
+            if k not in eng.own:
+                eng.used_placed.add(k)
+        eng.own.update(keys[local:cached])
+        if self.held is not None:
+            self.held.mark(n, keys[:cached])
+        rec.link_s = cost.link_s(rec.remote)
+        rec.local_load_s = cost.local_load_s(local)
+        rec.prefill_s = cost.prefill_s(cost.uncached_tokens(rec.input_tokens, cached))
+        rec.decode_s = cost.decode_s(rec.input_tokens, rec.output_tokens)
+        t1 = sim.now
+        yield eng.prefill.acquire()
+        prefill_wait = sim.now - t1
+        yield sim.timeout(rec.prefill_s)
+        eng.prefill.release()
+        rec.queue_s = slot_wait + prefill_wait
+        rec.first_token_at = sim.now
+        if cached < len(keys):
+            yield sim.timeout(self.rpc)  # Put
+            rec.put_s = self.rpc / cfg.speedup
+            if cl.alive(n):
+                cl.pools[n].store(keys[cached:], PRIMARY)
+                cl.pools[n].puts += len(keys) - cached
+                eng.own.update(keys[cached:])
+                if self.held is not None:
+                    self.held.mark(n, keys[cached:])
+            else:
+                self.put_errors += 1
+        yield sim.timeout(rec.decode_s)
+        rec.done = True
+        eng.running -= 1
+        eng.slots.release()
+        self._left -= 1
+
+    # ---- the oracle's copies ----------------------------------------------------------
+    def _copy(self, step: Step, keys: list[bytes]) -> Process:
+        held, cl = self.held, self.cluster
+        assert held is not None
+        part = keys[step.copy_from:step.depth]
+        yield held.wait(step.source, part, None)
+        egress, ingress = self._links[step.source][0], self._links[step.node][1]
+        yield egress.acquire()
+        yield ingress.acquire()
+        try:
+            need = [k for k in part if not held.has(step.node, k)]
+            if not need:
+                return
+            yield self.sim.timeout(self.rpc / 2)
+            expires = cl.dnow() + self.cfg.spec_ttl_s
+            got = yield cl.pull(step.node, step.source, need, SPECULATIVE, expires)
+            yield self.sim.timeout(self.rpc / 2)
+            self.oracle["replicate_calls"] = self.oracle.get("replicate_calls", 0) + 1
+            copied = [k for k in (got or []) if k in need]
+            self.oracle["copied_pages"] = self.oracle.get("copied_pages", 0) + len(copied)
+            if len(copied) >= len(need) or all(k in cl.pools[step.node] for k in need):
+                held.mark(step.node, need)
+        finally:
+            ingress.release()
+            egress.release()
+
+    # ---- timeline --------------------------------------------------------------------
+    def _sample(self, k: int = 0) -> None:
+        tl, now = self.timeline, self.sim.now
+        tl["t"].append(now)
+        tl["waiting"].append([e.waiting for e in self.engines])
+        tl["running"].append([e.running for e in self.engines])
+        if k % 4 == 0:
+            tl["stats_t"].append(now)
+            tl["spec_slots"].append([len(p.spec) if self.cluster.alive(i) else 0
+                                     for i, p in enumerate(self.cluster.pools)])
+            tl["replica_slots"].append([sum(1 for v in p.lru.values() if v == 2) if self.cluster.alive(i) else 0
+                                        for i, p in enumerate(self.cluster.pools)])
+        if self._left > 0:
+            self.sim.at(self.cfg.sample_s * self.cfg.speedup, self._sample, k + 1)
+
+    def _kill(self, i: int) -> None:
+        self.cluster.kill(i)
+        self.killed[i] = self.sim.now
+
+    # ---- the run ------------------------------------------------------------------------
+    def run(self) -> "SimResult":
+        cfg, reqs, sim = self.cfg, self.workload.requests, self.sim
+        wall = time.perf_counter()
+        reusable = reusable_blocks(reqs)
+        if cfg.policy == "oracle":
+            self.oracle_plan = plan(reqs, reusable, cfg.nodes, cfg.concurrency, cfg.cost, cfg.oracle_lead_s,
+                                    cfg.oracle_rpc_s * cfg.speedup, down=dict(cfg.kills))
+            self.held = Held(sim, cfg.nodes)
+            self._links = [(Semaphore(sim), Semaphore(sim)) for _ in range(cfg.nodes)]
+            op = self.oracle_plan
+            self.oracle.update(plan=op.name, plan_p99_s=round(op.p99, 4), candidates=op.candidates,
+                               planned_copies=sum(s.source >= 0 for s in op.steps),
+                               planned_waits=sum(s.depth > 0 for s in op.steps))
+        keys_of = [[hash_key(h) for h in r.hash_ids] for r in reqs]
+        for i, r in enumerate(reqs):
+            self.records.append(RequestRecord(idx=i, t=r.t, blocks=len(r.hash_ids), input_tokens=r.input_length,
+                                              output_tokens=r.output_length, reusable=reusable[i]))
+            step = self.oracle_plan.steps[i] if self.oracle_plan is not None else None
+            sim.at(r.t, self._arrive, i, keys_of[i], step)
+            if step is not None and step.source >= 0:
+                sim.at(step.copy_at, lambda s=step, k=keys_of[i]: sim.process(self._copy(s, k)))
+        for i, t in cfg.kills:
+            sim.at(t, self._kill, i)
+        self._left = len(reqs)
+        self.cluster.start()
+        if self.coord is not None:
+            self.coord.start()
+        sim.at(0.0, self._sample)
+        end = (reqs[-1].t if reqs else 0.0) + cfg.drain_timeout_s * cfg.speedup
+        while sim._heap and self._left > 0 and sim._heap[0][0] <= end:
+            sim.run(until=min(end, sim.now + 10.0))
+        placed_used = sum(len(e.used_placed) for e in self.engines)
+        return SimResult(self.records, self.timeline, self.oracle, self.put_errors, placed_used,
+                         self.cluster.stats(), dict(self.killed), time.perf_counter() - wall,
+                         self.coord.metrics_text() if self.coord is not None else "",
+                         sum(b for i, b in enumerate(self.cluster.peer_bytes_in) if self.cluster.alive(i)),
+                         self.coord.stats() if self.coord is not None else {})
+
+
+@dataclass(slots=True)
+class SimResult:
+    records: list[RequestRecord]
+    timeline: dict[str, Any]
+    oracle: dict[str, Any]
+    put_errors: int
+    placed_used_pages: int
+    node_stats: list[Any]
+    killed: dict[int, float]
+    wall_s: float
+    coordinator_metrics: str
+    link_bytes: float
+    coordinator: dict[str, Any]
+
+
+def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a: Any, cost: CostModel,
+                   progress: Any = None, log_name: str = "") -> dict[str, Any]:
+    """``cli.run_policy`` with the cluster simulated: the same arguments, the same return shape."""
+    from bench.replay.cli import link_of, parse_kills
+
+    rate, latency = link_of(a)
+    spec = ClusterSpec(nodes=a.nodes, policy="reactive" if policy == "oracle" else policy, namespace=a.preset,
+                       page_bytes=cost.scaled_page_bytes, capacity=a.capacity, device=a.device,
+                       transport=a.transport, heartbeat_interval=a.heartbeat,
+                       heartbeat_timeout=max(3.0, 10 * a.heartbeat), planner_tick=a.planner_tick,
+                       spec_ttl=a.spec_ttl, predictor_depths=a.predictor_depths, extra=list(a.kvstored_arg),
+                       network=a.network, link_rate=rate * a.speedup / cost.byte_scale,
+                       link_latency=latency / a.speedup)
+    _, router_name, balance_abs = router_cfg
+    router = make_router(router_name, balance_abs, a.balance_rel, not a.no_hints, a.match_threshold, a.hint_cover)
+    free = a.network == "none"
+    cfg = SimConfig(policy=policy, router=router, cost=cost, namespace=a.preset, nodes=a.nodes, speedup=a.speedup,
+                    concurrency=a.concurrency, daemon_args=spec.args("n0"), link_rate=1e18 if free else rate,
+                    link_latency=0.0 if free else latency, capacity_bytes=parse_size(a.capacity),
+                    oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl, fetch_timeout_s=a.fetch_timeout,
+                    drain_timeout_s=a.drain_timeout, rpc_ms=getattr(a, "sim_rpc_ms", DEFAULT_RPC_MS),
+                    kills=parse_kills(a.kill, a.nodes))
+    driver = SimDriver(wl, cfg)
+    result = driver.run()
+    if progress is not None:
+        progress.update(len(result.records))
+    ids = driver.cluster.ids
+    summary = aggregate(result.records, cluster_summary(
+        policy, result.node_stats, result.coordinator_metrics, cost.scaled_page_bytes, cost.byte_scale,
+        result.oracle.get("copied_pages", 0), result.placed_used_pages, result.link_bytes),
+        slo_factor=a.slo_factor, gpus=cost.gpus, block_tokens=cost.block_tokens)
+    network = driver.cluster.net.describe() if not free else {"kind": "none"}
+    summary.update(put_errors=result.put_errors, wall_s=round(result.wall_s, 2), oracle=result.oracle,
+                   daemon_args=spec.args("nX"), router=router_cfg[0], network=network, simulated=True,
+                   sim={"rpc_ms": cfg.rpc_ms, "coordinator": result.coordinator})
+    if cfg.kills:
+        summary["failover"] = [after_kill(result.records, ids[i], t) for i, t in cfg.kills]
+    return {"summary": summary, "records": result.records, "timeline": result.timeline, "node_ids": ids}

@@ -1,0 +1,346 @@
+"""The simulated cluster of the simulated replay: pools, the directory, heartbeats, lookups and pulls.
+
+Pure logic over :mod:`bench.replay.sim_kernel`; the same code as the daemons
+where that code is pure: the coordinator's :class:`~kvstore.cluster.directory.Directory`
+and each node's :class:`~kvstore.cluster.directory.Outbox` (reports every
+heartbeat, so the directory lags one heartbeat as it does for real), the
+replicator's :func:`~kvstore.cluster.replicator.assign_sources`.
+
+Clocks: the event clock is trace seconds; the daemons' clock (expiries, the
+directory, the predictor, the planner) is ``trace s / speedup`` -- the real
+seconds the daemons see in a real replay -- and their byte counts are the
+scaled page bytes, so the planner sees the same numbers as in a real run.
+
+Modelled, kept simple:
+
+* a node's pool: ``capacity / scaled page`` slots; speculative replicas are
+  evicted first (FIFO), then the rest least recently used; a speculative
+  replica read becomes a plain replica (a speculative hit); the node drops
+  expired speculative replicas at its heartbeat (wasted bytes);
+* a pull (a Get's reactive fetch, a Replicate): the keys the node lacks that
+  no other pull is bringing (single flight per node and key: later readers
+  wait on the pull in flight), grouped by source as the replicator does, one
+  transfer per source over the links; a source serves the pages it holds when
+  the pull starts; the reader waits at most the fetch deadline;
+* a killed node: its engine's KV calls fail, its pages are gone, and the
+  directory forgets it a heartbeat timeout later.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from bench.replay.sim_kernel import Event, Network, Sim
+from kvstore.cluster.directory import Directory, Outbox
+from kvstore.cluster.replicator import assign_sources
+from kvstore.pool.pool import PageKind
+from kvstore.v1 import kvstore_pb2 as pb
+
+PRIMARY, REPLICA, SPECULATIVE = int(PageKind.PRIMARY), int(PageKind.REPLICA), int(PageKind.SPECULATIVE)
+
+
+class _Page(NamedTuple):  # what an Outbox reads of an added page
+    key: bytes
+    kind: int
+    expires_at: float
+
+
+@dataclass(slots=True)
+class ClusterParams:
+    nodes: int
+    namespace: str
+    page_bytes: int               # unscaled (what crosses the modelled links)
+    scaled_page_bytes: int        # what the daemons count
+    capacity_bytes: int           # per node, scaled
+    policy: str                   # none | reactive | full | predictive (oracle runs reactive daemons)
+    speedup: float
+    heartbeat_s: float            # daemon seconds
+    heartbeat_timeout_s: float    # daemon seconds
+    fetch_timeout_s: float        # daemon seconds (the Get deadline)
+    link_rate: float              # unscaled bytes per trace second, per node and direction
+    link_latency: float           # trace seconds, one way
+    depth_cap: int = 16           # the deepest predictor depth (the access log keeps this many keys)
+
+
+class SimPool:
+    """One node's pages of the namespace (see the module doc)."""
+
+    def __init__(self, capacity_pages: int, namespace: str = "ns") -> None:
+        self.capacity, self.ns = max(1, capacity_pages), namespace
+        self.spec: OrderedDict[bytes, float] = OrderedDict()   # key -> expires_at (daemon s)
+        self.lru: OrderedDict[bytes, int] = OrderedDict()      # key -> kind
+        self.outbox = Outbox()
+        self.hits = self.misses = self.remote_hits = self.spec_hits = self.puts = 0
+        self.spec_wasted_pages = 0
+        self.evictions: Counter[str] = Counter()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.lru or key in self.spec
+
+    def __len__(self) -> int:
+        return len(self.lru) + len(self.spec)
+
+    def prefix(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self:
+            n += 1
+        return n
+
+    def store(self, keys: Sequence[bytes], kind: int, expires_at: float = 0.0) -> list[bytes]:
+        """Store the keys not held (evicting as needed); returns the keys stored."""
+        added, removed = [], []
+        for k in dict.fromkeys(keys):
+            if k in self:
+                if kind == PRIMARY and k in self.lru:
+                    self.lru.move_to_end(k)
+                continue
+            while len(self) >= self.capacity:
+                removed.append(self._evict())
+            if kind == SPECULATIVE:
+                self.spec[k] = expires_at
+            else:
+                self.lru[k] = kind
+            added.append(_Page(k, kind, expires_at if kind == SPECULATIVE else 0.0))
+        self.outbox.record(self.ns, added, removed)
+        return [p.key for p in added]
+
+    def _evict(self) -> bytes:
+        if self.spec:
+            key, _ = self.spec.popitem(last=False)
+            self.spec_wasted_pages += 1
+            self.evictions["speculative"] += 1
+        else:
+            key, _ = self.lru.popitem(last=False)
+            self.evictions["lru"] += 1
+        return key
+
+    def read(self, keys: Sequence[bytes]) -> None:
+        """A Get read these (held) pages: LRU touch; a speculative replica read becomes a replica."""
+        promoted = []
+        for k in keys:
+            if k in self.spec:
+                self.spec.pop(k)
+                self.lru[k] = REPLICA
+                self.spec_hits += 1
+                promoted.append(_Page(k, REPLICA, 0.0))
+            elif k in self.lru:
+                self.lru.move_to_end(k)
+        if promoted:
+            self.outbox.record(self.ns, promoted)
+
+    def renew(self, keys: Sequence[bytes], expires_at: float) -> None:
+        renewed = [_Page(k, SPECULATIVE, expires_at) for k in keys if k in self.spec]
+        for p in renewed:
+            self.spec[p.key] = expires_at
+        if renewed:
+            self.outbox.record(self.ns, renewed)
+
+    def drop_speculative(self, keys: Sequence[bytes] | None = None, now: float | None = None) -> int:
+        """Drop the given speculative replicas (DropSpeculative), or those expired at ``now``; unread: wasted."""
+        if keys is None:
+            keys = [k for k, exp in self.spec.items() if now is not None and 0 < exp <= now]
+        gone = [k for k in keys if self.spec.pop(k, None) is not None]
+        self.spec_wasted_pages += len(gone)
+        if gone:
+            self.outbox.record(self.ns, removed=gone)
+        return len(gone)
+
+    def clear(self) -> None:
+        self.spec.clear()
+        self.lru.clear()
+
+    def snapshot(self) -> list[_Page]:
+        return [_Page(k, v, 0.0) for k, v in self.lru.items()] + \
+               [_Page(k, SPECULATIVE, e) for k, e in self.spec.items()]
+
+
+class Membership:
+    """What the coordinator's code asks of the membership (live ids, reported sizes)."""
+
+    def __init__(self, cluster: "SimCluster") -> None:
+        self._c = cluster
+        self.reported: dict[str, pb.MemberInfo] = {}
+
+    def live_ids(self) -> list[str]:
+        return [n for i, n in enumerate(self._c.ids) if self._c.known_alive(i)]
+
+    def alive(self, node_id: str) -> bool:
+        i = self._c.index.get(node_id)
+        return i is not None and self._c.known_alive(i)
+
+    def member(self, node_id: str) -> pb.MemberInfo | None:
+        return self.reported.get(node_id) if self.alive(node_id) else None
+
+    def view(self) -> list[pb.MemberInfo]:
+        return [self.reported[n] for n in self.live_ids() if n in self.reported]
+
+
+class SimCluster:
+    """N simulated kvstored nodes: pools, heartbeats into the directory, lookups, pulls."""
+
+    def __init__(self, sim: Sim, p: ClusterParams, placement: Any = None) -> None:
+        self.sim, self.p = sim, p
+        self.ids = [f"n{i}" for i in range(p.nodes)]
+        self.index = {n: i for i, n in enumerate(self.ids)}
+        self.pools = [SimPool(p.capacity_bytes // max(1, p.scaled_page_bytes), p.namespace) for _ in self.ids]
+        self.net = Network(sim, p.nodes, p.link_rate, p.link_latency)
+        self.directory = Directory()
+        self.membership = Membership(self)
+        self.placement = placement          # the coordinator glue (predictive/full), or None
+        self.inflight: list[dict[bytes, Event]] = [{} for _ in self.ids]
+        self.accesses: list[list[pb.AccessEvent]] = [[] for _ in self.ids]
+        self._access_t: list[list[float]] = [[] for _ in self.ids]
+        self.dead: dict[int, float] = {}    # node -> daemon s it was killed
+        self.seq = [0] * p.nodes
+        self.peer_bytes_in = [0] * p.nodes  # scaled bytes pulled into each node (kvstore_peer_bytes_total in)
+
+    # ---- clocks --------------------------------------------------------------
+    def dnow(self) -> float:
+        """The daemons' clock: real seconds of a real replay."""
+        return self.sim.now / self.p.speedup
+
+    def trace_s(self, daemon_s: float) -> float:
+        return daemon_s * self.p.speedup
+
+    def alive(self, i: int) -> bool:
+        return i not in self.dead
+
+    def known_alive(self, i: int) -> bool:
+        """Alive as the membership sees it: a dead node counts until its heartbeat timeout passed."""
+        died = self.dead.get(i)
+        return died is None or self.dnow() - died < self.p.heartbeat_timeout_s
+
+    # ---- heartbeats ------------------------------------------------------------
+    def start(self) -> None:
+        hb = self.p.heartbeat_s
+        for i in range(self.p.nodes):  # nodes start at different moments: spread their phases
+            self.sim.at(self.trace_s(hb * (i + 1) / self.p.nodes), self._beat, i)
+
+    def _beat(self, i: int) -> None:
+        if not self.alive(i):
+            return
+        now, pool, node = self.dnow(), self.pools[i], self.ids[i]
+        pool.drop_speculative(now=now)
+        if pool.outbox.need_full:
+            seq, batches = pool.outbox.take_full({pool.ns: pool.snapshot()}, now)
+            full = True
+        else:
+            seq, batches = pool.outbox.take(now)
+            full = False
+        self.directory.report(node, "sim", seq, full, batches, now)
+        self.membership.reported[node] = pb.MemberInfo(
+            node_id=node, capacity_bytes=self.p.capacity_bytes, used_bytes=len(pool) * self.p.scaled_page_bytes,
+            speculative_bytes=len(pool.spec) * self.p.scaled_page_bytes)
+        if self.placement is not None:
+            self.placement.on_report(node, batches)
+            for event, t in zip(self.accesses[i], self._access_t[i]):
+                event.age_seconds = now - t
+                self.placement.observe(node, event)
+        self.accesses[i].clear()
+        self._access_t[i].clear()
+        for j, died in list(self.dead.items()):
+            if now - died >= self.p.heartbeat_timeout_s:
+                self.directory.drop(self.ids[j])
+        self.sim.at(self.trace_s(self.p.heartbeat_s), self._beat, i)
+
+    def kill(self, i: int) -> None:
+        self.dead[i] = self.dnow()
+        self.pools[i].clear()
+        for ev in self.inflight[i].values():
+            ev.succeed(False)
+        self.inflight[i].clear()
+
+    # ---- lookups -------------------------------------------------------------
+    def prefixes(self, keys: Sequence[bytes]) -> list[pb.NodePrefix]:
+        """The coordinator's answer: per live node its longest prefix (directory), with the hints."""
+        ns = self.p.namespace
+        out: dict[str, pb.NodePrefix] = {}
+        for node_id, length in self.directory.prefixes(ns, keys).items():
+            if self.membership.alive(node_id):
+                out[node_id] = pb.NodePrefix(node_id=node_id, prefix_length=length)
+        hints = self.placement.hints(ns, keys) if self.placement is not None else []
+        for hint in hints:  # as kvstore.cluster.agent.Agent.prefixes merges them
+            have = out.get(hint.node_id)
+            if have is None or hint.prefix_length > have.prefix_length:
+                out[hint.node_id] = hint
+            elif hint.prefix_length == have.prefix_length and not hint.pending:
+                have.expires_in_seconds = hint.expires_in_seconds
+        return list(out.values())
+
+    def lookup(self, i: int, keys: Sequence[bytes], record: bool = False) -> tuple[int, list[pb.NodePrefix]]:
+        """Node ``i``'s Lookup: (its local prefix, every node's prefix) as the agent answers it."""
+        local = self.pools[i].prefix(keys)
+        me = self.ids[i]
+        nodes = [n for n in self.prefixes(keys) if n.node_id != me]
+        if local:
+            nodes.append(pb.NodePrefix(node_id=me, prefix_length=local))
+        if record and keys:
+            depth = min(len(keys), self.p.depth_cap)
+            remote = any(n.prefix_length >= depth and not n.pending for n in nodes if n.node_id != me)
+            self.accesses[i].append(pb.AccessEvent(
+                namespace=self.p.namespace, keys=list(keys[:self.p.depth_cap]),
+                outcome=0 if local >= depth else 1 if remote else 2, total_blocks=len(keys), local_blocks=local))
+            self._access_t[i].append(self.dnow())
+        return local, nodes
+
+    # ---- pulls ---------------------------------------------------------------
+    def fetch_missing(self, i: int, keys: Sequence[bytes]) -> Event:
+        """A Get's reactive fetch into node ``i`` (fires when done or at the deadline)."""
+        pool, flight = self.pools[i], self.inflight[i]
+        missing = [k for k in dict.fromkeys(keys) if k not in pool]
+        if not missing or self.p.policy == "none":
+            return self.sim.event().succeed()
+        jobs = [flight[k] for k in missing if k in flight]
+        todo = [k for k in missing if k not in flight]
+        if todo:
+            holders = self.directory.locate(self.p.namespace, todo)
+            usable = {n for j, n in enumerate(self.ids) if j != i and self.known_alive(j)}
+            for src, ks in assign_sources(todo, holders, usable).items():
+                jobs.append(self.pull(i, self.index[src], ks, REPLICA))
+        deadline = self.sim.timeout(self.trace_s(self.p.fetch_timeout_s))
+        return self.sim.any_of([self.sim.all_of(jobs), deadline])
+
+    def pull(self, i: int, src: int, keys: Sequence[bytes], kind: int, expires_at: float = 0.0) -> Event:
+        """Copy ``keys`` from ``src`` into node ``i`` (single flight per key); fires with the keys now held."""
+        pool, flight = self.pools[i], self.inflight[i]
+        mine = [k for k in dict.fromkeys(keys) if k not in pool and k not in flight]
+        theirs = [flight[k] for k in dict.fromkeys(keys) if k not in pool and k in flight]
+        done = self.sim.event()
+        for k in mine:
+            flight[k] = self.sim.event()
+        found = [k for k in mine if self.alive(src) and k in self.pools[src]]
+        nbytes = len(found) * self.p.page_bytes
+
+        def landed(_: Any) -> None:
+            if self.alive(i):
+                pool.store(found, kind, expires_at)  # what the source held when it served the pull
+                self.peer_bytes_in[i] += len(found) * self.p.scaled_page_bytes
+            for k in mine:
+                ev = flight.pop(k, None)
+                if ev is not None:
+                    ev.succeed(k in pool)
+            self.sim.all_of(theirs).then(lambda _: done.succeed([k for k in keys if k in pool]))
+
+        self.net.transfer(src, i, nbytes).then(landed)
+        return done
+
+    # ---- the nodes' Stats ----------------------------------------------------------------
+    def stats(self) -> list[pb.StatsResponse]:
+        out = []
+        for i, pool in enumerate(self.pools):
+            if not self.alive(i):
+                continue
+            ns = pb.NamespaceStats(
+                namespace=self.p.namespace, page_bytes=self.p.scaled_page_bytes, capacity_bytes=self.p.capacity_bytes,
+                used_bytes=len(pool) * self.p.scaled_page_bytes, num_slots=pool.capacity, used_slots=len(pool),
+                speculative_slots=len(pool.spec), hits=pool.hits, misses=pool.misses, puts=pool.puts,
+                remote_hits=pool.remote_hits, speculative_hits=pool.spec_hits,
+                replica_slots=sum(1 for v in pool.lru.values() if v == REPLICA),
+                speculative_wasted_bytes=pool.spec_wasted_pages * self.p.scaled_page_bytes)
+            for reason, n in pool.evictions.items():
+                ns.evictions[reason] = n
+            out.append(pb.StatsResponse(node_id=self.ids[i], namespaces=[ns]))
+        return out

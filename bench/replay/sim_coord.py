@@ -1,0 +1,250 @@
+"""The coordinator of the simulated replay: the real predictor and planner, driven on the simulated clock.
+
+A real :class:`kvstore.cluster.coordinator.Coordinator` is built from the
+same ``NodeConfig`` the daemons get (``ClusterSpec.args`` plus every
+``--kvstored-arg``, parsed by ``kvstore.config``), over the simulated
+cluster's real :class:`~kvstore.cluster.directory.Directory` and a
+membership shim. Its pure parts run as they are: the
+:class:`~kvstore.predict.online.Predictor` it builds (same model file, same
+config), ``_candidates`` / ``_candidate`` / ``_node_states``, and
+:func:`kvstore.predict.planner.plan`. What lives in the coordinator entangled
+with the wall clock or with RPCs is replicated here, line for line in
+behaviour, on the daemons' clock (``SimCluster.dnow``):
+
+* ``observe`` (``time.monotonic() - age``), ``speculative`` and ``hints``
+  (they read ``time.monotonic()``);
+* ``tick`` / ``_tick_full`` (they spawn asyncio tasks), ``_copy`` (a
+  ``Replicate``: the target renews what it holds as speculative and pulls the
+  rest from the source over the simulated links; the bandwidth estimate is
+  the same EWMA of moved bytes over the copy's time), ``_copy_tree``,
+  ``_renew`` and ``_drop``.
+
+Retraining (``maybe_retrain``) is joined at once, so a run is deterministic.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from bench.replay.sim_cluster import REPLICA, SPECULATIVE, SimCluster
+from bench.replay.sim_kernel import Event
+from kvstore.cluster.coordinator import _BANDWIDTH_ALPHA, Coordinator
+from kvstore.config import NodeConfig, add_arguments, build_config
+from kvstore.predict.types import Access, Outcome
+from kvstore.v1 import kvstore_pb2 as pb
+
+
+def node_config(daemon_args: Sequence[str]) -> NodeConfig:
+    """The ``NodeConfig`` a kvstored started with these flags has."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return build_config(parser.parse_args(list(daemon_args)), environ={})
+
+
+class SimCoordinator:
+    """Placement for the simulated cluster (the agent's ``Placement`` calls plus the planner tick)."""
+
+    def __init__(self, config: NodeConfig, cluster: SimCluster, rpc_s: float = 0.0) -> None:
+        self.cluster, self.sim = cluster, cluster.sim
+        self.rpc_s = rpc_s  # daemon seconds a Replicate's round trip adds beyond its transfer
+        page = cluster.p.scaled_page_bytes
+        self.coord = Coordinator(config, cluster.directory, cluster.membership, peers=None, metrics=None,
+                                 page_bytes=lambda ns: page)
+        self.policy = config.replication
+        self.predictor = self.coord.predictor
+        self.spec_bytes: Counter[str] = Counter()   # kvstore_replication_bytes_total by kind
+        self.decisions: Counter[str] = Counter()    # kvstore_planner_decisions_total by kind
+
+    # ---- the agent's Placement calls ---------------------------------------------
+    def observe(self, node: str, event: pb.AccessEvent) -> None:
+        if self.predictor is None or not event.keys:
+            return
+        self.predictor.observe(Access(
+            t=self.cluster.dnow() - event.age_seconds, namespace=event.namespace, node=node, keys=tuple(event.keys),
+            outcome=Outcome(min(event.outcome, 2)), page_bytes=self.cluster.p.scaled_page_bytes,
+            total_blocks=event.total_blocks or len(event.keys), local_blocks=event.local_blocks))
+
+    def on_report(self, node: str, batches: Sequence[pb.DirectoryBatch]) -> None:
+        if self.policy == "full":
+            for b in batches:
+                if b.adds:
+                    self.coord._full_queue.append((b.namespace, node, list(b.adds)))
+
+    def speculative(self) -> dict[tuple[str, bytes], dict[str, float]]:
+        """``Coordinator.speculative`` on the simulated clock."""
+        c, now = self.coord, self.cluster.dnow()
+        reported, out = c.directory.speculative, {}
+        for pid, touched in list(c._placed.items()):
+            nodes = reported.get(pid)
+            if nodes:
+                out[pid] = {n: t for n, t in nodes.items() if c.membership.alive(n)}
+            elif pid not in c.pending and now - touched > c.plan_cfg.ttl_s:
+                del c._placed[pid]
+        return {pid: nodes for pid, nodes in out.items() if nodes}
+
+    def hints(self, namespace: str, chain: Sequence[bytes]) -> list[pb.NodePrefix]:
+        """``Coordinator.hints`` on the simulated clock."""
+        c, now = self.coord, self.cluster.dnow()
+        out: dict[str, pb.NodePrefix] = {}
+        if self.policy != "predictive":
+            return []
+        for depth in range(len(chain), 0, -1):
+            key = (namespace, chain[depth - 1])
+            for node in c.pending.get(key, {}):
+                if node not in out:
+                    out[node] = pb.NodePrefix(node_id=node, prefix_length=depth, pending=True,
+                                              expires_in_seconds=c.plan_cfg.ttl_s)
+            for node, expires in c.directory.speculative.get(key, {}).items():
+                if node not in out and expires > now:
+                    out[node] = pb.NodePrefix(node_id=node, prefix_length=depth, expires_in_seconds=expires - now)
+        return list(out.values())
+
+    # ---- the tick ------------------------------------------------------------------
+    def start(self) -> None:
+        if self.policy in ("predictive", "full"):
+            self.sim.at(self.cluster.trace_s(self.coord.plan_cfg.tick_s), self._run)
+
+    def _run(self) -> None:
+        if self.cluster.alive(0):  # n0 coordinates; a killed coordinator places nothing more
+            self.tick()
+            self.sim.at(self.cluster.trace_s(self.coord.plan_cfg.tick_s), self._run)
+
+    def tick(self) -> None:
+        if self.policy == "full":
+            self._tick_full()
+            return
+        from kvstore.predict.planner import plan
+
+        c, now = self.coord, self.cluster.dnow()
+        assert self.predictor is not None
+        speculative = self.speculative()
+        scores = self.predictor.score(now)
+        if self.predictor.maybe_retrain(now):
+            self.predictor.wait_retrain()
+        candidates = c._candidates(scores, speculative, now)
+        nodes = c._node_states()
+        pending = {pid: set(n) for pid, n in c.pending.items()}
+        result = plan(candidates, nodes, c.bandwidth, c.plan_cfg, now, speculative, c._in_flight_bytes,
+                      pending=pending)
+        for d in result.decisions:
+            self.decisions["replicate"] += 1
+            c.decision_sources[c._scorer.get((d.namespace, d.keys[-1]), scores.source)] += 1
+            per_target = d.bytes // max(1, len(d.targets))
+            if d.tree:
+                self._copy_tree(d, per_target)
+                continue
+            for target in d.targets:
+                self.copy(target, list(d.keys), d.source, SPECULATIVE, d.ttl_s, per_target)
+        for namespace, key, node, expires in result.renewals:
+            c._placed[(namespace, key)] = now
+            chain = self.predictor.chain((namespace, key)) or (key,)
+            self._pool(node).renew(list(chain), expires)
+        for namespace, key, node, _reason in result.drops:
+            self.decisions["drop"] += 1
+            chain = self.predictor.chain((namespace, key)) or (key,)
+            self._pool(node).drop_speculative(list(chain))
+
+    def _tick_full(self) -> None:
+        c = self.coord
+        live = c.membership.live_ids()
+        groups: dict[tuple[str, str], list[bytes]] = {}
+        while c._full_queue:
+            namespace, source, keys = c._full_queue.popleft()
+            groups.setdefault((namespace, source), []).extend(keys)
+        for (namespace, source), keys in groups.items():
+            for target in live:
+                if target != source:
+                    missing = [k for k in keys if target not in c.directory.holders(namespace, k)]
+                    if missing:
+                        self.decisions["full"] += 1
+                        self.copy(target, missing, source, REPLICA, 0.0,
+                                  len(missing) * self.cluster.p.scaled_page_bytes)
+
+    def _pool(self, node: str) -> Any:
+        return self.cluster.pools[self.cluster.index[node]]
+
+    # ---- carrying out ---------------------------------------------------------------
+    def copy(self, target: str, keys: list[bytes], source: str, kind: int, ttl: float, nbytes: int) -> Event:
+        """``Coordinator._copy``: one Replicate; fires with True when ``target`` now holds every key."""
+        c, cl, done = self.coord, self.cluster, self.sim.event()
+        key, now = (self.cluster.p.namespace, keys[-1]), cl.dnow()
+        if kind == SPECULATIVE:
+            c.pending.setdefault(key, {})[target] = now + (nbytes / c.bandwidth if c.bandwidth else 0.0)
+            c._placed[key] = now
+        c._in_flight_bytes += nbytes
+        ti, si = cl.index[target], cl.index[source]
+        expires_at = now + ttl if kind == SPECULATIVE and ttl > 0 else 0.0
+
+        def replicate() -> None:
+            pool = cl.pools[ti]
+            if not cl.alive(ti):
+                finish([])
+                return
+            if expires_at:
+                pool.renew(keys, expires_at)
+            todo = [k for k in dict.fromkeys(keys) if k not in pool]
+            present = len(set(keys)) - len(todo)
+            if not todo:
+                finish([], present)
+                return
+            cl.pull(ti, si, todo, kind, expires_at).then(lambda got: finish(got or [], present))
+
+        def finish(copied: list[bytes], present: int = 0) -> None:
+            c._in_flight_bytes -= nbytes
+            pend = c.pending.get(key)
+            if pend is not None:
+                pend.pop(target, None)
+                if not pend:
+                    del c.pending[key]
+            took = cl.dnow() - now
+            moved = len(copied) * (nbytes // max(1, len(keys)))
+            if moved and took > 0:
+                c.bandwidth = (1 - _BANDWIDTH_ALPHA) * c.bandwidth + _BANDWIDTH_ALPHA * moved / took
+            self.spec_bytes["speculative" if kind == SPECULATIVE else "replica"] += moved
+            if kind == SPECULATIVE:
+                c.pages_from[source] += len(copied)
+            done.succeed(len(copied) + present == len(set(keys)))
+
+        self.sim.at(cl.trace_s(self.rpc_s / 2), replicate)
+        return done
+
+    def _copy_tree(self, d: Any, nbytes: int) -> None:
+        """``Coordinator._copy_tree``: each target, once its copy landed, serves the next wave."""
+        c, now = self.coord, self.cluster.dnow()
+        children: dict[str, list[str]] = {}
+        for src, dst in d.tree:
+            children.setdefault(src, []).append(dst)
+        key = (d.namespace, d.keys[-1])
+        per_wave = nbytes / c.bandwidth if c.bandwidth else 0.0
+        for _, dst in d.tree:
+            c.pending.setdefault(key, {})[dst] = now + per_wave * d.waves
+        roots = [(s, t) for s, t in d.tree if s not in set(d.targets)]
+        c.egress_saved_s += (len(d.targets) - len(roots)) * per_wave
+
+        def copy(src: str, dst: str) -> None:
+            def landed(ok: bool) -> None:
+                for nxt in children.get(dst, []):
+                    copy(dst if ok else src, nxt)
+            self.copy(dst, list(d.keys), src, SPECULATIVE, d.ttl_s, nbytes).then(landed)
+
+        for s, t in roots:
+            copy(s, t)
+
+    # ---- for results.json -------------------------------------------------------------
+    def metrics_text(self) -> str:
+        """The coordinator's counters that ``cluster_summary`` reads, as Prometheus text."""
+        lines = [f'kvstore_replication_bytes_total{{kind="{k}"}} {v}' for k, v in self.spec_bytes.items()]
+        lines += [f'kvstore_planner_decisions_total{{kind="{k}"}} {v}' for k, v in self.decisions.items()]
+        return "\n".join(lines) + "\n"
+
+    def stats(self) -> dict[str, Any]:
+        c = self.coord
+        out: dict[str, Any] = {"policy": self.policy, "bandwidth_bps": c.bandwidth, "egress_saved_s": c.egress_saved_s,
+                               "pages_from": dict(c.pages_from), "decisions": dict(self.decisions)}
+        if self.predictor is not None:
+            out["predictor_source"] = self.predictor.last_source
+            out["tracked_prefixes"] = len(self.predictor.fs)
+        return out

@@ -1,0 +1,153 @@
+"""The simulated replay (``kvctl replay --sim``): the kernel's physics, the cluster's mechanics without
+sockets, and its calibration against the real replay on the CI smoke workload."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.replay.sim_cluster import PRIMARY, ClusterParams, SimCluster, SimPool
+from bench.replay.sim_kernel import Network, Semaphore, Sim
+
+GB = 1e9
+
+
+def _cluster(nodes: int = 3, rate: float = 1 * GB, policy: str = "reactive") -> SimCluster:
+    p = ClusterParams(nodes=nodes, namespace="m", page_bytes=10**8, scaled_page_bytes=4096,
+                      capacity_bytes=4096 * 1000, policy=policy, speedup=1.0, heartbeat_s=0.1,
+                      heartbeat_timeout_s=1.0, fetch_timeout_s=100.0, link_rate=rate, link_latency=0.0)
+    c = SimCluster(Sim(), p)
+    c.start()
+    return c
+
+
+# ---- the kernel ---------------------------------------------------------------------------
+
+def test_one_transfer_takes_bytes_over_rate_plus_latencies() -> None:
+    sim = Sim()
+    net = Network(sim, 2, rate=12.5 * GB, latency=10e-6)
+    ends: list[float] = []
+    net.transfer(0, 1, 1 << 30).then(lambda _: ends.append(sim.now))
+    sim.run()
+    assert ends[0] == pytest.approx((1 << 30) / 12.5e9 + 20e-6, rel=1e-9)  # 86 ms, as the shaper's test
+
+
+def test_two_pulls_from_one_holder_take_twice_one() -> None:
+    sim = Sim()
+    net = Network(sim, 3, rate=1 * GB)
+    ends: list[float] = []
+    for dst in (1, 2):
+        net.transfer(0, dst, 1e9).then(lambda _: ends.append(sim.now))
+    sim.run()
+    assert ends == pytest.approx([2.0, 2.0])  # the holder's egress is shared fairly
+
+
+def test_a_receivers_ingress_is_shared_and_a_short_flow_is_not_stuck_behind_a_long_one() -> None:
+    sim = Sim()
+    net = Network(sim, 3, rate=1 * GB)
+    ends: dict[str, float] = {}
+    net.transfer(0, 2, 3e9).then(lambda _: ends.setdefault("long", sim.now))
+    net.transfer(1, 2, 1e9).then(lambda _: ends.setdefault("short", sim.now))
+    sim.run()
+    assert ends["short"] == pytest.approx(2.0)   # half the ingress until it is through
+    assert ends["long"] == pytest.approx(4.0)    # then all of it: 1 GB by t=2, 2 GB more by t=4
+
+
+def test_semaphore_is_fifo() -> None:
+    sim = Sim()
+    lock = Semaphore(sim, 1)
+    order: list[int] = []
+
+    def user(i: int):  # type: ignore[no-untyped-def]
+        yield lock.acquire()
+        order.append(i)
+        yield sim.timeout(1.0)
+        lock.release()
+
+    for i in range(4):
+        sim.process(user(i))
+    sim.run()
+    assert order == [0, 1, 2, 3] and sim.now == pytest.approx(4.0)
+
+
+# ---- the cluster ----------------------------------------------------------------------------
+
+def test_single_flight_two_readers_move_the_bytes_once() -> None:
+    c = _cluster()
+    keys = [bytes([i]) * 8 for i in range(10)]
+    c.pools[0].store(keys, PRIMARY)
+    c.sim.run(until=0.2)  # a heartbeat: the directory knows n0 holds them
+    assert c.directory.holders("m", keys[0]) == {"n0"}
+    ends: list[float] = []
+    t0 = c.sim.now
+    for _ in range(2):
+        c.fetch_missing(1, keys).then(lambda _: ends.append(c.sim.now - t0))
+    c.sim.run(until=t0 + 10)
+    assert c.net.bytes_in[1] == 10 * 10**8          # once, not twice
+    assert ends == pytest.approx([1.0, 1.0])         # the second reader waited on the first pull
+    assert all(k in c.pools[1] for k in keys)
+
+
+def test_none_never_pulls_and_the_directory_lags_a_heartbeat() -> None:
+    c = _cluster(policy="none")
+    keys = [b"a" * 8, b"b" * 8]
+    c.pools[0].store(keys, PRIMARY)
+    assert c.lookup(1, keys)[1] == []               # not reported yet
+    c.sim.run(until=0.2)
+    local, nodes = c.lookup(1, keys)
+    assert local == 0 and [(n.node_id, n.prefix_length) for n in nodes] == [("n0", 2)]
+    c.fetch_missing(1, keys)
+    c.sim.run(until=1.0)
+    assert c.net.bytes_in[1] == 0 and keys[0] not in c.pools[1]
+
+
+def test_pool_evicts_speculative_first_then_lru_and_a_read_promotes() -> None:
+    pool = SimPool(3)
+    pool.store([b"p1", b"p2"], PRIMARY)
+    pool.store([b"s1"], 3, expires_at=10.0)
+    pool.store([b"p3"], PRIMARY)                     # full: the speculative replica goes first
+    assert b"s1" not in pool and pool.spec_wasted_pages == 1
+    pool.read([b"p1"])
+    pool.store([b"p4"], PRIMARY)                     # then the least recently used: p2
+    assert b"p2" not in pool and b"p1" in pool
+    pool.store([b"s2"], 3, expires_at=10.0)
+    pool.read([b"s2"])
+    assert pool.spec_hits == 1 and b"s2" in pool.lru
+
+
+def test_a_copy_tree_finishes_in_log_waves() -> None:
+    """The coordinator's copy tree (the planner's copy_tree edges, carried out by the simulated
+    coordinator) over 1 + 7 nodes with fanout 1: 3 waves of one copy time, where a star from the
+    primary would queue 7 copies on its egress."""
+    from kvstore.predict.planner import copy_tree
+
+    c = _cluster(nodes=8)
+    keys = [bytes([i]) * 8 for i in range(10)]       # 1 GB: one copy takes 1 s on a 1 GB/s link
+    c.pools[0].store(keys, PRIMARY)
+    edges, waves = copy_tree(["n0"], [f"n{i}" for i in range(1, 8)], fanout=1)
+    assert waves == 3
+    ends: dict[str, float] = {}
+    children: dict[str, list[str]] = {}
+    for s, d in edges:
+        children.setdefault(s, []).append(d)
+
+    def serve(src: str) -> None:  # a holder sends to its children one wave at a time
+        todo = list(children.get(src, []))
+
+        def send(_: object = None) -> None:
+            if todo:
+                dst = todo.pop(0)
+
+                def landed(_: object) -> None:
+                    ends[dst] = c.sim.now
+                    serve(dst)
+                    send()
+                c.pull(c.index[dst], c.index[src], keys, PRIMARY).then(landed)
+        send()
+
+    serve("n0")
+    c.sim.run(until=30)
+    assert len(ends) == 7
+    assert max(ends.values()) == pytest.approx(3.0, rel=0.01)  # log2(8) waves, not 7 s
