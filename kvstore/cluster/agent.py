@@ -185,7 +185,7 @@ class ClusterAgent:
         if plan.report_locally:
             for event in self._take_accesses():
                 self.placement.observe(self.node.node_id, event)
-        known = self.membership.view()  # the same gossip for every peer this round
+        known = self._gossip_view()  # the same gossip for every peer this round
         await asyncio.gather(*(self._beat(addr, report if addr in (plan.report_to, plan.standby_to) else None,
                                           addr == plan.report_to, known) for addr in plan.targets))
 
@@ -258,6 +258,11 @@ class ClusterAgent:
         self._learned[info.address] = time.monotonic()
         self._wake.set()
 
+    def _gossip_view(self) -> list[pb.MemberInfo]:
+        """The view a heartbeat carries: none where etcd says who is alive
+        (heartbeats then carry only reports: O(members) per round, not O(members^2))."""
+        return self.membership.view() if self.membership.from_heartbeats else []
+
     def _gossip(self, known: Sequence[pb.MemberInfo]) -> None:
         now = time.monotonic()
         for info in known:
@@ -307,7 +312,7 @@ class ClusterAgent:
                 self.placement.on_report(request.sender.node_id, request.directory)
         for event in request.accesses:
             self.placement.observe(request.sender.node_id, event)
-        return pb.HeartbeatResponse(receiver=self.self_info, known=self.membership.view(), need_full=need_full,
+        return pb.HeartbeatResponse(receiver=self.self_info, known=self._gossip_view(), need_full=need_full,
                                     accepted_seq=0 if need_full else request.seq)
 
     def check_keys(self, namespace: str, keys: Sequence[bytes]) -> None:
