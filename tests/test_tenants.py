@@ -302,3 +302,31 @@ def test_shared_memory_needs_the_token_and_keeps_tenants_apart(tenant_node, call
         acme.get("m", keys, out, None, True)
     for conn in (acme, reader, globex):
         conn.close()
+
+
+# ---- the data channel -----------------------------------------------------------------------
+def test_data_channel_keeps_tenants_apart(tenant_node, callers) -> None:
+    from kvstore.errors import InvalidArgument, NotFound, PermissionDenied
+    from kvstore_client import KvClient
+
+    callers("acme-write").create("m")
+    callers("globex-write").create("m")
+    keys = keys_for(4, b"same-prompt")
+    mine, theirs = random_pages(4, PAGE, seed=5), random_pages(4, PAGE, seed=6)
+    with KvClient(tenant_node.address, token="globex-write", data_path="tcp") as globex, \
+            KvClient(tenant_node.address, token="acme-write", data_path="tcp") as acme, \
+            KvClient(tenant_node.address, token="acme-read", data_path="tcp") as reader:
+        assert globex.put("m", keys, theirs).stored == 4  # poison attempt first
+        reply = acme.put("m", keys, mine)
+        assert (reply.stored, reply.already_present) == (4, 0)
+        got = acme.get("m", keys)
+        assert got.found.all() and (got.pages == mine).all()
+        with pytest.raises(InvalidArgument):  # the internal name is not a way in
+            globex.get("acme/m", keys)
+        callers("acme-write").create("private")
+        with pytest.raises(NotFound):
+            globex.get("private", keys)
+        with pytest.raises(PermissionDenied):
+            reader.put("m", keys_for(1, b"r"), mine[:1])
+        got = reader.get("m", keys)
+        assert got.found.all() and (got.pages == mine).all()

@@ -52,6 +52,7 @@ from kvstore.metrics import NodeMetrics
 from kvstore.node import Node, PutBatch, page_kind
 from kvstore.pool.movement import SOCKET
 from kvstore.pool.pool import PageKind
+from kvstore.security.tokens import namespace_for
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -179,11 +180,12 @@ class DataServer:
                 raise ResourceExhausted(f"batch of {payload_len} bytes is over the limit of "
                                         f"{self._node.config.max_batch_bytes}; split it")
             kind = page_kind(header.kind, PageKind.PRIMARY)
-            ns = self._node.namespace(header.namespace)
+            name = namespace_for(principal, header.namespace, "write")  # the tenant's, with tokens
+            ns = self._node.namespace(name)
             if header.page_bytes != ns.layout.page_bytes:
                 raise InvalidArgument(f"pages of {header.page_bytes} bytes; namespace {shown(ns.name)} pages are "
                                       f"{ns.layout.page_bytes} bytes")
-            batch = self._node.begin_put(header.namespace, kind)
+            batch = self._node.begin_put(name, kind)
         except KvError as exc:
             await self._drain(loop, conn, payload_len)
             await self._refuse(loop, conn, exc)
@@ -248,8 +250,8 @@ class DataServer:
         share = self._node.config.deadline_share
         timeout = share * header.deadline_ms / 1000 if header.deadline_ms else None
         try:
-            ns, handle, fetched = await self._reader.read(header.namespace, list(header.keys), timeout,
-                                                          header.local_only)
+            ns, handle, fetched = await self._reader.read(namespace_for(principal, header.namespace, "read"),
+                                                          list(header.keys), timeout, header.local_only)
         except KvError as exc:
             await self._refuse(loop, conn, exc, op="get")
             return

@@ -33,7 +33,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.errors import InvalidArgument, Unauthenticated, shown
+from kvstore.errors import InvalidArgument, PermissionDenied, Unauthenticated, shown
 from kvstore.units import parse_size
 
 log = logging.getLogger(__name__)
@@ -256,6 +256,17 @@ def qualify(principal: Principal, name: str) -> str:
         raise InvalidArgument(f"bad namespace name {shown(name)}: {TENANT_SEPARATOR!r} is reserved "
                               f"(names are per tenant)")
     return f"{principal.tenant}{TENANT_SEPARATOR}{name}" if name else ""
+
+
+def namespace_for(principal: Principal | None, name: str, need: str) -> str:
+    """For a data path that authenticated its caller once (HELLO): the internal
+    name of the caller's namespace ``name`` if its role allows ``need``
+    (``principal`` None: a node without tokens, ``name`` as given)."""
+    if principal is None:
+        return name
+    if not principal.allows(need):
+        raise PermissionDenied(f"this needs a token with the {need} role; this one has {principal.role}")
+    return qualify(principal, name)
 
 
 def owns(principal: Principal, internal: str) -> bool:
