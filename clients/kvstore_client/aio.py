@@ -2,7 +2,9 @@
 
 Same calls, results and errors as :class:`kvstore_client.KvClient`; the data
 channel uses the loop's ``sock_sendall``/``sock_recv_into`` on a
-non-blocking socket (no stream buffering, no extra copies).
+non-blocking socket (no stream buffering, no extra copies), or TLS over it
+(:class:`kvstore.security.tls.TlsStream`) with ``tls_ca``; a ``token`` goes
+on every gRPC call and as the data channel's HELLO.
 """
 
 from __future__ import annotations
@@ -15,23 +17,52 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.framing import PREFIX, WireError, decode_prefix
+from kvstore.framing import PREFIX, Conn, WireError, decode_prefix, hello_frame, open_client, sendall
+from kvstore.security.tls import TlsStream
 from kvstore.errors import InvalidArgument, KvError, Unavailable
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client._common import (
-    GRPC_OPTIONS, GetAssembler, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, get_frame, page_views,
+    GRPC_OPTIONS, Credentials, GetAssembler, data_endpoint, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, get_frame, page_views,
     parse_result, put_frame, put_messages, translate,
 )
+
+
+def _with(details: grpc.aio.ClientCallDetails, metadata: tuple[tuple[str, str], ...]) -> grpc.aio.ClientCallDetails:
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, list(details.metadata or ()) + list(metadata),
+                                      details.credentials, details.wait_for_ready)
+
+
+def bearer_interceptors(metadata: tuple[tuple[str, str], ...]) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors that add ``metadata`` (the bearer token) to every call of an asyncio channel."""
+
+    class Unary(grpc.aio.UnaryUnaryClientInterceptor):
+        async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+            return await continuation(_with(details, metadata), request)
+
+    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+        async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+            return await continuation(_with(details, metadata), request)
+
+    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+        async def intercept_stream_unary(self, continuation, details, requests):  # type: ignore[no-untyped-def]
+            return await continuation(_with(details, metadata), requests)
+
+    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
+        async def intercept_stream_stream(self, continuation, details, requests):  # type: ignore[no-untyped-def]
+            return await continuation(_with(details, metadata), requests)
+
+    return [Unary(), UnaryStream(), StreamUnary(), StreamStream()]
 
 
 class _AsyncDataConn:
     """One non-blocking connection to a node's data channel."""
 
-    def __init__(self, host: str, port: int, timeout: float | None) -> None:
+    def __init__(self, host: str, port: int, timeout: float | None, creds: Credentials = Credentials()) -> None:
         self._addr = (host, port)
         self._timeout = timeout
-        self._sock: socket.socket | None = None
+        self._creds = creds
+        self._sock: Conn | None = None
         self._lock = asyncio.Lock()
         self._got_reply = False
 
@@ -40,25 +71,33 @@ class _AsyncDataConn:
             self._sock.close()
             self._sock = None
 
-    async def _socket(self) -> socket.socket:
+    async def _socket(self) -> Conn:
+        """The connection: TLS handshake (with ``tls_ca``) and HELLO (with a token) done."""
         if self._sock is None:
             loop = asyncio.get_running_loop()
             sock = socket.socket(socket.AF_INET6 if ":" in self._addr[0] else socket.AF_INET, socket.SOCK_STREAM)
             sock.setblocking(False)
             try:
                 await loop.sock_connect(sock, self._addr)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._sock = await open_client(loop, sock, self._creds.ssl_context() if self._creds.tls else None,
+                                               self._creds.server_name or self._addr[0])
+                if self._creds.token:
+                    await sendall(loop, self._sock, hello_frame(self._creds.token))
+                    await self._result()
+                    self._got_reply = False  # the answer to come is the request's
             except BaseException:
                 sock.close()
+                self._sock = None
                 raise
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock = sock
         return self._sock
 
     async def _recv_exact(self, view: memoryview) -> None:
         loop = asyncio.get_running_loop()
-        assert self._sock is not None
+        sock = self._sock
+        assert sock is not None
         while view.nbytes:
-            n = await loop.sock_recv_into(self._sock, view)
+            n = await (sock.recv_into(loop, view) if sock.__class__ is TlsStream else loop.sock_recv_into(sock, view))
             if n == 0:
                 raise ConnectionError("node closed the data channel")
             self._got_reply = True
@@ -75,9 +114,9 @@ class _AsyncDataConn:
     async def _exchange(self, frame: bytes, views: Sequence[memoryview], out: np.ndarray | None):  # type: ignore[no-untyped-def]
         loop = asyncio.get_running_loop()
         sock = await self._socket()
-        await loop.sock_sendall(sock, frame)
+        await sendall(loop, sock, frame)
         for view in views:
-            await loop.sock_sendall(sock, view)
+            await sendall(loop, sock, view)
         header, payload_len = await self._result()
         if out is None:
             return header
@@ -115,13 +154,21 @@ class _AsyncDataConn:
 class AsyncKvClient:
     """asyncio kvstore client for one node."""
 
-    def __init__(self, address: str, *, data_path: str = "auto", timeout: float | None = 60.0) -> None:
+    def __init__(self, address: str, *, data_path: str = "auto", timeout: float | None = 60.0,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 token: str | None = None, server_name: str | None = None) -> None:
         if data_path not in ("auto", "grpc", "tcp"):
             raise ValueError("data_path must be auto, grpc or tcp")
         self.address = address
         self.timeout = timeout
         self._data_path = data_path
-        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self._creds = creds = Credentials(tls_ca, tls_cert, tls_key, token, server_name)
+        interceptors = bearer_interceptors(creds.metadata()) if creds.token else None
+        if creds.tls:
+            self._channel = grpc.aio.secure_channel(address, creds.channel_credentials(),
+                                                    options=creds.channel_options(), interceptors=interceptors)
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS, interceptors=interceptors)
         self._stub = pb_grpc.KvStoreStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._info: pb.NodeInfoResponse | None = None
@@ -177,10 +224,10 @@ class AsyncKvClient:
         if self._data_path == "grpc":
             return None
         if not self._data_checked:
-            endpoints = [e for e in (await self.node_info()).data_endpoints if e.protocol == "kvs-tcp"]
-            if endpoints:
-                host = self.address.rpartition(":")[0].strip("[]") or endpoints[0].host
-                self._data = _AsyncDataConn(host, endpoints[0].port, self.timeout)
+            endpoint = data_endpoint(await self.node_info(), self._creds, self.address)
+            if endpoint is not None:
+                host = self.address.rpartition(":")[0].strip("[]") or endpoint.host
+                self._data = _AsyncDataConn(host, endpoint.port, self.timeout, self._creds)
             elif self._data_path == "tcp":
                 raise Unavailable(f"node {self.address} offers no data channel")
             self._data_checked = True

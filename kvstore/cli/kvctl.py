@@ -22,14 +22,33 @@ from kvstore.units import format_size, parse_size
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _client(addr: str):  # type: ignore[no-untyped-def]
+def _security(args: argparse.Namespace) -> dict[str, str | None]:
+    """The client credentials of the connection flags (the token also from KVSTORE_TOKEN)."""
+    return dict(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                token=args.token or os.environ.get("KVSTORE_TOKEN") or None, server_name=args.server_name)
+
+
+def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvstore_client import KvClient
 
-    return KvClient(addr, timeout=10.0)
+    return KvClient(args.addr, timeout=10.0, **_security(args))
+
+
+def _connection_flags() -> argparse.ArgumentParser:
+    """--addr and the client credentials, shared by the commands that call a node."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--addr", required=True, help="node gRPC address HOST:PORT")
+    p.add_argument("--tls-ca", metavar="FILE", help="PEM CA of the node's certificate: connect with TLS")
+    p.add_argument("--tls-cert", metavar="FILE", help="PEM client certificate (nodes with --tls-client-auth)")
+    p.add_argument("--tls-key", metavar="FILE", help="PEM key of --tls-cert")
+    p.add_argument("--server-name", metavar="NAME", help="name the node's certificate must carry "
+                   "(default: the host of --addr)")
+    p.add_argument("--token", metavar="TOKEN", help="client token (default: $KVSTORE_TOKEN)")
+    return p
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    with _client(args.addr) as kv:
+    with _client(args) as kv:
         stats = kv.stats(args.namespace)
     if args.json:
         print(json.dumps(MessageToDict(stats, preserving_proto_field_name=True), indent=2))
@@ -54,8 +73,9 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
 
     from kvstore.v1 import kvstore_pb2 as pb
     from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+    from kvstore_client._common import Credentials, blocking_channel
 
-    with grpc.insecure_channel(args.addr) as channel:
+    with blocking_channel(args.addr, Credentials(**_security(args))) as channel:
         try:
             status = pb_grpc.ClusterStub(channel).Status(pb.ClusterStatusRequest(), timeout=10)
         except grpc.RpcError as exc:
@@ -77,14 +97,14 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    with _client(args.addr) as kv:
+    with _client(args) as kv:
         status = kv.health()
     print(status)
     return 0 if status == "SERVING" else 1
 
 
 def cmd_create_namespace(args: argparse.Namespace) -> int:
-    with _client(args.addr) as kv:
+    with _client(args) as kv:
         info = kv.create_namespace(args.name, parse_size(args.page_bytes), capacity=parse_size(args.capacity),
                                    exist_ok=args.exist_ok)
     print(f"{info.namespace}: {info.num_slots} slots of {format_size(info.layout.page_bytes)} on {info.device}")
@@ -132,25 +152,22 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvctl", description="Admin CLI for kvstore nodes.")
     sub = parser.add_subparsers(dest="command", required=True)
+    conn = _connection_flags()
 
-    p = sub.add_parser("stats", help="print a node's pool and hit statistics")
-    p.add_argument("--addr", required=True, help="node gRPC address HOST:PORT")
+    p = sub.add_parser("stats", help="print a node's pool and hit statistics", parents=[conn])
     p.add_argument("--namespace", default="", help="one namespace (default: all)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(fn=cmd_stats)
 
-    p = sub.add_parser("cluster", help="cluster commands: kvctl cluster status --addr HOST:PORT")
+    p = sub.add_parser("cluster", help="cluster commands: kvctl cluster status --addr HOST:PORT", parents=[conn])
     p.add_argument("action", choices=["status"])
-    p.add_argument("--addr", required=True, help="any node's gRPC address")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_cluster_status)
 
-    p = sub.add_parser("health", help="print the node's health status; exit 1 unless SERVING")
-    p.add_argument("--addr", required=True)
+    p = sub.add_parser("health", help="print the node's health status; exit 1 unless SERVING", parents=[conn])
     p.set_defaults(fn=cmd_health)
 
-    p = sub.add_parser("create-namespace", help="create a namespace on a node")
-    p.add_argument("--addr", required=True)
+    p = sub.add_parser("create-namespace", help="create a namespace on a node", parents=[conn])
     p.add_argument("name")
     p.add_argument("--page-bytes", required=True, help="bytes per page, e.g. 1MiB")
     p.add_argument("--capacity", default="0", help="bytes reserved (default: all unreserved)")

@@ -27,7 +27,8 @@ with a TLS handshake and then runs over a
 :class:`~kvstore.security.tls.TlsStream`: the same frame code, decrypting
 into the slots. With ``authenticate`` (the node's token store), its first
 frame must be a HELLO whose token it accepts; the principal it returns is
-the connection's caller.
+the connection's caller: a PUT needs its ``write`` role, a GET ``read``, and
+names are the tenant's (:func:`~kvstore.security.tokens.qualify`), as on gRPC.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import Any
 import grpc
 
 from kvstore.cluster.replicator import Replicator
-from kvstore.errors import InvalidArgument, KvError, ResourceExhausted, shown
+from kvstore.errors import InvalidArgument, KvError, PermissionDenied, ResourceExhausted, shown
 from kvstore.framing import (
     ChannelClosed, Conn, Idle, Stalled, WireError, accept_loop, drain, encode_header, expect_hello, listen, open_served,
     read_frame, recv_exact, refuse, reply_error, send_views, sendall, server_limits, skip_hello,
@@ -52,6 +53,7 @@ from kvstore.metrics import NodeMetrics
 from kvstore.node import Node, PutBatch, page_kind
 from kvstore.pool.movement import SOCKET
 from kvstore.pool.pool import PageKind
+from kvstore.security.tokens import Principal, qualify
 from kvstore.security.tokens import namespace_for
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -169,7 +171,7 @@ class DataServer:
             sock.close()
 
     async def _put(self, loop: asyncio.AbstractEventLoop, conn: Conn, header: pb.DataHeader, payload_len: int,
-                   principal: Any = None) -> None:
+                   principal: Principal | None = None) -> None:
         """One PUT frame; ``principal``: the caller HELLO authenticated (None without tokens)."""
         start = time.perf_counter()
         keys = list(header.keys)
@@ -244,7 +246,7 @@ class DataServer:
         return None
 
     async def _get(self, loop: asyncio.AbstractEventLoop, conn: Conn, header: pb.DataHeader,
-                   principal: Any = None) -> None:
+                   principal: Principal | None = None) -> None:
         start = time.perf_counter()
         # leave part of the caller's deadline to send what we have
         share = self._node.config.deadline_share
@@ -282,3 +284,13 @@ class DataServer:
     async def _reply_error(self, loop: asyncio.AbstractEventLoop, conn: Conn,
                            code: grpc.StatusCode, message: str) -> None:
         await reply_error(loop, conn, code, message, self._limits.read_timeout)
+
+
+def _scope(principal: Principal | None, namespace: str, need: str) -> str:
+    """The node's name of the caller's ``namespace``, once its role allows
+    ``need`` (no principal: no token file, names as given)."""
+    if principal is None:
+        return namespace
+    if not principal.allows(need):
+        raise PermissionDenied(f"a {principal.role!r} token may not {'write' if need == 'write' else 'read'} pages")
+    return qualify(principal, namespace)

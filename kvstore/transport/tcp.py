@@ -36,6 +36,7 @@ from kvstore.transport.base import AllocFn, ServeFn, Transport, TransportError, 
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
+_UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.value[0]
 
 
 class TcpTransport(Transport):
@@ -156,6 +157,8 @@ class TcpTransport(Transport):
             self._busy.add(sock)
             await sendall(loop, sock, encode_header(request, 0))
             reply, payload_len = await read_frame(loop, sock)
+            if reply.code == _UNAUTHENTICATED:  # the peer closes the connection after this answer
+                raise WireError(f"refused: {reply.message}")
             found = sum(reply.found)
             if payload_len != found * reply.page_bytes or reply.op != pb.DataHeader.RESULT:
                 raise WireError(f"reply of {payload_len} bytes for {found} pages of {reply.page_bytes}")
