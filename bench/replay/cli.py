@@ -29,6 +29,8 @@ from bench.replay.engine import Driver, RunConfig
 from bench.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum
 from bench.replay.report import plot_cdf, plot_timeline, ratios, render, sweep_table, table
 from bench.replay.routers import ROUTERS, make_router
+from bench.replay.sim import DEFAULT_RPC_MS, run_policy_sim
+from bench.replay.sim_report import compare_section
 from bench.replay.sweep import compare, key, router_configs
 from bench.replay.workload import (
     DEFAULT_TRACE, ROOT, SynthSpec, Workload, mooncake_workload, shape_requests, shape_workload, synth_requests,
@@ -137,6 +139,15 @@ def replay_parser() -> argparse.ArgumentParser:
     o.add_argument("--drain-timeout", type=float, default=120.0, help="real s to finish after the last arrival")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true")
+    m = p.add_argument_group("simulation (bench/replay/sim.py)")
+    m.add_argument("--sim", action="store_true", help="simulate the cluster instead of starting kvstored processes: "
+                   "the same workloads, routers, cost model, predictor, planner, directory and link model on a "
+                   "simulated clock, seconds per run; results.json is marked \"simulated\": true")
+    m.add_argument("--sim-compare", action="store_true", help="run every configuration for real AND simulated; the "
+                   "report shows the simulated numbers beside the measured ones (results.json: sim_compare)")
+    m.add_argument("--sim-rpc-ms", type=float, default=DEFAULT_RPC_MS,
+                   help="simulation: real ms one KV round trip (Lookup, Get, Put, Replicate) costs, x speedup in "
+                        "trace time like every measured wait")
     return p
 
 
@@ -267,7 +278,9 @@ def _replay(a: argparse.Namespace) -> int:
         workloads_by_seed = {seed: build_workloads(a, seed) for seed in seeds}
         parse_size(a.capacity)
         parse_kills(a.kill, a.nodes)
-        if a.network == "netns":
+        if a.sim and a.sim_compare:
+            raise ValueError("--sim and --sim-compare exclude each other (--sim-compare runs both)")
+        if a.network == "netns" and not a.sim:
             if netns.available():
                 raise ValueError(netns.available())
             if a.transport != "tcp":
@@ -294,6 +307,9 @@ def _replay(a: argparse.Namespace) -> int:
                         "real_bytes_s": rate * a.speedup / cost.byte_scale},
                   cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version())
     results: dict[str, Any] = {"config": config, "workloads": {}}
+    if a.sim:
+        results["simulated"] = True  # no kvstored ran: every number below comes from bench/replay/sim.py
+    runner = run_policy_sim if a.sim else run_policy
     started = time.perf_counter()
     total = sum(len(w.requests) for ws in workloads_by_seed.values() for w in ws) * len(plan)
     bar = tqdm(total=total, desc="replay", unit="req", disable=a.no_progress, dynamic_ncols=True,
@@ -309,8 +325,12 @@ def _replay(a: argparse.Namespace) -> int:
                 for policy, rc in plan:
                     label = key(policy, rc[0])
                     bar.set_description(f"{wl.name}/{label}/s{seed}")
-                    run = run_policy(wl, policy, rc, a, cost, bar, f"{wl.name}-{policy}-{rc[0]}-s{seed}")
+                    run = runner(wl, policy, rc, a, cost, bar, f"{wl.name}-{policy}-{rc[0]}-s{seed}")
                     s = run["summary"]
+                    if a.sim_compare:  # the simulated twin of this run, for the calibration table
+                        twin = run_policy_sim(wl, policy, rc, a, cost)["summary"]
+                        twin["seed"] = seed
+                        entry.setdefault("sim_compare", {}).setdefault(label, []).append(twin)
                     s["seed"] = seed
                     entry["runs"].setdefault(label, []).append(s)
                     entry["problems"][f"{label}/s{seed}"] = check(s)
@@ -347,7 +367,7 @@ def _replay(a: argparse.Namespace) -> int:
         results["wall_s"] = time.perf_counter() - started
         if results["workloads"]:
             _write(a.out / "results.json", results)
-            (a.out / "report.md").write_text(render(results))
+            (a.out / "report.md").write_text(render(results) + compare_section(results))
     print()
     for name, w in results["workloads"].items():
         print(f"## {name} ({w['workload']['requests']} requests; times in trace seconds)")

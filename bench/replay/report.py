@@ -184,8 +184,15 @@ def _link_desc(cfg: dict[str, Any]) -> str:
 def render(results: dict[str, Any]) -> str:
     """The whole report.md."""
     cfg = results["config"]
-    parts = ["# Trace replay", "",
-             f"{cfg['nodes']} real kvstored nodes on 127.0.0.1 (`--device {cfg['device']}`, "
+    simulated = bool(results.get("simulated"))
+    title = ["# Trace replay -- SIMULATED", "",
+             "**Simulated** (`kvctl replay --sim`, `bench/replay/sim.py`): no kvstored ran; the cluster, its "
+             "links and its engines are a discrete-event model on a simulated clock. These are not measured "
+             "numbers of the product.", ""] if simulated else ["# Trace replay", ""]
+    where = f"{cfg['nodes']} simulated nodes (" if simulated else \
+        f"{cfg['nodes']} real kvstored nodes on 127.0.0.1 (`--device {cfg['device']}`, "
+    parts = [*title,
+             f"{where}"
              f"transport {cfg['transport']}), router `{cfg['router']}`, preset `{cfg['preset']}` "
              f"({cfg['cost']['model']['name']} on {cfg['cost']['gpus']}x {cfg['cost']['hardware']['name']}: "
              f"{cfg['cost']['hardware']['flops'] / 1e12:.0f} TFLOP/s, MFU {cfg['cost']['hardware']['mfu']}, "
