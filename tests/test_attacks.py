@@ -39,6 +39,14 @@ def secured(tmp_path: Path, make_server):  # type: ignore[no-untyped-def]
     return nodes
 
 
+def create_on(srv, token: str, name: str) -> None:  # type: ignore[no-untyped-def]
+    caller = Caller(srv.address, token)
+    try:
+        caller.create(name)
+    finally:
+        caller.close()
+
+
 def live(srv) -> list[str]:  # type: ignore[no-untyped-def]
     return srv.call(lambda: sorted(srv.server.agent.membership.live_ids()))
 
@@ -98,7 +106,7 @@ def test_forged_replicate_and_drop_speculative_are_rejected(secured) -> None:
     owner = Caller(b.address, "acme-write")
     try:
         for node in (b, c):
-            Caller(node.address, "acme-write").create("m")
+            create_on(node, "acme-write", "m")
         keys = keys_for(4)
         owner.put("m", keys, random_pages(4, PAGE))
     finally:
@@ -144,7 +152,7 @@ def test_tenants_work_across_the_signed_cluster(secured) -> None:
     other = Caller(c.address, "globex-write")
     try:
         writer.create("m")
-        Caller(c.address, "acme-write").create("m")
+        create_on(c, "acme-write", "m")
         other.create("m")
         keys = keys_for(6, b"shared-prompt")
         writer.put("m", keys, random_pages(6, PAGE))
