@@ -330,3 +330,17 @@ def test_data_channel_keeps_tenants_apart(tenant_node, callers) -> None:
             reader.put("m", keys_for(1, b"r"), mine[:1])
         got = reader.get("m", keys)
         assert got.found.all() and (got.pages == mine).all()
+
+
+def test_client_with_a_token_uses_shared_memory(tenant_node, callers) -> None:
+    from kvstore_client import KvClient
+
+    shm_path(callers("acme-read"))  # skips without memfd
+    callers("acme-write").create("m")
+    keys = keys_for(3)
+    pages = random_pages(3, PAGE, seed=7)
+    with KvClient(tenant_node.address, token="acme-write", data_path="shm") as kv:
+        assert kv.put("m", keys, pages).stored == 3
+        got = kv.get("m", keys)
+        assert got.found.all() and (got.pages == pages).all()
+    assert tenant_node.call(lambda: len(tenant_node.node.namespace("acme/m").pool)) == 3

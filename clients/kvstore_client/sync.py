@@ -254,7 +254,7 @@ class KvClient:
             if self._data_path in ("auto", "shm"):
                 shm = [e for e in self.node_info().data_endpoints if e.protocol == "kvs-shm"]
                 if shm and ShmConn.usable(shm[0].path):
-                    self._shm = ShmConn(shm[0].path, self.timeout)
+                    self._shm = ShmConn(shm[0].path, self.timeout, self._creds.token or "")
                 elif self._data_path == "shm":
                     raise Unavailable(f"node {self.address} offers no shared-memory path this process can reach")
             endpoint = data_endpoint(self.node_info(), self._creds, self.address)
