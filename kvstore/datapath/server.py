@@ -28,7 +28,7 @@ with a TLS handshake and then runs over a
 into the slots. With ``authenticate`` (the node's token store), its first
 frame must be a HELLO whose token it accepts; the principal it returns is
 the connection's caller: a PUT needs its ``write`` role, a GET ``read``, and
-names are the tenant's (:func:`~kvstore.security.tokens.qualify`), as on gRPC.
+names are the tenant's (:func:`~kvstore.security.tokens.namespace_for`), as on gRPC.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any
 import grpc
 
 from kvstore.cluster.replicator import Replicator
-from kvstore.errors import InvalidArgument, KvError, PermissionDenied, ResourceExhausted, shown
+from kvstore.errors import InvalidArgument, KvError, ResourceExhausted, shown
 from kvstore.framing import (
     ChannelClosed, Conn, Idle, Stalled, WireError, accept_loop, drain, encode_header, expect_hello, listen, open_served,
     read_frame, recv_exact, refuse, reply_error, send_views, sendall, server_limits, skip_hello,
@@ -53,8 +53,7 @@ from kvstore.metrics import NodeMetrics
 from kvstore.node import Node, PutBatch, page_kind
 from kvstore.pool.movement import SOCKET
 from kvstore.pool.pool import PageKind
-from kvstore.security.tokens import Principal, qualify
-from kvstore.security.tokens import namespace_for
+from kvstore.security.tokens import Principal, namespace_for
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -285,12 +284,3 @@ class DataServer:
                            code: grpc.StatusCode, message: str) -> None:
         await reply_error(loop, conn, code, message, self._limits.read_timeout)
 
-
-def _scope(principal: Principal | None, namespace: str, need: str) -> str:
-    """The node's name of the caller's ``namespace``, once its role allows
-    ``need`` (no principal: no token file, names as given)."""
-    if principal is None:
-        return namespace
-    if not principal.allows(need):
-        raise PermissionDenied(f"a {principal.role!r} token may not {'write' if need == 'write' else 'read'} pages")
-    return qualify(principal, namespace)
