@@ -163,7 +163,7 @@ SMOKE = ["--trace", "synth", "--synth-bursts", "2", "--synth-requests", "8", "--
          "--drain-timeout", "30", "--no-progress"]  # tests/test_replay.py's smoke workload
 
 # sim/real of a configuration's TTFT p50 and p99 on the smoke workload. Measured on the 2-core dev machine
-# (commit of this test): none 0.98-0.99x, predictive 0.98-0.99x, oracle 0.87-0.89x (the real oracle pays a
+# (commit of this test): none, reactive, full, predictive 0.93-0.99x, oracle 0.87-0.89x (the real oracle pays a
 # Replicate round trip and dispatch lag per copy that the model charges at a fixed 1.5 ms). Real runs of one
 # configuration vary by about +-5 % on that machine, so 0.75-1.25 is a band a sound model stays inside
 # and a broken one (a lost wait, a link at the wrong rate: 2x and more) leaves.
