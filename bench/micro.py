@@ -10,8 +10,12 @@ mean something on a shared, noisy host:
   client, put and get, one page per call and batches of 8 pages per call
   (``--batch``), for each page size, through shared memory (``shm``: the
   co-located path, which counts the copy into the caller's buffer), over the
-  bulk data channel (``tcp``) and over gRPC streams (``grpc``). Ratios are
-  against memcpy for ``shm`` and against raw TCP for the socket paths.
+  bulk data channel (``tcp``), over the data channel with TLS (``tls``: a
+  second node with a throwaway trustme certificate, so the node's TLS receive
+  path and the client's ``ssl`` socket) and over gRPC streams (``grpc``).
+  Ratios are against memcpy for ``shm`` and against raw TCP for the socket
+  paths; ``tls`` is also set against ``tcp`` of the same run, page size and
+  batch (what TLS costs the data channel).
 
 All numbers are measured; none are modelled. Writes ``micro.json``,
 ``micro.md`` and ``micro.png`` to ``--out``.
@@ -29,6 +33,7 @@ import platform
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,13 +94,31 @@ def raw_tcp_gbps(total: int = 512 << 20, chunk: int = 4 << 20, repeat: int = 3) 
     return best
 
 
-def bench_store(address: str, path: str, page_bytes: int, total: int, bar: tqdm, batch: int = 1) -> dict[str, float]:
-    """Put then get ``total`` bytes, ``batch`` pages per call; latency per call."""
+def tls_node(capacity: int, folder: Path):  # type: ignore[no-untyped-def]
+    """A kvstored with a throwaway CA and node certificate (trustme); returns (node, CA file)."""
+    import trustme
+
+    from kvstore.launch import NodeProcess
+
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    ca.cert_pem.write_to_path(str(folder / "ca.pem"))
+    (folder / "node.pem").write_bytes(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
+    leaf.private_key_pem.write_to_path(str(folder / "node.key"))
+    node = NodeProcess(["--capacity", str(capacity), "--tls-cert", str(folder / "node.pem"),
+                        "--tls-key", str(folder / "node.key"), "--tls-ca", str(folder / "ca.pem")])
+    return node, str(folder / "ca.pem")
+
+
+def bench_store(address: str, path: str, page_bytes: int, total: int, bar: tqdm, batch: int = 1,
+                tls_ca: str | None = None) -> dict[str, float]:
+    """Put then get ``total`` bytes, ``batch`` pages per call; latency per call.
+    ``path`` ``tls``: the data channel of a TLS node (``tls_ca``)."""
     from kvstore_client import KvClient
 
     ns = f"bench-{path}-{page_bytes}-{batch}"
     count = max(8, total // page_bytes) // batch * batch
-    with KvClient(address, data_path=path) as kv:
+    with KvClient(address, data_path="tcp" if path == "tls" else path, tls_ca=tls_ca) as kv:
         kv.create_namespace(ns, page_bytes, capacity=(count + batch) * page_bytes)
         pages = np.random.randint(0, 255, (count, page_bytes), dtype=np.uint8)
         keys = [i.to_bytes(8, "little") for i in range(count)]
@@ -141,6 +164,17 @@ def render(results: dict) -> str:  # type: ignore[type-arg]
             f"| {row['path']} | {row['page']} | {row.get('batch', 1)} | {row['put_gbps']:.2f} | {row['get_gbps']:.2f} | "
             f"{row['put_gbps'] / raw:.2f}x | {row['get_gbps'] / raw:.2f}x | {name} | "
             f"{row['put_p50_ms']:.2f} / {row['put_p99_ms']:.2f} | {row['get_p50_ms']:.2f} / {row['get_p99_ms']:.2f} |")
+    plain = {(r["page"], r.get("batch", 1)): r for r in results["rows"] if r["path"] == "tcp"}
+    tls = [r for r in results["rows"] if r["path"] == "tls" and (r["page"], r.get("batch", 1)) in plain]
+    if tls:
+        lines += ["", "TLS on the data channel against plaintext, same run (ratio = TLS / plaintext):", "",
+                  "| page | pages/call | put GB/s tls / plain | get GB/s tls / plain | put ratio | get ratio |",
+                  "|---|---|---|---|---|---|"]
+        for row in tls:
+            base = plain[(row["page"], row.get("batch", 1))]
+            lines.append(f"| {row['page']} | {row.get('batch', 1)} | {row['put_gbps']:.2f} / {base['put_gbps']:.2f} | "
+                         f"{row['get_gbps']:.2f} / {base['get_gbps']:.2f} | "
+                         f"{row['put_gbps'] / base['put_gbps']:.2f}x | {row['get_gbps'] / base['get_gbps']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -173,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/out"), help="folder for micro.{json,md,png}")
     parser.add_argument("--total", type=str, default="256MiB", help="bytes moved per (path, page size, op)")
-    parser.add_argument("--paths", default="shm,tcp,grpc", help="client data paths to measure")
+    parser.add_argument("--paths", default="shm,tcp,tls,grpc", help="client data paths to measure (tls: the "
+                        "data channel of a second node with TLS)")
     parser.add_argument("--batch", default="1,8", help="pages per call to measure, e.g. 1,8")
     parser.add_argument("--sizes", default=",".join(SIZES), help="page sizes: " + ",".join(SIZES))
     args = parser.parse_args(argv)
@@ -190,18 +225,30 @@ def main(argv: list[str] | None = None) -> int:
     results["raw_tcp_gbps"] = raw_tcp_gbps()
     from kvstore.launch import NodeProcess
 
-    node = NodeProcess(["--capacity", f"{2 * total * len(batches) + (64 << 20)}"])
+    capacity = 2 * total * len(batches) + (64 << 20)
+    node = NodeProcess(["--capacity", str(capacity)])
     address = node.address
+    secure = ca = None
+    tmp = tempfile.TemporaryDirectory(prefix="kvstore-bench-tls-")
     try:
+        if "tls" in paths:
+            secure, ca = tls_node(capacity, Path(tmp.name))
         with tqdm(total=2 * total * len(paths) * len(sizes) * len(batches), unit="B", unit_scale=True,
                   desc="kvstore") as bar:
             for path in paths:
                 for size in sizes:
                     for batch in batches:
-                        row = bench_store(address, path, SIZES[size], total, bar, batch)
+                        if path == "tls":
+                            assert secure is not None
+                            row = bench_store(secure.address, path, SIZES[size], total, bar, batch, tls_ca=ca)
+                        else:
+                            row = bench_store(address, path, SIZES[size], total, bar, batch)
                         results["rows"].append({"path": path, "page": size, **row})
     finally:
         node.terminate()
+        if secure is not None:
+            secure.terminate()
+        tmp.cleanup()
     # raw TCP again after, so drift over the run shows up
     results["raw_tcp_gbps_after"] = raw_tcp_gbps()
     args.out.mkdir(parents=True, exist_ok=True)
