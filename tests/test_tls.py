@@ -72,7 +72,8 @@ def test_tls_client_put_get_lookup(make_server, tls_certs: Certs, path: str) -> 
         assert np.array_equal(got.pages[:16], pages) and got.missing == [b"absent"]
         if path == "tcp":
             assert isinstance(kv._data._sock, ssl.SSLSocket), "the data channel did not use TLS"
-        assert kv.node_info().data_endpoints[0].port == srv.server.data_port
+        endpoint = kv.node_info().data_endpoints[0]
+        assert (endpoint.port, endpoint.tls) == (srv.server.data_port, True)
     check_pools_sound(srv)
 
 

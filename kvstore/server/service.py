@@ -370,7 +370,8 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         endpoints = []
         port = self._data_port()
         if port is not None:
-            endpoints.append(pb.DataEndpoint(protocol="kvs-tcp", host=cfg.host, port=port, version=WIRE_VERSION))
+            endpoints.append(pb.DataEndpoint(protocol="kvs-tcp", host=cfg.host, port=port, version=WIRE_VERSION,
+                                             tls=cfg.tls))  # a node with a certificate: TLS on every port
         shm = self._shm_path()
         if shm:  # clients on this host (they can open the socket) move bytes through shared memory
             endpoints.append(pb.DataEndpoint(protocol="kvs-shm", host=cfg.host, path=shm, version=WIRE_VERSION))
