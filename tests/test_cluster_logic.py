@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import pytest
+
 from kvstore.cluster.coordinator import Coordinator
 from kvstore.cluster.directory import Directory, Outbox
 from kvstore.cluster.membership import Membership, plan_round
@@ -219,3 +221,62 @@ def test_the_standby_is_the_next_id_and_gets_the_same_report() -> None:
     assert (m.coordinator(), m.standby(), m.keeps_directory) == ("b", "c", True)
     plan = plan_round(m, info("c").address, set(), {}, "a", clock.t, horizon=20)
     assert plan.report_to == info("b").address and plan.standby_to == ""
+
+
+class _RecordingPeers:
+    """The coordinator's Replicate calls, answered after a short wait, with the
+    copies each source had in flight at once (no sockets: scheduling only)."""
+
+    def __init__(self, fail: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        self.in_flight: dict[str, int] = {}
+        self.most: dict[str, int] = {}
+        self.sent: list[tuple[str, str]] = []
+        self.fail = fail
+
+    async def replicate(self, target: str, request, timeout: float):  # type: ignore[no-untyped-def]
+        import asyncio
+
+        src = request.source_node_id
+        self.in_flight[src] = self.in_flight.get(src, 0) + 1
+        self.most[src] = max(self.most.get(src, 0), self.in_flight[src])
+        await asyncio.sleep(0.01)
+        self.in_flight[src] -= 1
+        self.sent.append((src, target))
+        ok = target not in self.fail
+        return pb.ReplicateResponse(copied=len(request.keys) if ok else 0)
+
+
+@pytest.mark.parametrize("fail", [set(), {"b"}])
+def test_a_copy_tree_sends_one_wave_at_a_time_from_each_holder(fail: set[str]) -> None:
+    """With fanout 2 and 7 targets, the holder sends two copies at a time
+    (not its four edges at once); landed targets serve their own; a failed
+    target's subtree is served by the node that was to send to it."""
+    import asyncio
+
+    from kvstore.cluster.coordinator import Coordinator
+    from kvstore.cluster.directory import Directory
+    from kvstore.metrics import NodeMetrics
+    from kvstore.predict.planner import copy_tree
+    from kvstore.predict.planner_types import Decision
+
+    class NoNamespaces:
+        namespaces: dict[str, object] = {}
+
+    members = Membership(pb.MemberInfo(node_id="a", address="127.0.0.1:1", incarnation="1"), 2.0)
+    config = NodeConfig(listen="127.0.0.1:0", replication="predictive", node_rate=1.0)
+    peers = _RecordingPeers(fail)
+    coordinator = Coordinator(config, Directory(), members, peers, NodeMetrics(NoNamespaces()),  # type: ignore[arg-type]
+                              page_bytes=lambda ns: 4096)
+    targets = list("bcdefgh")
+    edges, waves = copy_tree(["a"], targets, coordinator.plan_cfg.fanout)
+    decision = Decision(namespace="m", keys=(b"k" * 16,), depth=1, source="a", targets=tuple(targets), prob=1.0,
+                        ttl_s=30.0, reason="test", bytes=7 * 4096, tree=tuple(edges), waves=waves)
+    asyncio.run(coordinator._copy_tree(decision, 4096))
+    assert sorted(dst for _, dst in peers.sent) == targets  # every target got exactly one copy
+    assert max(peers.most.values()) <= coordinator.plan_cfg.fanout, peers.most
+    if not fail:
+        assert {src for src, _ in peers.sent} > {"a"}  # landed targets sent copies too
+    else:
+        by = dict((dst, src) for src, dst in peers.sent)
+        orphans = [dst for src, dst in edges if src == "b"]
+        assert orphans and all(by[o] == "a" for o in orphans)  # b failed: a served b's subtree

@@ -212,7 +212,8 @@ class SimCoordinator:
         return done
 
     def _copy_tree(self, d: Any, nbytes: int) -> None:
-        """``Coordinator._copy_tree``: each target, once its copy landed, serves the next wave."""
+        """``Coordinator._copy_tree``: every holder sends a wave of ``fanout`` copies at a time; each
+        target, once its copy landed, serves its own."""
         c, now = self.coord, self.cluster.dnow()
         children: dict[str, list[str]] = {}
         for src, dst in d.tree:
@@ -224,14 +225,32 @@ class SimCoordinator:
         roots = [(s, t) for s, t in d.tree if s not in set(d.targets)]
         c.egress_saved_s += (len(d.targets) - len(roots)) * per_wave
 
-        def copy(src: str, dst: str) -> None:
-            def landed(ok: bool) -> None:
-                for nxt in children.get(dst, []):
-                    copy(dst if ok else src, nxt)
-            self.copy(dst, list(d.keys), src, SPECULATIVE, d.ttl_s, nbytes).then(landed)
+        fanout = max(1, c.plan_cfg.fanout)
 
-        for s, t in roots:
-            copy(s, t)
+        def serve(node: str) -> None:  # as the coordinator: fanout copies a wave, the next once they landed
+            queue = list(children.get(node, []))
+
+            def next_wave() -> None:
+                if not queue:
+                    return
+                wave = queue[:fanout]
+                del queue[:fanout]
+                left = [len(wave)]
+                for dst in wave:
+                    def landed(ok: bool, dst: str = dst) -> None:
+                        if ok:
+                            serve(dst)
+                        else:
+                            queue.extend(children.get(dst, []))
+                        left[0] -= 1
+                        if not left[0]:
+                            next_wave()
+                    self.copy(dst, list(d.keys), node, SPECULATIVE, d.ttl_s, nbytes).then(landed)
+
+            next_wave()
+
+        for src in dict.fromkeys(s for s, _ in roots):
+            serve(src)
 
     # ---- for results.json -------------------------------------------------------------
     def metrics_text(self) -> str:

@@ -328,9 +328,10 @@ class Coordinator:
         return reply.copied + reply.already_present == len(set(keys))
 
     async def _copy_tree(self, d: Decision, nbytes: int) -> None:
-        """A copy tree: each target, once its copy landed, serves its own
-        targets (the next wave); if a copy fails, its subtree copies from the
-        node that was to send to it. Every target is pending from the start,
+        """A copy tree, wave by wave: every holder sends ``fanout`` copies at a
+        time, and each target, once its copy landed, serves its own targets;
+        if a copy fails, its subtree copies from the node that was to send to
+        it. Every target is pending from the start,
         so routers see the whole set coming."""
         children: dict[str, list[str]] = {}
         for src, dst in d.tree:
@@ -343,13 +344,26 @@ class Coordinator:
         # holder egress a star from one source would have spent, beyond what the tree's roots send
         self.egress_saved_s += (len(d.targets) - len(roots)) * per_wave
 
-        async def copy(src: str, dst: str) -> None:
-            ok = await self._copy(dst, d.namespace, list(d.keys), src, PageKind.SPECULATIVE, d.ttl_s, nbytes)
-            following = children.get(dst, [])
-            if following:
-                await asyncio.gather(*(copy(dst if ok else src, nxt) for nxt in following))
+        fanout = max(1, self.plan_cfg.fanout)
 
-        await asyncio.gather(*(copy(s, t) for s, t in roots))
+        async def serve(node: str) -> None:
+            # ``node`` sends ``fanout`` copies a wave, its next wave once those landed (so its egress is
+            # shared by one wave, not by every edge out of it); a landed target serves its own subtree at
+            # once, a failed one's subtree is served from here.
+            queue = list(children.get(node, []))
+            async with asyncio.TaskGroup() as below:
+                while queue:
+                    wave, queue = queue[:fanout], queue[fanout:]
+                    landed = await asyncio.gather(*(self._copy(dst, d.namespace, list(d.keys), node,
+                                                               PageKind.SPECULATIVE, d.ttl_s, nbytes)
+                                                    for dst in wave))
+                    for dst, ok in zip(wave, landed):
+                        if ok:
+                            below.create_task(serve(dst))
+                        else:
+                            queue.extend(children.get(dst, []))
+
+        await asyncio.gather(*(serve(src) for src in dict.fromkeys(s for s, _ in roots)))
 
     async def _renew(self, node: str, namespace: str, key: bytes, ttl: float) -> None:
         self._placed[(namespace, key)] = time.monotonic()
