@@ -307,6 +307,39 @@ def test_a_member_whose_lease_expires_disappears(etcd: Etcd) -> None:
     asyncio.run(main())
 
 
+def test_an_etcd_outage_keeps_views_and_steps_the_coordinator_down(tmp_path: Path) -> None:
+    """etcd frozen (SIGSTOP) for 3 lease TTLs: every node keeps its view, the
+    holder stops acting as coordinator once its lease may have expired; etcd
+    back: one coordinator again, everyone listed."""
+    server = start_etcd(tmp_path / "data")
+    try:
+        async def main() -> None:
+            members = [membership(f"{server.url}/outage", n) for n in "abc"]
+            for m in members:
+                await m.start()
+            try:
+                await settle(members, agreed, 5, "one view")
+                holder = next(m for m in members if m.is_coordinator)
+                server.proc.send_signal(signal.SIGSTOP)
+                try:
+                    took = await settle([holder], lambda ms: not ms[0].is_coordinator, 3, "the holder to step down")
+                    assert took < 1.5, f"still coordinating {took:.2f}s into the outage, with a 1 s lease"
+                    await asyncio.sleep(2)
+                    assert all(m.live_ids() == ["a", "b", "c"] for m in members)  # the last view, kept
+                    assert not any(m.is_coordinator for m in members)
+                finally:
+                    server.proc.send_signal(signal.SIGCONT)
+                took = await settle(members, agreed, 10, "one coordinator after etcd is back")
+                print(f"\nholder stepped down into the outage; agreed again {took * 1000:.0f} ms after etcd resumed")
+            finally:
+                for m in members:
+                    await m.stop()
+
+        asyncio.run(main())
+    finally:
+        stop_etcd(server)
+
+
 def test_unreachable_etcd_keeps_the_view_and_drops_the_coordinator_role() -> None:
     """Nothing listens on the port: start gives up after its timeout, the node
     is alone and does not coordinate."""

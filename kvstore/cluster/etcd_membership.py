@@ -25,7 +25,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -87,7 +87,7 @@ class EtcdMembership(EtcdView):
         try:
             await asyncio.wait_for(self._ready.wait(), self._start_timeout)
         except asyncio.TimeoutError:
-            log.error("etcd at %s did not answer within %.0f s: running alone until it does",
+            log.error("etcd at %s did not answer within %.1f s: running alone until it does",
                       self._address(), self._start_timeout)
 
     async def stop(self) -> None:
@@ -96,14 +96,18 @@ class EtcdMembership(EtcdView):
         if self._task is None:
             return
         self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        try:  # every step bounded: a stuck stream must not hold up the node's shutdown
+            await asyncio.wait_for(asyncio.gather(self._task, return_exceptions=True), self._call_timeout)
+        except asyncio.TimeoutError:
+            log.warning("etcd session did not end within %.1f s of stop", self._call_timeout)
         self._task = None
         if self._lease_id and self._channel is not None:
+            revoke = rpc.LeaseStub(self._channel).LeaseRevoke(rpc.LeaseRevokeRequest(ID=self._lease_id),
+                                                               timeout=min(1.0, self._call_timeout))
             try:
-                await rpc.LeaseStub(self._channel).LeaseRevoke(rpc.LeaseRevokeRequest(ID=self._lease_id),
-                                                                timeout=min(1.0, self._call_timeout))
-            except grpc.aio.AioRpcError as exc:
-                log.debug("lease revoke at %s failed: %s", self._address(), exc.code())
+                await asyncio.wait_for(revoke, self._call_timeout)
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:  # it expires a TTL later anyway
+                log.debug("lease revoke at %s failed: %r", self._address(), exc)
         self._lease_id = 0
         self.lease_lost()
         await self._close_channel()
@@ -145,7 +149,10 @@ class EtcdMembership(EtcdView):
     async def _close_channel(self) -> None:
         channel, self._channel = self._channel, None
         if channel is not None:
-            await channel.close()
+            try:
+                await asyncio.wait_for(channel.close(), self._call_timeout)
+            except asyncio.TimeoutError:
+                log.warning("etcd channel to %s did not close within %.1f s", self._address(), self._call_timeout)
 
     async def _session(self) -> None:
         self._channel = channel = self._open_channel()
@@ -211,15 +218,11 @@ class EtcdMembership(EtcdView):
 
     async def _watch(self, channel: grpc.aio.Channel, start_revision: int) -> None:
         root = f"{self.target.prefix}/".encode()
-
-        async def requests() -> AsyncIterator[rpc.WatchRequest]:
-            yield rpc.WatchRequest(create_request=rpc.WatchCreateRequest(key=root, range_end=prefix_end(root),
-                                                                         start_revision=start_revision))
-            await asyncio.Event().wait()  # keep the stream open; cancelled with the session
-
-        call = rpc.WatchStub(channel).Watch(requests())
+        call = rpc.WatchStub(channel).Watch()  # written to, not fed by an iterator: closes cleanly on cancel
         try:
-            async for reply in call:
+            await call.write(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
+                key=root, range_end=prefix_end(root), start_revision=start_revision)))
+            while (reply := await call.read()) is not grpc.aio.EOF:
                 if reply.canceled or reply.compact_revision:
                     raise SessionLost(f"watch cancelled ({reply.cancel_reason or 'compacted'})")
                 changed = False
