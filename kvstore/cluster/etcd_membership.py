@@ -245,6 +245,9 @@ class EtcdMembership(EtcdView):
                 self.lease_lost()
                 self._lease_id = 0
                 raise SessionLost("this node's member key was deleted")
+            other = decode_member(key, event.kv.value, self.target.members_prefix)
+            if other is not None and other.incarnation != self.self_info.incarnation:
+                log.error("another node registered as %s (%s): node ids must be unique", self.self_id, other.address)
             return False
         if deleted:
             return self.member_gone(key[len(self.target.members_prefix):].decode(errors="replace"))
