@@ -5,11 +5,12 @@ path) that the same tests run over."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -79,6 +80,7 @@ class ServerThread:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self.client_auth: dict[str, Any] = {}  # what a client of this node passes (TLS, a token)
 
     def _run(self) -> None:
         with asyncio.Runner(loop_factory=loop_factory(self._loop_name)) as runner:
@@ -168,15 +170,46 @@ def check_pools_sound(srv: ServerThread, settle: float = 2.0) -> None:
             time.sleep(0.02)
 
 
-@pytest.fixture(params=[("numpy", "auto", "tcp"), ("numpy", "asyncio", "grpc"), ("staged", "asyncio", "tcp"),
-                        ("staged", "auto", "grpc"), ("numpy", "auto", "shm"), ("numpy", "asyncio", "shm")],
+@dataclass(frozen=True)
+class Secured:
+    """What a secured node is started with (TLS, a token file, a cluster
+    secret) and what its client passes: made once per session, at test time."""
+
+    node: dict[str, Any]
+    client: dict[str, Any]
+
+
+@pytest.fixture(scope="session")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Secured:
+    from tls_certs import make_certs
+
+    folder = tmp_path_factory.mktemp("secured")
+    certs = make_certs(folder / "tls")
+    token = "tok-" + os.urandom(12).hex()
+    (folder / "tokens.toml").write_text(f'[[token]]\ntoken = "{token}"\ntenant = "t1"\nrole = "admin"\n')
+    (folder / "cluster.secret").write_text(os.urandom(32).hex())
+    return Secured(node=dict(certs.node_settings(), token_file=str(folder / "tokens.toml"),
+                             cluster_secret_file=str(folder / "cluster.secret")),
+                   client=dict(tls_ca=certs.ca, token=token))
+
+
+@pytest.fixture(params=[("numpy", "auto", "tcp", False), ("numpy", "asyncio", "grpc", False),
+                        ("staged", "asyncio", "tcp", False), ("staged", "auto", "grpc", False),
+                        ("numpy", "auto", "shm", False), ("numpy", "asyncio", "shm", False),
+                        ("numpy", "auto", "tcp", True), ("staged", "asyncio", "grpc", True),
+                        ("numpy", "auto", "shm", True)],
                 ids=["host-uvloop-tcp", "host-asyncio-grpc", "staged-asyncio-tcp", "staged-uvloop-grpc",
-                     "host-uvloop-shm", "host-asyncio-shm"])
+                     "host-uvloop-shm", "host-asyncio-shm",
+                     "tls-tokens-host-uvloop-tcp", "tls-tokens-staged-asyncio-grpc", "tls-tokens-host-uvloop-shm"])
 def node(request, make_server) -> Iterator[tuple[ServerThread, str]]:  # type: ignore[no-untyped-def]
     """A node over each pool memory x event loop, with the client data path
-    to use; checks after the test that nothing leaked."""
-    ops, loop, path = request.param
-    srv = make_server(ops=ops, loop=loop)
+    to use, plaintext and secured (TLS, tokens, cluster secret: its
+    ``client_auth`` holds what a client passes); checks after the test that
+    nothing leaked."""
+    ops, loop, path, secure = request.param
+    overrides = request.getfixturevalue("secured").node if secure else {}
+    srv = make_server(ops=ops, loop=loop, **overrides)
+    srv.client_auth = request.getfixturevalue("secured").client if secure else {}
     yield srv, path
     check_pools_sound(srv)
 

@@ -18,7 +18,7 @@ MiB = 1 << 20
 @pytest.fixture
 def kv(node):  # type: ignore[no-untyped-def]
     srv, path = node
-    with KvClient(srv.address, data_path=path) as client:
+    with KvClient(srv.address, data_path=path, **srv.client_auth) as client:
         assert client.wait_ready() == "SERVING"
         yield client
 

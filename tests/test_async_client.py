@@ -16,7 +16,7 @@ def test_async_round_trip(node, path: str) -> None:  # type: ignore[no-untyped-d
     srv, _ = node
 
     async def scenario() -> None:
-        async with AsyncKvClient(srv.address, data_path=path) as kv:
+        async with AsyncKvClient(srv.address, data_path=path, **srv.client_auth) as kv:
             assert await kv.wait_ready() == "SERVING"
             await kv.create_namespace("a", 4096)
             pages = random_pages(20, 4096)
