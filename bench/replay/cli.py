@@ -219,7 +219,9 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
         cfg.kill = cluster.kill
         ids = [n.node_id for n in cluster.nodes]
         network = cluster.network()
-        driver = Driver(wl, ids, [n.address for n in cluster.nodes], cfg, progress)
+        def ingress(i: int) -> float:  # a node's peer ingress so far, scaled bytes
+            return metric_sum(cluster.scrape(i), "kvstore_peer_bytes_total", {"direction": "in"})
+        driver = Driver(wl, ids, [n.address for n in cluster.nodes], cfg, progress, ingress)
         with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
             result = runner.run(driver.run())
         coordinator_metrics = cluster.scrape(0)

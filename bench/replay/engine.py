@@ -272,11 +272,14 @@ class Driver:
     """Replays one workload against one running cluster under one policy."""
 
     def __init__(self, workload: Workload, node_ids: list[str], addresses: list[str], cfg: RunConfig,
-                 progress: Any = None) -> None:
+                 progress: Any = None, ingress: Callable[[int], float] | None = None) -> None:
         self.workload, self.node_ids, self.addresses, self.cfg = workload, node_ids, addresses, cfg
         self.progress = progress
+        self.ingress = ingress  # node index -> peer bytes it received so far (every kind of transfer), or None
+        # ingress_bytes: per stats sample and node, modelled bytes received over links so far (all kinds)
         self.result = RunResult(records=[], timeline={"t": [], "waiting": [], "running": [],
-                                                      "stats_t": [], "spec_slots": [], "replica_slots": []})
+                                                      "stats_t": [], "spec_slots": [], "replica_slots": [],
+                                                      "ingress_bytes": []})
         self.oracle_plan: Plan | None = None
         self.held: Held | None = None
         self._outstanding = 0
@@ -409,6 +412,11 @@ class Driver:
                     tl["stats_t"].append((loop.time() - self._start) * self.cfg.speedup)
                     tl["spec_slots"].append([int(s.namespaces[0].speculative_slots) for s in st])
                     tl["replica_slots"].append([int(s.namespaces[0].replica_slots) for s in st])
+                    if self.ingress is not None:
+                        alive = self._alive()
+                        got = await asyncio.gather(*(asyncio.to_thread(self.ingress, i) if i in alive
+                                                     else asyncio.sleep(0, 0.0) for i in range(len(self.kvs))))
+                        tl["ingress_bytes"].append([b * self.cfg.cost.byte_scale for b in got])
                 except (KvError, grpc.RpcError):
                     pass
             k += 1

@@ -246,7 +246,9 @@ def plot_timeline(path: Path, title: str, node_ids: Sequence[str], arrivals: dic
                   timeline: dict[str, Any], duration_s: float, records: Sequence[Any] = (),
                   page_bytes: float = 0.0, link_bytes_s: float = 0.0) -> None:
     """Four panels: arrivals, queue length and replicas held per node, and the links' utilisation by
-    reactive pulls (each request's pulled bytes over its fetch interval, / the link rate)."""
+    reactive pulls (each request's pulled bytes over its fetch interval, / the link rate) and, dashed,
+    by every transfer (the node's peer-ingress counter sampled over the run: speculative and full copies
+    included)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -286,7 +288,13 @@ def plot_timeline(path: Path, title: str, node_ids: Sequence[str], arrivals: dic
                 lo, hi = np.searchsorted(edges, t0) - 1, np.searchsorted(edges, t1)
                 busy[max(0, lo):max(0, hi)] += r.remote * page_bytes / link_bytes_s / max(t1 - t0, width)
             axes[3].step(edges[:-1], np.minimum(busy, 5.0), where="post", label=node)
-        axes[3].set_ylabel("ingress utilisation\n(reactive pulls)")
+        axes[3].set_ylabel("ingress utilisation\n(reactive pulls;\ndashed: all transfers)")
+    ingress = np.asarray(timeline.get("ingress_bytes", []), dtype=float)
+    if link_bytes_s and st.size and ingress.ndim == 2 and len(ingress) == len(st) and len(st) > 1:
+        # every byte a node received over links (reactive, speculative, full, oracle copies), from its counter
+        rate = np.maximum(np.diff(ingress, axis=0), 0.0) / np.maximum(np.diff(st), 1e-9)[:, None] / link_bytes_s
+        for j, _ in enumerate(node_ids):
+            axes[3].step(st[:-1], np.minimum(rate[:, j], 5.0), where="post", linestyle="--", color=f"C{j}")
     axes[3].set_xlabel("trace seconds")
     axes[0].set_title(title)
     fig.tight_layout()
