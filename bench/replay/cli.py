@@ -197,11 +197,9 @@ def parse_kills(specs: list[str], nodes: int) -> list[tuple[int, float]]:
     return out
 
 
-def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a: argparse.Namespace,
-               cost: CostModel, progress: Any, log_name: str) -> dict[str, Any]:
-    """One fresh cluster, one replay; returns the summary, the records and the timeline."""
-    from kvstore.loops import loop_factory
-
+def cluster_and_router(a: argparse.Namespace, policy: str, router_cfg: tuple[str, str, float],
+                       cost: CostModel) -> tuple[ClusterSpec, Any]:
+    """The daemons' settings and the router of one configuration (the real and the simulated replay)."""
     rate, latency = link_of(a)
     spec = ClusterSpec(nodes=a.nodes, policy="reactive" if policy == "oracle" else policy, namespace=a.preset,
                        page_bytes=cost.scaled_page_bytes, capacity=a.capacity, device=a.device,
@@ -212,6 +210,15 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
                        link_latency=latency / a.speedup)
     _, router_name, balance_abs = router_cfg
     router = make_router(router_name, balance_abs, a.balance_rel, not a.no_hints, a.match_threshold, a.hint_cover)
+    return spec, router
+
+
+def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a: argparse.Namespace,
+               cost: CostModel, progress: Any, log_name: str) -> dict[str, Any]:
+    """One fresh cluster, one replay; returns the summary, the records and the timeline."""
+    from kvstore.loops import loop_factory
+
+    spec, router = cluster_and_router(a, policy, router_cfg, cost)
     cfg = RunConfig(policy=policy, router=router, cost=cost, namespace=a.preset, speedup=a.speedup,
                     concurrency=a.concurrency, oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl,
                     fetch_timeout_s=a.fetch_timeout, drain_timeout_s=a.drain_timeout, kills=parse_kills(a.kill, a.nodes))

@@ -35,7 +35,7 @@ import grpc
 import numpy as np
 
 from bench.replay.costmodel import CostModel
-from bench.replay.metrics import RequestRecord
+from bench.replay.metrics import RequestRecord, record_hits
 from bench.replay.oracle import Plan, Step, plan
 from bench.replay.routers import NodeView, Router, views_from_lookup
 from bench.replay.workload import Workload, reusable_blocks
@@ -230,11 +230,7 @@ class Engine:
             local = cluster_max = cached = 0
         rec.fetch_real_s = time.perf_counter() - t0
         rec.fetch_s = rec.fetch_real_s * S  # the link waits in it ran at link x speedup / byte scale
-        local = min(local, cached)
-        rec.local, rec.remote, rec.miss = local, cached - local, rec.blocks - cached
-        rec.cluster_cached = cluster_max
-        rec.recomputed_cached = max(0, min(cluster_max, rec.blocks) - cached)
-        rec.cold_prefill_s = cost.prefill_s(rec.input_tokens)
+        local = record_hits(rec, local, cached, cluster_max, cost)
         for k in keys[:local]:
             if k not in self.own:
                 self.used_placed.add(k)

@@ -186,6 +186,18 @@ def check(summary: dict[str, Any]) -> list[str]:
     return problems
 
 
+def record_hits(rec: RequestRecord, local: int, cached: int, cluster_max: int, cost: Any) -> int:
+    """Fill a request's block accounting from what its KV step found: ``local`` blocks on its own node,
+    ``cached`` blocks it got (local + fetched), ``cluster_max`` the longest prefix held anywhere.
+    Returns the local blocks it used (no more than it got). Shared by the real and simulated replays."""
+    local = min(local, cached)
+    rec.local, rec.remote, rec.miss = local, cached - local, rec.blocks - cached
+    rec.cluster_cached = cluster_max
+    rec.recomputed_cached = max(0, min(cluster_max, rec.blocks) - cached)
+    rec.cold_prefill_s = cost.prefill_s(rec.input_tokens)
+    return local
+
+
 def metric_sum(text: str, name: str, labels: dict[str, str] | None = None) -> float:
     """Sum of the samples of ``name`` (having all of ``labels``) in Prometheus exposition text."""
     total = 0.0

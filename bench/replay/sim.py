@@ -29,11 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.replay.cluster import ClusterSpec
 from bench.replay.costmodel import CostModel
-from bench.replay.metrics import RequestRecord, after_kill, aggregate, cluster_summary
+from bench.replay.metrics import RequestRecord, after_kill, aggregate, cluster_summary, record_hits
 from bench.replay.oracle import Plan, Step, plan
-from bench.replay.routers import NodeView, Router, make_router, views_from_lookup
+from bench.replay.routers import NodeView, Router, views_from_lookup
 from bench.replay.sim_cluster import PRIMARY, SPECULATIVE, ClusterParams, SimCluster
 from bench.replay.sim_coord import SimCoordinator, node_config
 from bench.replay.sim_kernel import Event, Process, Semaphore, Sim
@@ -186,12 +185,8 @@ class SimDriver:
             rec.kv_error = "UNAVAILABLE: node killed (simulated)"
         rec.fetch_real_s = (sim.now - t0) / cfg.speedup
         rec.fetch_s = sim.now - t0
-        local = min(local, cached)
-        rec.local, rec.remote, rec.miss = local, cached - local, rec.blocks - cached
+        local = record_hits(rec, local, cached, cluster_max, cost)
         cl.pools[n].remote_hits += rec.remote
-        rec.cluster_cached = cluster_max
-        rec.recomputed_cached = max(0, min(cluster_max, rec.blocks) - cached)
-        rec.cold_prefill_s = cost.prefill_s(rec.input_tokens)
         for k in keys[:local]:
             if k not in eng.own:
                 eng.used_placed.add(k)
@@ -329,18 +324,10 @@ class SimResult:
 def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a: Any, cost: CostModel,
                    progress: Any = None, log_name: str = "") -> dict[str, Any]:
     """``cli.run_policy`` with the cluster simulated: the same arguments, the same return shape."""
-    from bench.replay.cli import link_of, parse_kills
+    from bench.replay.cli import cluster_and_router, link_of, parse_kills
 
+    spec, router = cluster_and_router(a, policy, router_cfg, cost)
     rate, latency = link_of(a)
-    spec = ClusterSpec(nodes=a.nodes, policy="reactive" if policy == "oracle" else policy, namespace=a.preset,
-                       page_bytes=cost.scaled_page_bytes, capacity=a.capacity, device=a.device,
-                       transport=a.transport, heartbeat_interval=a.heartbeat,
-                       heartbeat_timeout=max(3.0, 10 * a.heartbeat), planner_tick=a.planner_tick,
-                       spec_ttl=a.spec_ttl, predictor_depths=a.predictor_depths, extra=list(a.kvstored_arg),
-                       network=a.network, link_rate=rate * a.speedup / cost.byte_scale,
-                       link_latency=latency / a.speedup)
-    _, router_name, balance_abs = router_cfg
-    router = make_router(router_name, balance_abs, a.balance_rel, not a.no_hints, a.match_threshold, a.hint_cover)
     free = a.network == "none"
     cfg = SimConfig(policy=policy, router=router, cost=cost, namespace=a.preset, nodes=a.nodes, speedup=a.speedup,
                     concurrency=a.concurrency, daemon_args=spec.args("n0"), link_rate=1e18 if free else rate,
