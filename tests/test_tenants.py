@@ -332,6 +332,20 @@ def test_data_channel_keeps_tenants_apart(tenant_node, callers) -> None:
         assert got.found.all() and (got.pages == mine).all()
 
 
+def test_data_channel_connection_ends_when_its_token_is_rotated_out(tenant_node, callers, token_file) -> None:
+    from kvstore.errors import Unauthenticated
+    from kvstore_client import KvClient
+
+    callers("acme-write").create("m")
+    keys = keys_for(2, b"rot")
+    with KvClient(tenant_node.address, token="acme-write", data_path="tcp") as acme:
+        assert acme.put("m", keys, random_pages(2, PAGE)).stored == 2  # the connection is open
+        write_tokens(token_file, TOKENS.replace('token = "acme-write"', 'token = "acme-write-2"'))
+        time.sleep(1.2)  # the store re-reads the file at most once a second
+        with pytest.raises(Unauthenticated):
+            acme.get("m", keys)
+
+
 def test_client_with_a_token_uses_shared_memory(tenant_node, callers) -> None:
     from kvstore_client import KvClient
 

@@ -27,8 +27,10 @@ with a TLS handshake and then runs over a
 :class:`~kvstore.security.tls.TlsStream`: the same frame code, decrypting
 into the slots. With ``authenticate`` (the node's token store), its first
 frame must be a HELLO whose token it accepts; the principal it returns is
-the connection's caller: a PUT needs its ``write`` role, a GET ``read``, and
-names are the tenant's (:func:`~kvstore.security.tokens.namespace_for`), as on gRPC.
+the connection's caller, asked for again at every request (a token rotated
+out of the file ends the connection): a PUT needs its ``write`` role, a GET
+``read``, and names are the tenant's
+(:func:`~kvstore.security.tokens.namespace_for`), as on gRPC.
 """
 
 from __future__ import annotations
@@ -119,19 +121,28 @@ class DataServer:
         self._conns.add(conn)
         self._spawn(self._serve(conn))
 
-    async def _open(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[Conn, Any] | None:
-        """TLS handshake and HELLO, as configured: (connection, principal), or
-        None when the caller failed either (answered, where it can be)."""
+    async def _open(self, loop: asyncio.AbstractEventLoop,
+                    sock: socket.socket) -> tuple[Conn, Callable[[], Any]] | None:
+        """TLS handshake and HELLO, as configured: (connection, a function that
+        gives the caller's principal now), or None when the caller failed either
+        (answered, where it can be). The principal is asked for again at every
+        request, so a token rotated out of the file stops an open connection too."""
         try:
             conn = await open_served(loop, sock, self._tls() if self._tls else None, self._limits)
-            principal = None
-            if self._authenticate is not None:
-                principal = await expect_hello(loop, conn, self._limits, self._authenticate)
+            if self._authenticate is None:
+                return conn, lambda: None
+            authenticate, hello = self._authenticate, [""]
+
+            def first(token: str) -> Any:
+                hello[0] = token
+                return authenticate(token)
+
+            await expect_hello(loop, conn, self._limits, first)
         except ChannelClosed as exc:
             self._metrics.ops.labels("connect", "UNAUTHENTICATED").inc()
             log.info("data channel: refused a connection: %s", exc)
             return None
-        return conn, principal
+        return conn, lambda: authenticate(hello[0])
 
     async def _serve(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -140,12 +151,19 @@ class DataServer:
             opened = await self._open(loop, sock)
             if opened is None:
                 return
-            conn, principal = opened
+            conn, caller = opened
             while True:
                 try:
                     header, payload_len = await read_frame(loop, conn, self._limits)
                 except ChannelClosed:
                     return  # clean end or idle between frames (or mid-frame: nothing was reserved yet)
+                if header.op in (pb.DataHeader.PUT, pb.DataHeader.GET):
+                    try:
+                        principal = caller()
+                    except KvError as exc:  # its token was rotated out: answered, then closed
+                        self._metrics.ops.labels("connect", "UNAUTHENTICATED").inc()
+                        await self._reply_error(loop, conn, exc.code, str(exc))
+                        return
                 if header.op == pb.DataHeader.PUT:
                     await self._put(loop, conn, header, payload_len, principal)
                 elif header.op == pb.DataHeader.GET and payload_len == 0:
