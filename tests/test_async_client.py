@@ -8,20 +8,26 @@ import numpy as np
 import pytest
 
 from conftest import keys_for, random_pages
-from kvstore_client import AsyncKvClient, InvalidArgument, NotFound
+from kvstore_client import AsyncKvClient, InvalidArgument, NotFound, Unavailable
 
 
-@pytest.mark.parametrize("path", ["tcp", "grpc"])
+@pytest.mark.parametrize("path", ["tcp", "grpc", "shm"])
 def test_async_round_trip(node, path: str) -> None:  # type: ignore[no-untyped-def]
     srv, _ = node
+    no_shm = path == "shm" and not srv.node.shares_memory  # a staged (GPU-like) pool has no host segment
 
     async def scenario() -> None:
         async with AsyncKvClient(srv.address, data_path=path, **srv.client_auth) as kv:
             assert await kv.wait_ready() == "SERVING"
             await kv.create_namespace("a", 4096)
             pages = random_pages(20, 4096)
+            if no_shm:  # asked for explicitly, it is refused with a clear error, not a silent fallback
+                with pytest.raises(Unavailable, match="shared-memory"):
+                    await kv.put("a", keys_for(20), pages)
+                return
             res = await kv.put("a", keys_for(20), pages)
             assert res.stored == 20
+            assert (kv._shm is not None) == (path == "shm")  # the pages went the path asked for
             # concurrent gets share one data connection without mixing frames
             results = await asyncio.gather(*(kv.get("a", keys_for(20)[i::4]) for i in range(4)))
             for i, got in enumerate(results):

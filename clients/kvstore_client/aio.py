@@ -4,7 +4,10 @@ Same calls, results and errors as :class:`kvstore_client.KvClient`; the data
 channel uses the loop's ``sock_sendall``/``sock_recv_into`` on a
 non-blocking socket (no stream buffering, no extra copies), or TLS over it
 (:class:`kvstore.security.tls.TlsStream`) with ``tls_ca``; a ``token`` goes
-on every gRPC call and as the data channel's HELLO.
+on every gRPC call and as the data channel's HELLO. On the node's host
+(``data_path="auto"`` or ``"shm"``) pages move through shared memory: the
+blocking :class:`~kvstore_client.shm.ShmConn` (memcpy plus a unix-socket
+round trip) runs in a worker thread, one call at a time per client.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from kvstore_client._common import (
     GRPC_OPTIONS, Credentials, GetAssembler, data_endpoint, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, get_frame, page_views,
     parse_result, put_frame, put_messages, translate,
 )
+from kvstore_client.shm import ShmConn
 
 
 def _with(details: grpc.aio.ClientCallDetails, metadata: tuple[tuple[str, str], ...]) -> grpc.aio.ClientCallDetails:
@@ -157,8 +161,8 @@ class AsyncKvClient:
     def __init__(self, address: str, *, data_path: str = "auto", timeout: float | None = 60.0,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  token: str | None = None, server_name: str | None = None) -> None:
-        if data_path not in ("auto", "grpc", "tcp"):
-            raise ValueError("data_path must be auto, grpc or tcp")
+        if data_path not in ("auto", "grpc", "tcp", "shm"):
+            raise ValueError("data_path must be auto, shm, tcp or grpc")
         self.address = address
         self.timeout = timeout
         self._data_path = data_path
@@ -174,11 +178,16 @@ class AsyncKvClient:
         self._info: pb.NodeInfoResponse | None = None
         self._page_bytes: dict[str, int] = {}
         self._data: _AsyncDataConn | None = None
+        self._shm: ShmConn | None = None
+        self._shm_lock = asyncio.Lock()  # a ShmConn is one socket: one call at a time
         self._data_checked = False
 
     async def close(self) -> None:
         if self._data is not None:
             self._data.close()
+        if self._shm is not None:
+            async with self._shm_lock:
+                self._shm.close()
         await self._channel.close()
 
     async def __aenter__(self) -> "AsyncKvClient":
@@ -224,7 +233,14 @@ class AsyncKvClient:
         if self._data_path == "grpc":
             return None
         if not self._data_checked:
-            endpoint = data_endpoint(await self.node_info(), self._creds, self.address)
+            info = await self.node_info()
+            if self._data_path in ("auto", "shm"):
+                shm = [e for e in info.data_endpoints if e.protocol == "kvs-shm"]
+                if shm and ShmConn.usable(shm[0].path):
+                    self._shm = ShmConn(shm[0].path, self.timeout, self._creds.token or "")
+                elif self._data_path == "shm":
+                    raise Unavailable(f"node {self.address} offers no shared-memory path this process can reach")
+            endpoint = data_endpoint(info, self._creds, self.address)
             if endpoint is not None:
                 host = self.address.rpartition(":")[0].strip("[]") or endpoint.host
                 self._data = _AsyncDataConn(host, endpoint.port, self.timeout, self._creds)
@@ -241,10 +257,14 @@ class AsyncKvClient:
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         conn = await self._data_conn()
-        if conn is not None and keys:
+        if (conn is not None or self._shm is not None) and keys:
             page_bytes = views[0].nbytes
             if any(v.nbytes != page_bytes for v in views):
                 raise InvalidArgument("pages of one batch must all have the same size")
+            if self._shm is not None:
+                async with self._shm_lock:
+                    return await asyncio.to_thread(self._shm.put, namespace, keys, views, page_bytes, kind)
+            assert conn is not None
             reply = (await conn.request(put_frame(namespace, keys, page_bytes, kind), views)).put
             return PutResult(reply.stored, reply.already_present, reply.evicted)
         limit = (await self.node_info()).max_message_bytes
@@ -261,6 +281,10 @@ class AsyncKvClient:
         check_get_batch(len(keys), page_bytes, await self.node_info())  # before allocating the output
         out = as_out(out, len(keys), page_bytes)
         conn = await self._data_conn()
+        if self._shm is not None:
+            async with self._shm_lock:
+                found = await asyncio.to_thread(self._shm.get, namespace, keys, out, timeout, local_only)
+            return GetResult(keys, found, out)
         if conn is not None:
             found = await conn.request(get_frame(namespace, keys, timeout, local_only), (), out)
             return GetResult(keys, found, out)
