@@ -27,7 +27,7 @@ def test_async_round_trip(node, path: str) -> None:  # type: ignore[no-untyped-d
                 return
             res = await kv.put("a", keys_for(20), pages)
             assert res.stored == 20
-            assert (kv._shm is not None) == (path == "shm")  # the pages went the path asked for
+            assert (kv._shm is not None) == (path == "shm")  # the pages went the path asked for (auto: tcp)
             # concurrent gets share one data connection without mixing frames
             results = await asyncio.gather(*(kv.get("a", keys_for(20)[i::4]) for i in range(4)))
             for i, got in enumerate(results):

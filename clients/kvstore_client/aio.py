@@ -4,10 +4,12 @@ Same calls, results and errors as :class:`kvstore_client.KvClient`; the data
 channel uses the loop's ``sock_sendall``/``sock_recv_into`` on a
 non-blocking socket (no stream buffering, no extra copies), or TLS over it
 (:class:`kvstore.security.tls.TlsStream`) with ``tls_ca``; a ``token`` goes
-on every gRPC call and as the data channel's HELLO. On the node's host
-(``data_path="auto"`` or ``"shm"``) pages move through shared memory: the
-blocking :class:`~kvstore_client.shm.ShmConn` (memcpy plus a unix-socket
-round trip) runs in a worker thread, one call at a time per client.
+on every gRPC call and as the data channel's HELLO. With ``data_path="shm"``
+on the node's host pages move through shared memory: the blocking
+:class:`~kvstore_client.shm.ShmConn` (memcpy plus a unix-socket round trip)
+runs in a worker thread, one call at a time per client, so ``"auto"`` keeps
+to the data channel, where concurrent calls of one loop do not queue behind
+a thread.
 """
 
 from __future__ import annotations
@@ -234,7 +236,7 @@ class AsyncKvClient:
             return None
         if not self._data_checked:
             info = await self.node_info()
-            if self._data_path in ("auto", "shm"):
+            if self._data_path == "shm":  # asked for: "auto" stays on the data channel (below)
                 shm = [e for e in info.data_endpoints if e.protocol == "kvs-shm"]
                 if shm and ShmConn.usable(shm[0].path):
                     self._shm = ShmConn(shm[0].path, self.timeout, self._creds.token or "")
