@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import grpc
+
 from kvstore.cluster.checks import check_key_batch
 from kvstore.cluster.directory import Directory, Outbox
 from kvstore.cluster.membership import plan_round
@@ -72,7 +74,8 @@ class NoPlacement:
 class ClusterAgent:
     """Runs membership and the directory for one node; answers lookups."""
 
-    def __init__(self, node: Node, config: NodeConfig, transport: Transport, metrics: NodeMetrics) -> None:
+    def __init__(self, node: Node, config: NodeConfig, transport: Transport, metrics: NodeMetrics, *,
+                 secret: ClusterSecret | None = None, credentials: grpc.ChannelCredentials | None = None) -> None:
         self.node = node
         self.config = config
         self.transport = transport
@@ -84,9 +87,10 @@ class ClusterAgent:
         self.directory = Directory()
         self.outbox = Outbox()
         node.listeners.append(self.outbox.record)
-        secret = ClusterSecret.from_config(config)  # peers check every call's proof against it
+        # the cluster secret signs every call to a peer (they check the proof); TLS channels with credentials
         sign = (lambda method, body: secret.sign(method, self.self_info.node_id, body)) if secret else None
-        self.peers = PeerClient(self.membership, reconnect_s=min(1.0, config.heartbeat_timeout / 2), sign=sign)
+        self.peers = PeerClient(self.membership, reconnect_s=min(1.0, config.heartbeat_timeout / 2), sign=sign,
+                                credentials=credentials)
         self.replicator = Replicator(node, config, transport, metrics, self._endpoint_of, self.locate,
                                      self._live_peers)
         self.placement: Placement = NoPlacement()

@@ -38,9 +38,13 @@ class PeerClient:
     secret's), every call carries its proof in ``x-kvstore-peer``."""
 
     def __init__(self, membership: Membership, reconnect_s: float = 1.0,
-                 sign: Callable[[str, bytes], str] | None = None) -> None:
+                 sign: Callable[[str, bytes], str] | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self._membership = membership
         self._sign = sign
+        # TLS to peers (the node has a certificate): the cluster CA verifies the peer and its listen host (the
+        # SAN rule), the node's own certificate is the client certificate. None: plaintext channels.
+        self._credentials = credentials
         self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.ClusterStub]] = {}
         backoff_ms = max(50, int(reconnect_s * 1000))
         self._options = CHANNEL_OPTIONS + [("grpc.initial_reconnect_backoff_ms", min(100, backoff_ms)),
@@ -48,16 +52,11 @@ class PeerClient:
                                            ("grpc.max_reconnect_backoff_ms", backoff_ms)]
         self._closing: set[asyncio.Task[None]] = set()
 
-    # TLS to peers (set by the node when it has a certificate): the cluster CA
-    # verifies the peer and its listen host (the SAN rule), the node's own
-    # certificate is the client certificate. None: plaintext channels.
-    credentials: grpc.ChannelCredentials | None = None
-
     def _stub(self, address: str) -> pb_grpc.ClusterStub:
         entry = self._channels.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options) if self.credentials is None \
-                else grpc.aio.secure_channel(address, self.credentials, options=self._options)
+            channel = grpc.aio.insecure_channel(address, options=self._options) if self._credentials is None \
+                else grpc.aio.secure_channel(address, self._credentials, options=self._options)
             entry = self._channels[address] = (channel, pb_grpc.ClusterStub(channel))
         return entry[1]
 

@@ -85,7 +85,8 @@ class _Conn:
 class ShmServer:
     """The unix-socket side of the shared-memory data path."""
 
-    def __init__(self, node: Node, metrics: NodeMetrics, reader: Replicator, folder: str, name: str) -> None:
+    def __init__(self, node: Node, metrics: NodeMetrics, reader: Replicator, folder: str, name: str,
+                 tokens: TokenStore | None = None) -> None:
         self._node = node
         self._metrics = metrics
         self._reader = reader
@@ -96,7 +97,7 @@ class ShmServer:
         self._conns: set[_Conn] = set()
         self._ids = itertools.count(1)
         self._limits = server_limits(node.config)  # header cap, read/idle timeouts, connections: as the data channel
-        self._tokens = TokenStore.from_config(node.config)
+        self._tokens = tokens  # the node's token store (None: no token file)
 
     async def start(self) -> None:
         os.makedirs(self._dir, mode=0o700, exist_ok=True)

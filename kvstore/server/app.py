@@ -79,6 +79,8 @@ class NodeServer:
         self.mode = ""  # secure, development or insecure (listen_mode), once started
         self._tls = TlsFiles.of(config)
         self._server_tls: ReloadingContext | None = None
+        self._tokens: TokenStore | None = None
+        self._secret: ClusterSecret | None = None
 
     @property
     def address(self) -> str:
@@ -93,8 +95,7 @@ class NodeServer:
         """The peer transport, shaped to ``--link-rate``/``--link-latency`` when
         set; TLS both ways and a HELLO proof of the cluster secret on each
         connection when configured (which rules UCX out: auto picks TCP)."""
-        cfg, tls = self.config, self._tls
-        secret = ClusterSecret.from_config(cfg)
+        cfg, tls, secret = self.config, self._tls, self._secret
         options: dict[str, Any] = {}
         if tls is not None:
             # peers prove themselves with their node certificate when there is a cluster CA
@@ -117,22 +118,25 @@ class NodeServer:
             log.warning("INSECURE: listening on %s beyond loopback without TLS, client tokens and a cluster secret "
                         "(--insecure): anyone who reaches these ports can read, write and join. Never in production.",
                         self.config.listen)
+        # the token file and the cluster secret, read once: every port and the peer client share them
+        self._tokens, self._secret = TokenStore.from_config(self.config), ClusterSecret.from_config(self.config)
         transport = self._transport()
         ops = self._ops or select_ops("auto", self.config.device)
         self.node = node = Node(self.config, ops)
         self.metrics = NodeMetrics(node)
-        self.agent = agent = ClusterAgent(node, self.config, transport, self.metrics)
-        if self._tls is not None:
-            agent.peers.credentials = grpc_channel_credentials(self._tls.ca, self._tls.cert, self._tls.key)
+        credentials = grpc_channel_credentials(self._tls.ca, self._tls.cert, self._tls.key) if self._tls else None
+        self.agent = agent = ClusterAgent(node, self.config, transport, self.metrics, secret=self._secret,
+                                          credentials=credentials)
         self.coordinator = Coordinator(self.config, agent.directory, agent.membership, agent.peers, self.metrics,
                                        page_bytes=self._page_bytes)
         agent.placement = self.coordinator
         self.metrics.watch_coordinator(self.coordinator)
         server = grpc.aio.server(options=server_options(self.config.max_message_bytes),
                                  interceptors=[BoundaryInterceptor(),
-                                               AuthInterceptor.from_config(self.config, self.metrics)])
+                                               AuthInterceptor(self._tokens, self._secret, self.metrics)])
         pb_grpc.add_KvStoreServicer_to_server(KvStoreService(node, self.metrics, agent, lambda: self.data_port,
-                                                             lambda: self._shm.path if self._shm else None),
+                                                             lambda: self._shm.path if self._shm else None,
+                                                             self._tokens),
                                               server)
         pb_grpc.add_ClusterServicer_to_server(ClusterService(agent), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -152,14 +156,13 @@ class NodeServer:
         await server.start()
         self._grpc = server
         if self.config.data_port >= 0:
-            tokens = TokenStore.from_config(self.config)
             self._data = DataServer(node, self.metrics, agent.replicator, host, self.config.data_port,
                                     tls=self._server_tls.get if self._server_tls else None,
-                                    authenticate=tokens.authenticate if tokens else None)
+                                    authenticate=self._tokens.authenticate if self._tokens else None)
             await self._data.start()
         if node.shares_memory:
             name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{node.node_id}-{self.port}")[:80]
-            self._shm = ShmServer(node, self.metrics, agent.replicator, self.config.shm_dir, name)
+            self._shm = ShmServer(node, self.metrics, agent.replicator, self.config.shm_dir, name, self._tokens)
             await self._shm.start()
         await agent.start()
         self._coordinator_task = asyncio.get_running_loop().create_task(self.coordinator.run())

@@ -1,7 +1,7 @@
 """Who may call what on a node's gRPC port: client tokens and peer proofs.
 
 :class:`AuthInterceptor` stands inside :class:`kvstore.rpc.BoundaryInterceptor`
-(``interceptors=[BoundaryInterceptor(), AuthInterceptor.from_config(...)]``),
+(``interceptors=[BoundaryInterceptor(), AuthInterceptor(tokens, secret, metrics)]``),
 so a refusal is a typed error that the boundary answers with its code and a
 bounded message.
 
@@ -88,12 +88,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self.tokens = tokens
         self.secret = secret
         self._metrics = metrics
-
-    @classmethod
-    def from_config(cls, config: Any, metrics: NodeMetrics | None = None) -> "AuthInterceptor":
-        """The interceptor of ``config.token_file`` and ``config.cluster_secret_file``
-        (a missing or broken file is an error at start)."""
-        return cls(TokenStore.from_config(config), ClusterSecret.from_config(config), metrics)
 
     def _rejected(self, plane: str, exc: KvError) -> KvError:
         if self._metrics is not None:

@@ -97,7 +97,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
                  data_port: Callable[[], int | None], shm_path: Callable[[], str | None] = lambda: None,
                  tokens: TokenStore | None = None) -> None:
         self.node = node
-        self._tokens = tokens if tokens is not None else TokenStore.from_config(node.config)  # tenant quotas
+        self._tokens = tokens  # tenant quotas (None: development mode, no tenants)
         self.metrics = metrics
         self.agent = agent
         self._data_port = data_port
