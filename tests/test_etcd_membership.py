@@ -9,6 +9,7 @@ Without an ``etcd`` binary the etcd-backed tests skip, unless
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -247,6 +248,18 @@ def membership(url: str, node_id: str, timeout: float = 0.8, **tls: str):  # typ
     return EtcdMembership.from_config(config, info(node_id, incarnation=uuid.uuid4().hex[:8]))
 
 
+@contextlib.asynccontextmanager
+async def started(members):  # type: ignore[no-untyped-def]
+    """``members`` started in order, and stopped (each) however the block ends."""
+    for m in members:
+        await m.start()
+    try:
+        yield members
+    finally:
+        for m in members:
+            await m.stop()
+
+
 async def settle(members, cond, timeout: float, what: str) -> float:  # type: ignore[no-untyped-def]
     start = time.monotonic()
     while not cond(members):
@@ -266,10 +279,7 @@ def agreed(members) -> bool:  # type: ignore[no-untyped-def]
 def test_members_register_watch_and_elect_one_coordinator(etcd: Etcd) -> None:
     async def main() -> None:
         url = etcd.prefixed()
-        members = [membership(url, n) for n in "abc"]
-        for m in members:
-            await m.start()
-        try:
+        async with started([membership(url, n) for n in "abc"]) as members:
             await settle(members, agreed, 5, "one view and one coordinator")
             holder = next(m for m in members if m.is_coordinator)
             assert sum(m.is_coordinator for m in members) == 1
@@ -283,9 +293,6 @@ def test_members_register_watch_and_elect_one_coordinator(etcd: Etcd) -> None:
             assert took < 0.8, f"{took:.2f}s after a revoke"
             assert {d.node_id for d in rest[0].expire()} == {holder.self_id}
             print(f"\nrevoked coordinator replaced in {(time.monotonic() - start) * 1000:.0f} ms")
-        finally:
-            for m in members:
-                await m.stop()
 
     asyncio.run(main())
 
@@ -293,10 +300,7 @@ def test_members_register_watch_and_elect_one_coordinator(etcd: Etcd) -> None:
 def test_a_member_whose_lease_expires_disappears(etcd: Etcd) -> None:
     async def main() -> None:
         url = etcd.prefixed()
-        members = [membership(url, n) for n in "abc"]
-        for m in members:
-            await m.start()
-        try:
+        async with started([membership(url, n) for n in "abc"]) as members:
             await settle(members, agreed, 5, "one view")
             coordinator = members[0].coordinator()
             victim = next(m for m in members if m.self_id != coordinator)
@@ -308,9 +312,6 @@ def test_a_member_whose_lease_expires_disappears(etcd: Etcd) -> None:
             assert 0.5 < took < 3.0, f"gone after {took:.2f}s with a 1 s lease"
             assert all(m.coordinator() == coordinator for m in rest)  # the coordinator stays
             print(f"\nexpired member gone after {(time.monotonic() - start) * 1000:.0f} ms (TTL 1 s)")
-        finally:
-            for m in members:
-                await m.stop()
 
     asyncio.run(main())
 
@@ -322,10 +323,7 @@ def test_an_etcd_outage_keeps_views_and_steps_the_coordinator_down(tmp_path: Pat
     server = start_etcd(tmp_path / "data")
     try:
         async def main() -> None:
-            members = [membership(f"{server.url}/outage", n) for n in "abc"]
-            for m in members:
-                await m.start()
-            try:
+            async with started([membership(f"{server.url}/outage", n) for n in "abc"]) as members:
                 await settle(members, agreed, 5, "one view")
                 holder = next(m for m in members if m.is_coordinator)
                 server.proc.send_signal(signal.SIGSTOP)
@@ -339,9 +337,6 @@ def test_an_etcd_outage_keeps_views_and_steps_the_coordinator_down(tmp_path: Pat
                     server.proc.send_signal(signal.SIGCONT)
                 took = await settle(members, agreed, 10, "one coordinator after etcd is back")
                 print(f"\nholder stepped down into the outage; agreed again {took * 1000:.0f} ms after etcd resumed")
-            finally:
-                for m in members:
-                    await m.stop()
 
         asyncio.run(main())
     finally:
@@ -376,15 +371,9 @@ def test_members_over_tls_to_etcd(tmp_path: Path) -> None:
     try:
         async def main() -> None:
             url = server.prefixed()
-            members = [membership(url, n, tls_ca=paths["ca"], tls_cert=paths["cert"], tls_key=paths["key"])
-                       for n in "ab"]
-            for m in members:
-                await m.start()
-            try:
+            async with started([membership(url, n, tls_ca=paths["ca"], tls_cert=paths["cert"], tls_key=paths["key"])
+                                for n in "ab"]) as members:
                 await settle(members, agreed, 5, "one view over TLS")
-            finally:
-                for m in members:
-                    await m.stop()
             plain = membership(url.replace("etcds://", "etcd://"), "c")  # no TLS: etcd refuses it
             plain._start_timeout = 0.5
             await plain.start()
