@@ -16,11 +16,20 @@ mean something on a shared, noisy host:
   Ratios are against memcpy for ``shm`` and against raw TCP for the socket
   paths; ``tls`` is also set against ``tcp`` of the same run, page size and
   batch (what TLS costs the data channel).
+* peers (``--peers redis,mooncake``, ``bench/peers.py``): Redis and Mooncake
+  Store started on 127.0.0.1 beside the node and measured through their own
+  Python clients with the same loop, page sizes, batches and bytes, each
+  page size right after kvstore's rows of that size; ratios kvstore / peer
+  for the data channel (``tcp``: the peers cross a socket too), ``tls`` and
+  ``shm``. A peer not installed is skipped with one ``peer X skipped: <why>``
+  line (``pip install -e '.[bench]'``, Debian ``redis-server`` and
+  ``libibverbs1``).
 
 All numbers are measured; none are modelled. Writes ``micro.json``,
 ``micro.md`` and ``micro.png`` to ``--out``.
 
     python bench/micro.py --out bench/out          (or: make bench)
+    kvctl bench micro --peers redis,mooncake --total 64MiB --sizes 1MiB,4MiB
 """
 
 from __future__ import annotations
@@ -39,6 +48,11 @@ from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script (kvctl bench micro): bench/ is not a package on the path
+    sys.path.insert(0, str(ROOT))
+from bench import peers  # noqa: E402
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
 
@@ -110,6 +124,25 @@ def tls_node(capacity: int, folder: Path):  # type: ignore[no-untyped-def]
     return node, str(folder / "ca.pem")
 
 
+class KvTarget:
+    """A kvstore namespace through ``KvClient``, for :func:`bench.peers.measure`."""
+
+    def __init__(self, kv, ns: str) -> None:  # type: ignore[no-untyped-def]
+        self.kv, self.ns = kv, ns
+
+    def prepare(self, pages: np.ndarray, out: np.ndarray) -> None:
+        pass
+
+    def put(self, keys: list[bytes], block: np.ndarray) -> None:
+        self.kv.put(self.ns, keys, block)
+
+    def get(self, keys: list[bytes], out: np.ndarray) -> None:
+        self.kv.get(self.ns, keys, out=out)
+
+    def clear(self) -> None:
+        pass
+
+
 def bench_store(address: str, path: str, page_bytes: int, total: int, bar: tqdm, batch: int = 1,
                 tls_ca: str | None = None) -> dict[str, float]:
     """Put then get ``total`` bytes, ``batch`` pages per call; latency per call.
@@ -117,34 +150,12 @@ def bench_store(address: str, path: str, page_bytes: int, total: int, bar: tqdm,
     from kvstore_client import KvClient
 
     ns = f"bench-{path}-{page_bytes}-{batch}"
-    count = max(8, total // page_bytes) // batch * batch
+    count = peers.page_count(page_bytes, total, batch)
     with KvClient(address, data_path="tcp" if path == "tls" else path, tls_ca=tls_ca) as kv:
         kv.create_namespace(ns, page_bytes, capacity=(count + batch) * page_bytes)
-        pages = np.random.randint(0, 255, (count, page_bytes), dtype=np.uint8)
-        keys = [i.to_bytes(8, "little") for i in range(count)]
-        out = np.empty((batch, page_bytes), dtype=np.uint8)
-        warm = [b"warm%d" % i for i in range(batch)]
-        kv.put(ns, warm, pages[:batch])
-        kv.get(ns, warm, out=out)
-        put_lat, get_lat = [], []
-        for i in range(0, count, batch):
-            put_lat.append(_timed(lambda: kv.put(ns, keys[i:i + batch], pages[i:i + batch])))
-            bar.update(page_bytes * batch)
-        for i in range(0, count, batch):
-            get_lat.append(_timed(lambda: kv.get(ns, keys[i:i + batch], out=out)))
-            assert np.array_equal(out, pages[i:i + batch]), "get returned wrong bytes"
-            bar.update(page_bytes * batch)
+        row = peers.measure(KvTarget(kv, ns), page_bytes, total, bar, batch)
         kv.delete_namespace(ns)
-    return {
-        "batch": batch,
-        "put_gbps": count * page_bytes / sum(put_lat) / 1e9,
-        "get_gbps": count * page_bytes / sum(get_lat) / 1e9,
-        "put_p50_ms": statistics.median(put_lat) * 1e3,
-        "put_p99_ms": float(np.percentile(put_lat, 99)) * 1e3,
-        "get_p50_ms": statistics.median(get_lat) * 1e3,
-        "get_p99_ms": float(np.percentile(get_lat, 99)) * 1e3,
-        "pages": count,
-    }
+    return row
 
 
 def render(results: dict) -> str:  # type: ignore[type-arg]
@@ -175,7 +186,45 @@ def render(results: dict) -> str:  # type: ignore[type-arg]
             lines.append(f"| {row['page']} | {row.get('batch', 1)} | {row['put_gbps']:.2f} / {base['put_gbps']:.2f} | "
                          f"{row['get_gbps']:.2f} / {base['get_gbps']:.2f} | "
                          f"{row['put_gbps'] / base['put_gbps']:.2f}x | {row['get_gbps'] / base['get_gbps']:.2f}x |")
+    lines += render_peers(results)
     return "\n".join(lines) + "\n"
+
+
+TARGETS = {"redis": (("get",), 1.0), "mooncake": (("put", "get"), 1.5)}  # issue 15: kvstore tcp / peer at 4MiB
+
+
+def render_peers(results: dict) -> list[str]:  # type: ignore[type-arg]
+    """kvstore / peer for each peer row, against kvstore's rows of the same page size and batch."""
+    mine = {(r["path"], r["page"], r.get("batch", 1)): r for r in results["rows"] if not r.get("peer")}
+    rows = [r for r in results["rows"] if r.get("peer")]
+    skipped = [f"peer {name} skipped: {why}" for name, why in results.get("peers_skipped", {}).items()]
+    if not rows:
+        return ["", *skipped] if skipped else []
+    paths = [p for p in ("tcp", "tls", "shm") if any(k[0] == p for k in mine)]
+    lines = ["", "Beside other stores, same run (ratio = kvstore GB/s / peer GB/s; `tcp` is kvstore's socket data "
+             "channel, as the peers cross a socket too; `tls` the same with TLS; `shm` shared memory):", "",
+             "| peer | page | pages/call | peer put GB/s | peer get GB/s |"
+             + "".join(f" {p} / peer put | {p} / peer get |" for p in paths),
+             "|---|---|---|---|---|" + "---|---|" * len(paths)]
+    for row in rows:
+        cells = []
+        for path in paths:
+            base = mine.get((path, row["page"], row.get("batch", 1)))
+            cells += ["-", "-"] if base is None else [f"{base['put_gbps'] / row['put_gbps']:.2f}x",
+                                                      f"{base['get_gbps'] / row['get_gbps']:.2f}x"]
+        lines.append(f"| {row['path']} | {row['page']} | {row.get('batch', 1)} | {row['put_gbps']:.2f} | "
+                     f"{row['get_gbps']:.2f} | " + " | ".join(cells) + " |")
+    lines += [""] + skipped if skipped else []
+    tcp = mine.get(("tcp", "4MiB", 1))
+    for row in rows:
+        if tcp is None or row["path"] not in TARGETS or row["page"] != "4MiB" or row.get("batch", 1) != 1:
+            continue
+        ops, need = TARGETS[row["path"]]
+        got = [tcp[f"{op}_gbps"] / row[f"{op}_gbps"] for op in ops]
+        lines.append(f"\n4MiB, 1 page/call, kvstore tcp / {row['path']} {' and '.join(ops)}: "
+                     f"{' / '.join(f'{g:.2f}x' for g in got)} (target >= {need:g}x: "
+                     f"{'met' if min(got) >= need else 'NOT met'})")
+    return lines
 
 
 def plot(results: dict, path: Path) -> None:  # type: ignore[type-arg]
@@ -211,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                         "data channel of a second node with TLS)")
     parser.add_argument("--batch", default="1,8", help="pages per call to measure, e.g. 1,8")
     parser.add_argument("--sizes", default=",".join(SIZES), help="page sizes: " + ",".join(SIZES))
+    parser.add_argument("--peers", default="", help="other stores measured beside kvstore in the same run: "
+                        "redis,mooncake (pip install -e '.[bench]'; Debian redis-server and libibverbs1); one "
+                        "not installed is skipped with one line")
     args = parser.parse_args(argv)
     from kvstore.units import parse_size
 
@@ -218,8 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     paths = [p for p in args.paths.split(",") if p]
     batches = [int(b) for b in args.batch.split(",") if b]
     sizes = [s for s in args.sizes.split(",") if s]
+    names = [p for p in args.peers.split(",") if p]
+    if names and "tcp" not in paths:
+        print("--peers: kvstore's data channel (tcp) added to --paths, the peers are set against it")
+        paths.append("tcp")
     results = {"machine": platform.machine(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"),
-               "total_bytes": total, "rows": []}
+               "total_bytes": total, "rows": [], "peers": names, "peers_skipped": {}}
     print("measuring raw memcpy and raw TCP ...", flush=True)
     results["memcpy_gbps"] = memcpy_gbps()
     results["raw_tcp_gbps"] = raw_tcp_gbps()
@@ -233,17 +289,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "tls" in paths:
             secure, ca = tls_node(capacity, Path(tmp.name))
-        with tqdm(total=2 * total * len(paths) * len(sizes) * len(batches), unit="B", unit_scale=True,
-                  desc="kvstore") as bar:
-            for path in paths:
-                for size in sizes:
-                    for batch in batches:
+        with peers.started(names, capacity, skipped=results["peers_skipped"]) as others, \
+                tqdm(total=2 * (len(paths) + len(others)) * sum(peers.page_count(SIZES[s], total, b) * SIZES[s]
+                                                               for s in sizes for b in batches),
+                     unit="B", unit_scale=True, desc="kvstore" + "".join(f"+{n}" for n in others)) as bar:
+            for size in sizes:  # size by size, so each peer's row is measured right after kvstore's
+                for batch in batches:
+                    for path in paths:
                         if path == "tls":
                             assert secure is not None
                             row = bench_store(secure.address, path, SIZES[size], total, bar, batch, tls_ca=ca)
                         else:
                             row = bench_store(address, path, SIZES[size], total, bar, batch)
                         results["rows"].append({"path": path, "page": size, **row})
+                    for name, target in others.items():
+                        row = peers.measure(target, SIZES[size], total, bar, batch)
+                        results["rows"].append({"path": name, "page": size, "peer": True, **row})
+        order = [*paths, *names]
+        results["rows"].sort(key=lambda r: (order.index(r["path"]), sizes.index(r["page"]), r["batch"]))
     finally:
         node.terminate()
         if secure is not None:
