@@ -59,12 +59,6 @@ class Target(Protocol):
     def clear(self) -> None: ...
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def page_count(page_bytes: int, total: int, batch: int) -> int:
     """Pages moved per (store, page size, batch, op): the same for every store."""
     return max(8, total // page_bytes) // batch * batch
@@ -84,12 +78,15 @@ def measure(target: Target, page_bytes: int, total: int, bar: Any, batch: int = 
         target.get(warm, out)
         put_lat, get_lat = [], []
         for i in range(0, count, batch):
-            put_lat.append(_timed(lambda: target.put(keys[i:i + batch], pages[i:i + batch])))
+            start = time.perf_counter()
+            target.put(keys[i:i + batch], pages[i:i + batch])
+            put_lat.append(time.perf_counter() - start)
             bar.update(page_bytes * batch)
         for i in range(0, count, batch):
-            got: list[Any] = []
-            get_lat.append(_timed(lambda: got.append(target.get(keys[i:i + batch], out))))
-            views = out if got[0] is None else got[0]
+            start = time.perf_counter()
+            got = target.get(keys[i:i + batch], out)
+            get_lat.append(time.perf_counter() - start)
+            views = out if got is None else got
             assert len(views) == batch, f"get returned {len(views)} pages, asked for {batch}"
             for j, view in enumerate(views):
                 assert np.array_equal(np.frombuffer(view, np.uint8), pages[i + j]), "get returned wrong bytes"
@@ -131,7 +128,7 @@ class Proc:
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.name = name
-        self.log = tempfile.TemporaryFile()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 -- closed in stop(), after the child exits
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env)
 
@@ -185,8 +182,8 @@ def _module(name: str) -> Any:
 
 
 class RedisTarget:
-    def __init__(self, client: Any) -> None:
-        self.client = client
+    def __init__(self, client: Any, ports: list[int]) -> None:
+        self.client, self.ports = client, ports  # ports: what the peer listens on
 
     def prepare(self, pages: np.ndarray, out: np.ndarray) -> None:
         pass
@@ -227,7 +224,7 @@ def redis_peer(timeout: float = 15.0) -> Iterator[RedisTarget]:
         client = redis.Redis(connection_pool=pool)
         try:
             client.ping()
-            yield RedisTarget(client)
+            yield RedisTarget(client, [port])
         finally:
             client.close()
             pool.disconnect()
@@ -237,8 +234,8 @@ def redis_peer(timeout: float = 15.0) -> Iterator[RedisTarget]:
 
 
 class MooncakeTarget:
-    def __init__(self, store: Any) -> None:
-        self.store = store
+    def __init__(self, store: Any, ports: list[int]) -> None:
+        self.store, self.ports = store, ports  # ports: what the peer's processes listen on
         self.registered: list[int] = []
 
     def prepare(self, pages: np.ndarray, out: np.ndarray) -> None:
@@ -337,7 +334,7 @@ def mooncake_peer(segment_bytes: int, buffer_bytes: int = 64 << 20, timeout: flo
         if rc != 0:
             raise PeerUnavailable(f"MooncakeDistributedStore.setup returned {rc}: {said[0][-300:]}")
         stack.callback(store.close)
-        yield MooncakeTarget(store)
+        yield MooncakeTarget(store, [rpc, meta, metrics, service])
 
 
 # -- several at once -----------------------------------------------------------
