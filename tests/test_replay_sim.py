@@ -213,3 +213,29 @@ def test_sim_agrees_with_the_real_replay_on_the_smoke_workload(tmp_path) -> None
         oracle = side("oracle|plan")["ttft_p99_s"]
         assert all(oracle <= side(k)["ttft_p99_s"] for k in w["runs"]), "the oracle is a bound"
     assert "measured vs simulated" in (out / "report.md").read_text()
+
+
+def test_claims_share_one_prefill_of_a_new_context_and_the_tree_spreads_its_copies(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """agent-fanout (one seed, 8 nodes, 70B over 100 GbE), simulated: with +claims the followers of a new
+    context wait for its first prefill instead of recomputing it (fewer prefill GPU-seconds than
+    without), and under predictive the coordinator copies it to them as a tree (copies sent by nodes
+    other than the claimant)."""
+    from bench.replay.cli import replay_main
+
+    out = tmp_path / "claims"
+    args = ["--sim", "--trace", "agent-fanout", "--nodes", "8", "--preset", "llama3-70b-tp8", "--link", "eth-100g",
+            "--policies", "reactive,reactive+claims,predictive+claims", "--routers", "least-load", "--no-plots",
+            "--out", str(out)]
+    assert replay_main(args) == 0
+    (w,) = json.loads((out / "results.json").read_text())["workloads"].values()
+    runs = {k: v[0] for k, v in w["runs"].items()}
+    plain, claims, tree = (runs[f"{p}|least-load"] for p in ("reactive", "reactive+claims", "predictive+claims"))
+    for s in (plain, claims, tree):
+        assert s["completed"] == s["requests"]
+    assert claims["prefill_gpu_s"] < 0.9 * plain["prefill_gpu_s"]
+    lines = (out / "requests" / "agent-fanout-predictive+claims.jsonl").read_text().splitlines()
+    waited = [json.loads(line) for line in lines]
+    assert sum(r["claim_wait"] for r in waited) > 10
+    senders = tree["sim"]["coordinator"]["pages_from"]
+    assert len(senders) > 3  # the waiters that landed first served the rest
+    assert tree["ttft_p50_s"] < claims["ttft_p50_s"]

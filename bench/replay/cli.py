@@ -29,6 +29,7 @@ from bench.replay.engine import Driver, RunConfig
 from bench.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum
 from bench.replay.report import plot_cdf, plot_timeline, ratios, render, sweep_table, table
 from bench.replay.routers import ROUTERS, make_router
+from bench.replay.claiming import split_policy
 from bench.replay.sim import DEFAULT_RPC_MS, run_policy_sim
 from bench.replay.sim_report import compare_section
 from bench.replay.sweep import compare, key, router_configs
@@ -83,7 +84,10 @@ def replay_parser() -> argparse.ArgumentParser:
     _synth_args(w, "synth-")
     c = p.add_argument_group("cluster and policies")
     c.add_argument("--nodes", type=int, default=4)
-    c.add_argument("--policies", default=",".join(POLICIES), help="comma list of " + ",".join(POLICIES))
+    c.add_argument("--policies", default=",".join(POLICIES), help="comma list of " + ",".join(POLICIES) +
+                   "; each but oracle may take +claims (engines claim their prefills and wait for each other's)")
+    c.add_argument("--claim-margin", type=float, default=1.0,
+                   help="+claims: an engine waits for another's prefill when ready + copy < this x its own")
     c.add_argument("--router", default="cache-aware", choices=ROUTERS, help="the router (see --routers)")
     c.add_argument("--routers", default=None, help="comma list of routers; every policy runs under each "
                    "(the oracle routes itself). Default: --router")
@@ -201,7 +205,8 @@ def cluster_and_router(a: argparse.Namespace, policy: str, router_cfg: tuple[str
                        cost: CostModel) -> tuple[ClusterSpec, Any]:
     """The daemons' settings and the router of one configuration (the real and the simulated replay)."""
     rate, latency = link_of(a)
-    spec = ClusterSpec(nodes=a.nodes, policy="reactive" if policy == "oracle" else policy, namespace=a.preset,
+    base, _ = split_policy(policy)
+    spec = ClusterSpec(nodes=a.nodes, policy="reactive" if base == "oracle" else base, namespace=a.preset,
                        page_bytes=cost.scaled_page_bytes, capacity=a.capacity, device=a.device,
                        transport=a.transport, heartbeat_interval=a.heartbeat,
                        heartbeat_timeout=max(3.0, 10 * a.heartbeat), planner_tick=a.planner_tick,
@@ -268,9 +273,10 @@ def replay_main(argv: list[str] | None = None) -> int:
 
 def _replay(a: argparse.Namespace) -> int:
     policies = [p.strip() for p in a.policies.split(",") if p.strip()]
-    bad = [p for p in policies if p not in POLICIES]
+    bad = [p for p in policies if p.removesuffix("+claims") not in POLICIES or p == "oracle+claims"]
     if bad or not policies:
-        print(f"kvctl replay: unknown policies {bad}; choose from {','.join(POLICIES)}", file=sys.stderr)
+        print(f"kvctl replay: unknown policies {bad}; choose from {','.join(POLICIES)} (each but oracle may take "
+              "+claims: engines claim their prefills and wait for each other's)", file=sys.stderr)
         return 2
     if a.nodes < 1 or a.speedup <= 0 or a.concurrency < 1 or a.repeats < 1:
         print("kvctl replay: --nodes, --speedup, --concurrency and --repeats must be positive", file=sys.stderr)

@@ -62,6 +62,7 @@ class RequestRecord:
     put_s: float = 0.0        # measured, real (after the first token: not in TTFT)
     corrupt: int = 0          # fetched pages whose bytes were not the key's
     kv_error: str = ""        # the node's Lookup/Get failed (e.g. killed): the engine recomputed the prompt
+    claim_wait: bool = False  # +claims: it waited for another request's in-flight prefill of its prefix
     done: bool = False
     error: str = ""
 

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.replay import claiming
 from bench.replay.costmodel import CostModel
 from bench.replay.metrics import RequestRecord, after_kill, aggregate, cluster_summary, record_hits
 from bench.replay.oracle import Plan, Step, plan
@@ -64,6 +65,8 @@ class SimConfig:
     sample_s: float = 0.25           # real s
     rpc_ms: float = DEFAULT_RPC_MS
     kills: list[tuple[int, float]] = field(default_factory=list)
+    claims: bool = False             # +claims: engines claim their prefills and wait for others' claims
+    claim_margin: float = 1.0        # wait when ready + copy < margin x own prefill (claiming.wait_for)
 
 
 class Held:
@@ -96,6 +99,7 @@ class SimEngine:
         self.slots = Semaphore(sim, concurrency)
         self.prefill = Semaphore(sim, 1)
         self.waiting = self.running = 0
+        self.backlog_s = 0.0            # trace s of prefill queued or running on the prefill unit
         self.own: set[bytes] = set()
         self.used_placed: set[bytes] = set()
 
@@ -120,10 +124,13 @@ class SimDriver:
             fetch_timeout_s=min(cfg.fetch_timeout_s, dcfg.fetch_timeout), link_rate=cfg.link_rate,
             link_latency=cfg.link_latency, depth_cap=dcfg.predictor_depths[-1])
         self.cluster = SimCluster(self.sim, params)
+        self.cluster.rpc_s = cfg.rpc_ms / 1e3
         self.coord: SimCoordinator | None = None
         if cfg.policy in ("predictive", "full"):
             self.coord = SimCoordinator(dcfg, self.cluster, rpc_s=cfg.rpc_ms / 1e3)
             self.cluster.placement = self.coord
+            if cfg.policy == "predictive":  # the coordinator copies a landed claim to its waiters as a tree
+                self.cluster.claims.tree_fanout = self.coord.coord.plan_cfg.fanout
         self.engines = [SimEngine(self.sim, cfg.concurrency) for _ in range(cfg.nodes)]
         self.rpc = cfg.rpc_ms / 1e3 * S          # one KV round trip, trace s
         self.records: list[RequestRecord] = []
@@ -170,8 +177,25 @@ class SimDriver:
         local = cluster_max = cached = 0
         if cl.alive(n):
             yield sim.timeout(self.rpc)  # Lookup
-            local, nodes = cl.lookup(n, keys, record=True)
+            claim = 0.0
+            if cfg.claims:
+                claim = claiming.claim_seconds(cost, rec.input_tokens, cl.pools[n].prefix(keys), eng.backlog_s,
+                                               cfg.speedup)
+            local, nodes = cl.lookup(n, keys, record=True, claim_seconds=claim)
             cluster_max = max([local] + [int(e.prefix_length) for e in nodes if not e.pending])
+            wait = claiming.wait_for(nodes, cl.ids[n], local, cluster_max, cost, cfg.speedup, cfg.link_rate,
+                                     eng.backlog_s, cfg.claim_margin) if cfg.claims else None
+            if wait is not None:  # another request is computing this prefix: wait for it, then read it
+                t_wait = sim.now
+                rec.claim_wait = True
+                yield sim.timeout(wait.ready_in_s)
+                while cl.alive(n):
+                    yield sim.timeout(self.rpc)  # re-Lookup
+                    local, nodes = cl.lookup(n, keys)
+                    if claiming.landed(nodes, cl.ids[n], local, wait.length, wait.node) or sim.now - t_wait >= wait.budget_s:
+                        break
+                    yield sim.timeout(claiming.POLL_S * cfg.speedup)
+                cluster_max = max([local] + [int(e.prefix_length) for e in nodes if not e.pending])
             fetch = cluster_max if step is None else max(local, step.depth)
             if fetch > 0:
                 yield cl.fetch_missing(n, keys[:fetch])
@@ -198,10 +222,12 @@ class SimDriver:
         rec.prefill_s = cost.prefill_s(cost.uncached_tokens(rec.input_tokens, cached))
         rec.decode_s = cost.decode_s(rec.input_tokens, rec.output_tokens)
         t1 = sim.now
+        eng.backlog_s += rec.prefill_s
         yield eng.prefill.acquire()
         prefill_wait = sim.now - t1
         yield sim.timeout(rec.prefill_s)
         eng.prefill.release()
+        eng.backlog_s -= rec.prefill_s
         rec.queue_s = slot_wait + prefill_wait
         rec.first_token_at = sim.now
         if cached < len(keys):
@@ -210,6 +236,7 @@ class SimDriver:
             if cl.alive(n):
                 cl.pools[n].store(keys[cached:], PRIMARY)
                 cl.pools[n].puts += len(keys) - cached
+                cl.stored(n)
                 eng.own.update(keys[cached:])
                 if self.held is not None:
                     self.held.mark(n, keys[cached:])
@@ -329,7 +356,8 @@ def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float]
     spec, router = cluster_and_router(a, policy, router_cfg, cost)
     rate, latency = link_of(a)
     free = a.network == "none"
-    cfg = SimConfig(policy=policy, router=router, cost=cost, namespace=a.preset, nodes=a.nodes, speedup=a.speedup,
+    base, claims = claiming.split_policy(policy)
+    cfg = SimConfig(policy=base, claims=claims, claim_margin=getattr(a, "claim_margin", 1.0), router=router, cost=cost, namespace=a.preset, nodes=a.nodes, speedup=a.speedup,
                     concurrency=a.concurrency, daemon_args=spec.args("n0"), link_rate=1e18 if free else rate,
                     link_latency=0.0 if free else latency, capacity_bytes=parse_size(a.capacity),
                     oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl, fetch_timeout_s=a.fetch_timeout,

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from bench.replay.sim_kernel import Event, Network, Sim
+from kvstore.cluster.claims import Claims
 from kvstore.cluster.directory import Directory, Outbox
 from kvstore.cluster.replicator import assign_sources
 from kvstore.pool.pool import PageKind
@@ -188,6 +189,7 @@ class SimCluster:
         self.pools = [SimPool(p.capacity_bytes // max(1, p.scaled_page_bytes), p.namespace) for _ in self.ids]
         self.net = Network(sim, p.nodes, p.link_rate, p.link_latency)
         self.directory = Directory()
+        self.claims = Claims()              # in-flight prefill claims (the coordinator's, as in the daemons)
         self.membership = Membership(self)
         self.placement = placement          # the coordinator glue (predictive/full), or None
         self.inflight: list[dict[bytes, Event]] = [{} for _ in self.ids]
@@ -195,6 +197,8 @@ class SimCluster:
         self._access_t: list[list[float]] = [[] for _ in self.ids]
         self.dead: dict[int, float] = {}    # node -> daemon s it was killed
         self.seq = [0] * p.nodes
+        self.claimed_until = [0.0] * p.nodes  # daemon s: node i holds claims until then (it reports on Put)
+        self.rpc_s = 0.0015                   # daemon s of one report round trip (SimDriver sets its rpc_ms)
         self.peer_bytes_in = [0] * p.nodes  # scaled bytes pulled into each node (kvstore_peer_bytes_total in)
 
     # ---- clocks --------------------------------------------------------------
@@ -222,6 +226,19 @@ class SimCluster:
     def _beat(self, i: int) -> None:
         if not self.alive(i):
             return
+        self.report(i)
+        now = self.dnow()
+        for j, died in list(self.dead.items()):
+            if now - died >= self.p.heartbeat_timeout_s:
+                self.directory.drop(self.ids[j])
+                self.claims.drop_node(self.ids[j])
+        self.sim.at(self.trace_s(self.p.heartbeat_s), self._beat, i)
+
+    def report(self, i: int) -> None:
+        """Node ``i``'s directory report and recorded requests (every heartbeat, and at once after a Put of
+        keys it claimed, as the agent does), applied by the coordinator; resolves the claims it fulfils."""
+        if not self.alive(i):
+            return
         now, pool, node = self.dnow(), self.pools[i], self.ids[i]
         pool.drop_speculative(now=now)
         if pool.outbox.need_full:
@@ -231,6 +248,9 @@ class SimCluster:
             seq, batches = pool.outbox.take(now)
             full = False
         self.directory.report(node, "sim", seq, full, batches, now)
+        landed = [c for batch in batches for c in self.claims.resolve(node, batch.namespace, batch.adds)]
+        if landed and self.placement is not None:
+            self.placement.on_claims_landed(landed)
         self.membership.reported[node] = pb.MemberInfo(
             node_id=node, capacity_bytes=self.p.capacity_bytes, used_bytes=len(pool) * self.p.scaled_page_bytes,
             speculative_bytes=len(pool.spec) * self.p.scaled_page_bytes)
@@ -241,10 +261,6 @@ class SimCluster:
                 self.placement.observe(node, event)
         self.accesses[i].clear()
         self._access_t[i].clear()
-        for j, died in list(self.dead.items()):
-            if now - died >= self.p.heartbeat_timeout_s:
-                self.directory.drop(self.ids[j])
-        self.sim.at(self.trace_s(self.p.heartbeat_s), self._beat, i)
 
     def kill(self, i: int) -> None:
         self.dead[i] = self.dnow()
@@ -254,13 +270,16 @@ class SimCluster:
         self.inflight[i].clear()
 
     # ---- lookups -------------------------------------------------------------
-    def prefixes(self, keys: Sequence[bytes]) -> list[pb.NodePrefix]:
-        """The coordinator's answer: per live node its longest prefix (directory), with the hints."""
+    def prefixes(self, keys: Sequence[bytes], asker: str = "", claim_node: str = "",
+                 claim_seconds: float = 0.0, claim_start: int = 0) -> list[pb.NodePrefix]:
+        """The coordinator's answer: per live node its longest prefix (directory), with the hints and the
+        in-flight claims; a claim in the same call is recorded after the answer is drawn (as the agent)."""
         ns = self.p.namespace
         out: dict[str, pb.NodePrefix] = {}
         for node_id, length in self.directory.prefixes(ns, keys).items():
             if self.membership.alive(node_id):
                 out[node_id] = pb.NodePrefix(node_id=node_id, prefix_length=length)
+        held = {n: int(e.prefix_length) for n, e in out.items()}  # what the directory knows is stored
         hints = self.placement.hints(ns, keys) if self.placement is not None else []
         for hint in hints:  # as kvstore.cluster.agent.Agent.prefixes merges them
             have = out.get(hint.node_id)
@@ -268,14 +287,38 @@ class SimCluster:
                 out[hint.node_id] = hint
             elif hint.prefix_length == have.prefix_length and not hint.pending:
                 have.expires_in_seconds = hint.expires_in_seconds
+        now = self.dnow()
+        for seen in self.claims.seen(ns, keys, now, held, asker):
+            have = out.get(seen.node)
+            # a claim shows over what the directory knows, not over a copy on its way (that copy brings the
+            # shared part; the claim beyond it is the node's own suffix)
+            if self.membership.alive(seen.node) and (have is None or (seen.length > have.prefix_length
+                                                                     and not have.pending)):
+                out[seen.node] = pb.NodePrefix(node_id=seen.node, prefix_length=seen.length, pending=True,
+                                               computing=True, ready_in_seconds=seen.ready_in,
+                                               copies_ahead=seen.copies_ahead)
+        if claim_seconds > 0 and claim_node:
+            start = max([claim_start, *held.values()])
+            if self.claims.claim(ns, keys, claim_node, claim_seconds, now, start=start) is not None:
+                i = self.index[claim_node]
+                self.claimed_until[i] = max(self.claimed_until[i], now + claim_seconds + self.claims.grace_s)
         return list(out.values())
 
-    def lookup(self, i: int, keys: Sequence[bytes], record: bool = False) -> tuple[int, list[pb.NodePrefix]]:
+    def stored(self, i: int) -> None:
+        """Node ``i`` stored pages (a Put): while it holds claims it reports at once (the agent wakes its
+        heartbeat), so the claim resolves an RPC later instead of a heartbeat later."""
+        if self.dnow() < self.claimed_until[i]:
+            self.sim.at(self.rpc_s * self.p.speedup, self.report, i)
+
+    def lookup(self, i: int, keys: Sequence[bytes], record: bool = False,
+               claim_seconds: float = 0.0) -> tuple[int, list[pb.NodePrefix]]:
         """Node ``i``'s Lookup: (its local prefix, every node's prefix) as the agent answers it."""
         local = self.pools[i].prefix(keys)
         me = self.ids[i]
-        nodes = [n for n in self.prefixes(keys) if n.node_id != me]
-        if local:
+        answer = self.prefixes(keys, asker=me, claim_node=me, claim_seconds=claim_seconds, claim_start=local)
+        # this node's own entry: what it holds, or (deeper) a claim or a copy on its way here
+        nodes = [n for n in answer if n.node_id != me or (n.pending and n.prefix_length > local)]
+        if local and not any(n.node_id == me for n in nodes):
             nodes.append(pb.NodePrefix(node_id=me, prefix_length=local))
         if record and keys:
             depth = min(len(keys), self.p.depth_cap)

@@ -211,6 +211,14 @@ class SimCoordinator:
         self.sim.at(cl.trace_s(self.rpc_s / 2), replicate)
         return done
 
+    def on_claims_landed(self, claims: Sequence[Any]) -> None:
+        """``Coordinator.on_claims_landed``: a copy tree to each landed claim's waiters."""
+        c = self.coord
+        for claim in claims:
+            d = c.claim_tree(claim, self.cluster.membership.alive)
+            if d is not None:
+                self._copy_tree(d, len(d.keys) * self.cluster.p.scaled_page_bytes)
+
     def _copy_tree(self, d: Any, nbytes: int) -> None:
         """``Coordinator._copy_tree``: every holder sends a wave of ``fanout`` copies at a time; each
         target, once its copy landed, serves its own."""

@@ -37,6 +37,7 @@ from kvstore.cluster.membership import Membership
 from kvstore.cluster.peers import PeerClient
 from kvstore.config import NodeConfig
 from kvstore.errors import KvError
+from kvstore.cluster.claims import Claim, waiter_tree
 from kvstore.metrics import NodeMetrics
 from kvstore.pool.pool import PageKind
 from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig
@@ -107,6 +108,22 @@ class Coordinator:
         for batch in batches:
             if batch.adds:
                 self._full_queue.append((batch.namespace, node, list(batch.adds)))
+
+    def claim_tree(self, claim: Claim, alive: Callable[[str], bool]) -> Decision | None:
+        """The copy tree to a landed claim's waiters (:func:`~kvstore.cluster.claims.waiter_tree`), under
+        ``predictive`` (the copy-tree rule of the planner, fed by demand that is known, not forecast)."""
+        if self.policy != "predictive":
+            return None
+        return waiter_tree(claim, alive, self.plan_cfg.fanout, self.plan_cfg.ttl_s,
+                           self._page_bytes(claim.namespace))
+
+    def on_claims_landed(self, claims: Sequence[Claim]) -> None:
+        """Claims whose Put reached the directory: copy each to the nodes that waited for it, as a tree."""
+        for claim in claims:
+            d = self.claim_tree(claim, self.membership.alive)
+            if d is not None:
+                self.decision_sources["claim-waiters"] += 1
+                self._spawn(self._copy_tree(d, len(d.keys) * self._page_bytes(d.namespace)))
 
     @property
     def speculative(self) -> dict[tuple[str, bytes], dict[str, float]]:

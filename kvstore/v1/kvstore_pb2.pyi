@@ -150,32 +150,42 @@ class GetResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[bytes]] = ..., missing_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "record", "lease_ttl_seconds", "lease_id")
+    __slots__ = ("namespace", "keys", "record", "lease_ttl_seconds", "lease_id", "claim_seconds", "claim_node_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     record: bool
     lease_ttl_seconds: float
     lease_id: str
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., record: _Optional[bool] = ..., lease_ttl_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    claim_seconds: float
+    claim_node_id: str
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., record: _Optional[bool] = ..., lease_ttl_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ..., claim_seconds: _Optional[float] = ..., claim_node_id: _Optional[str] = ...) -> None: ...
 
 class NodePrefix(_message.Message):
-    __slots__ = ("node_id", "address", "prefix_length", "pending", "expires_in_seconds")
+    __slots__ = ("node_id", "address", "prefix_length", "pending", "expires_in_seconds", "computing", "ready_in_seconds", "copies_ahead")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTING_FIELD_NUMBER: _ClassVar[int]
+    READY_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_AHEAD_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     prefix_length: int
     pending: bool
     expires_in_seconds: float
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., prefix_length: _Optional[int] = ..., pending: _Optional[bool] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
+    computing: bool
+    ready_in_seconds: float
+    copies_ahead: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., prefix_length: _Optional[int] = ..., pending: _Optional[bool] = ..., expires_in_seconds: _Optional[float] = ..., computing: _Optional[bool] = ..., ready_in_seconds: _Optional[float] = ..., copies_ahead: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("prefix_length", "nodes", "lease_id", "leased_length", "lease_expires_in_seconds")

@@ -1,0 +1,200 @@
+"""In-flight prefill claims: who is computing a prefix right now, and when it will be ready.
+
+Pure logic, no I/O; the coordinator's agent keeps one :class:`Claims` beside
+its :class:`~kvstore.cluster.directory.Directory`, and the simulated replay
+keeps another.
+
+The problem it answers: a burst of requests that share a *new* context (an
+agent fan-out, a shared document) arrives while the first request is still in
+its prefill. Nothing is cached anywhere yet, so without claims every node
+that gets a follower recomputes the same context -- k prefills of the same
+tokens, on engines that are the bottleneck. With claims:
+
+1. the engine that misses and is about to prefill says so
+   (``Lookup(claim_seconds=its expected prefill)``), and the coordinator
+   records ``(namespace, key) -> (node, ready at)`` for every key of the chain
+   that nobody else has claimed (first come, first served: the directory's
+   answers are serial on the coordinator's loop, so two claimants of one key
+   cannot both win);
+2. a follower's Lookup, on any node, sees the claimant as
+   ``NodePrefix(pending=true, computing=true, ready_in_seconds=...)`` and
+   its connector waits for it when ``ready_in + the copy < its own prefill``
+   (:func:`worth_waiting`), then Gets, which pulls;
+3. the claimant's Put reaches the directory (its node reports at once while
+   it holds claims), which resolves the claim: from then on the node is an
+   ordinary holder.
+
+A claim is soft state: it expires at ``ready at + grace`` whether or not the
+Put came (the claimant died, or its request was cancelled), so a follower
+never waits on a claim longer than the claimant said plus the grace, and a
+coordinator's restart loses nothing but the chance to share that prefill.
+
+Who waited on a claim is kept with it (``waiters``): the nodes that will pull
+the prefix once it lands, for the coordinator to copy to as a tree instead
+of k pulls on the claimant's egress.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.predict.planner import copy_tree
+from kvstore.predict.planner_types import Decision
+
+DEFAULT_MAX_KEYS = 200_000      # claimed keys kept at once (a claim that does not fit is not recorded)
+DEFAULT_GRACE_S = 2.0           # a claim lives this long past its ready time before it is dropped
+
+
+@dataclass(slots=True)
+class Claim:
+    """One claimant's in-flight prefill of a chain."""
+
+    node: str
+    namespace: str
+    ready_at: float                 # when the claimant expects to Put (its clock: the coordinator's monotonic)
+    expires_at: float               # dropped after this, Put or not
+    keys: list[bytes] = field(default_factory=list)   # the keys this claim won, in chain order
+    chain: list[bytes] = field(default_factory=list)  # the claimant's chain up to its last won key
+    needed: int = 0                                   # the longest prefix of it a waiter asked for
+    waiters: set[str] = field(default_factory=set)    # nodes whose lookups were answered with this claim
+
+
+@dataclass(slots=True, frozen=True)
+class Seen:
+    """What a lookup learns of one claimant: it computes ``length`` leading keys of the chain."""
+
+    node: str
+    length: int
+    ready_in: float
+    copies_ahead: int = 0  # copy waves of it that come before the asker's (see Claims.tree_fanout)
+
+
+class Claims:
+    """The coordinator's table of in-flight prefills (see the module doc)."""
+
+    def __init__(self, max_keys: int = DEFAULT_MAX_KEYS, grace_s: float = DEFAULT_GRACE_S,
+                 tree_fanout: int = 0) -> None:
+        # tree_fanout: 0 = every waiter pulls from the claimant (one egress shared by all: copies_ahead is
+        # the other waiters); > 0 = the coordinator copies to the waiters as a tree of this fanout
+        # (copies_ahead is the waves before the last one)
+        self.max_keys, self.grace_s, self.tree_fanout = max_keys, grace_s, tree_fanout
+        self._by_key: dict[tuple[str, bytes], Claim] = {}
+        self._expiry: list[tuple[float, int, Claim]] = []   # heap: claims by expiry, for an O(log n) prune
+        self._seq = itertools.count()
+        self.made = self.resolved = self.expired = self.refused = 0   # counters (metrics)
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def claim(self, namespace: str, keys: Sequence[bytes], node: str, seconds: float, now: float,
+              start: int = 0) -> Claim | None:
+        """``node`` will compute ``keys[start:]`` and store the whole chain within ``seconds``; record the
+        keys nobody else claims. ``start`` is how much of the chain the cluster already holds (those
+        keys are not claimed: they can be read now). Returns the claim, or None when it won no key or
+        the table is full."""
+        self.prune(now)
+        if seconds <= 0 or start >= len(keys):
+            return None
+        won = [k for k in dict.fromkeys(keys[start:]) if self._live((namespace, k), now) is None]
+        if not won:
+            return None
+        if len(self._by_key) + len(won) > self.max_keys:
+            self.refused += 1
+            return None
+        last = max(i for i, k in enumerate(keys) if k in set(won))
+        c = Claim(node=node, namespace=namespace, ready_at=now + seconds,
+                  expires_at=now + seconds + self.grace_s, keys=won, chain=list(keys[:last + 1]))
+        for k in won:
+            self._by_key[(namespace, k)] = c
+        heapq.heappush(self._expiry, (c.expires_at, next(self._seq), c))
+        self.made += 1
+        return c
+
+    def _live(self, slot: tuple[str, bytes], now: float) -> Claim | None:
+        c = self._by_key.get(slot)
+        if c is not None and c.expires_at <= now:
+            return None
+        return c
+
+    def seen(self, namespace: str, keys: Sequence[bytes], now: float, held: dict[str, int] | None = None,
+             asker: str = "") -> list[Seen]:
+        """Per claimant of a key of ``keys``: how many leading keys of the chain it will hold once its Put
+        lands -- the prefix the cluster holds already (``held``: the directory's prefix length per node;
+        the claimant reads that part before it computes), then its own run of claimed keys. The asker (a
+        node id) is noted among each claim's waiters."""
+        base = max(held.values(), default=0) if held else 0
+        out: list[Seen] = []
+        i = base
+        while i < len(keys):
+            c = self._live((namespace, keys[i]), now)
+            if c is None:
+                break
+            j = i
+            while j < len(keys) and self._live((namespace, keys[j]), now) is c:
+                j += 1
+            if asker and asker != c.node:
+                c.waiters.add(asker)
+                c.needed = max(c.needed, j)
+            others = len(c.waiters - {asker})
+            ahead = others if self.tree_fanout <= 0 else copy_tree(["s"], [""] * (others + 1), self.tree_fanout)[1] - 1
+            out.append(Seen(node=c.node, length=j, ready_in=max(0.0, c.ready_at - now), copies_ahead=ahead))
+            i = j  # a deeper run claimed by another node needs this one's keys first: it waits for both
+        return out
+
+    def resolve(self, node: str, namespace: str, added: Iterable[bytes]) -> list[Claim]:
+        """``node`` reported ``added`` keys stored: its claims on them are done. Returns the claims that
+        ended (every key landed), for the caller to act on their waiters."""
+        ended: dict[int, Claim] = {}
+        for k in added:
+            c = self._by_key.get((namespace, k))
+            if c is not None and c.node == node:
+                del self._by_key[(namespace, k)]
+                ended[id(c)] = c
+        done = [c for c in ended.values() if not any(self._by_key.get((namespace, k)) is c for k in c.keys)]
+        self.resolved += len(done)
+        return done
+
+    def drop_node(self, node: str) -> int:
+        """``node`` left the cluster: its claims will never land."""
+        gone = [slot for slot, c in self._by_key.items() if c.node == node]
+        for slot in gone:
+            del self._by_key[slot]
+        return len(gone)
+
+    def prune(self, now: float) -> int:
+        """Drop the claims past their expiry (:meth:`claim` calls it; the cost is per expired claim)."""
+        dropped = 0
+        while self._expiry and self._expiry[0][0] <= now:
+            _, _, c = heapq.heappop(self._expiry)
+            mine = [k for k in c.keys if self._by_key.get((c.namespace, k)) is c]
+            for k in mine:
+                del self._by_key[(c.namespace, k)]
+            if mine:
+                self.expired += 1
+                dropped += len(mine)
+        return dropped
+
+
+def waiter_tree(claim: Claim, alive: Callable[[str], bool], fanout: int, ttl_s: float,
+                page_bytes: int) -> Decision | None:
+    """The copy tree that brings a landed claim's chain to the nodes that waited for it (the claimant
+    first, then every landed waiter serves more), instead of every waiter pulling from the claimant at
+    once. None when nobody else waited."""
+    targets = tuple(sorted(n for n in claim.waiters if n != claim.node and alive(n)))
+    chain = claim.chain[:claim.needed]  # what the waiters share (the claimant's own suffix is its alone)
+    if not targets or not chain:
+        return None
+    edges, waves = copy_tree([claim.node], list(targets), fanout)
+    return Decision(namespace=claim.namespace, keys=tuple(chain), depth=len(chain), source=claim.node,
+                    targets=targets, prob=1.0, ttl_s=ttl_s, reason="claim-waiters",
+                    bytes=len(chain) * page_bytes * len(targets), tree=tuple(edges), waves=waves)
+
+
+def worth_waiting(ready_in_s: float, copy_s: float, own_prefill_s: float, margin: float = 0.8) -> bool:
+    """A follower waits for a claimant's prefill (then copies it) instead of computing the same prefix
+    itself when that is clearly faster: ``ready_in + copy < margin * own prefill`` (the margin pays for
+    a late claimant and the directory's round trip)."""
+    return ready_in_s + copy_s < margin * own_prefill_s

@@ -1,0 +1,87 @@
+"""In-flight prefill claims: the pure table (kvstore.cluster.claims), no sockets."""
+
+from __future__ import annotations
+
+from kvstore.cluster.claims import Claims, waiter_tree, worth_waiting
+
+NS = "ns"
+CHAIN = [b"k%d" % i for i in range(6)]
+
+
+def test_first_claimant_wins_and_followers_see_it_with_its_ready_time() -> None:
+    c = Claims()
+    assert c.claim(NS, CHAIN, "a", 2.0, now=10.0) is not None
+    assert c.claim(NS, CHAIN, "b", 1.0, now=10.1) is None  # every key taken: b is a follower, not a claimant
+    [seen] = c.seen(NS, CHAIN[:4] + [b"other"], now=10.5, asker="b")
+    assert (seen.node, seen.length) == ("a", 4)
+    assert abs(seen.ready_in - 1.5) < 1e-9
+
+
+def test_claim_starts_after_what_the_cluster_holds_and_a_deeper_run_stacks() -> None:
+    c = Claims()
+    c.claim(NS, CHAIN[:3], "a", 1.0, now=0.0, start=1)   # k0 is held somewhere: a claims k1, k2
+    c.claim(NS, CHAIN, "b", 3.0, now=0.0, start=1)       # b wins only k3..k5 (k1, k2 are a's)
+    seen = c.seen(NS, CHAIN, now=0.5, held={"x": 1}, asker="y")
+    assert [(s.node, s.length) for s in seen] == [("a", 3), ("b", 6)]
+    assert c.seen(NS, CHAIN, now=0.5) == []  # without the held prefix the chain starts unclaimed (k0)
+
+
+def test_put_resolves_and_returns_the_claim_with_its_waiters() -> None:
+    c = Claims()
+    c.claim(NS, CHAIN, "a", 1.0, now=0.0)
+    c.seen(NS, CHAIN[:4], now=0.1, asker="b")
+    c.seen(NS, CHAIN[:4], now=0.2, asker="c")
+    assert c.resolve("b", NS, CHAIN) == []               # only the claimant's report resolves it
+    assert c.resolve("a", NS, CHAIN[:3]) == []           # partly stored: still in flight
+    [done] = c.resolve("a", NS, CHAIN[3:])
+    assert done.waiters == {"b", "c"} and done.needed == 4
+    assert len(c) == 0 and c.seen(NS, CHAIN, now=0.3) == []
+
+
+def test_claims_expire_and_die_with_their_node() -> None:
+    c = Claims(grace_s=0.5)
+    c.claim(NS, CHAIN[:2], "a", 1.0, now=0.0)
+    c.claim(NS, CHAIN[2:4], "b", 5.0, now=0.0)
+    assert c.seen(NS, CHAIN[:2], now=1.6) == []          # past ready + grace: a follower stops waiting on it
+    assert c.claim(NS, CHAIN[:2], "c", 1.0, now=1.6) is not None  # and the next claimant takes it over
+    assert c.drop_node("b") == 2
+    assert c.claim(NS, CHAIN[2:4], "d", 1.0, now=1.7) is not None
+
+
+def test_table_is_bounded() -> None:
+    c = Claims(max_keys=4)
+    assert c.claim(NS, CHAIN[:3], "a", 1.0, now=0.0) is not None
+    assert c.claim(NS, CHAIN[3:], "b", 1.0, now=0.0) is None
+    assert c.refused == 1 and len(c) == 3
+
+
+def test_copies_ahead_counts_waves_not_waiters_under_a_tree() -> None:
+    star, tree = Claims(), Claims(tree_fanout=2)
+    for table in (star, tree):
+        table.claim(NS, CHAIN, "a", 1.0, now=0.0)
+        for w in "bcdefg":
+            table.seen(NS, CHAIN, now=0.1, asker=w)
+    [s] = star.seen(NS, CHAIN, now=0.2, asker="h")
+    [t] = tree.seen(NS, CHAIN, now=0.2, asker="h")
+    assert s.copies_ahead == 6         # six other waiters pull from a's egress
+    assert t.copies_ahead == 1         # 7 targets, fanout 2: 2 waves, one before the last
+
+
+def test_waiter_tree_copies_the_shared_part_from_the_claimant_out() -> None:
+    c = Claims()
+    claim = c.claim(NS, CHAIN, "a", 1.0, now=0.0)
+    assert claim is not None
+    assert waiter_tree(claim, lambda n: True, 2, 30.0, 100) is None  # nobody waited
+    for w in ("b", "c", "d", "dead"):
+        c.seen(NS, CHAIN[:4], now=0.1, asker=w)
+    d = waiter_tree(claim, lambda n: n != "dead", 2, 30.0, 100)
+    assert d is not None
+    assert d.keys == tuple(CHAIN[:4]) and d.targets == ("b", "c", "d")
+    assert d.tree[0][0] == "a" and {t for _, t in d.tree} == {"b", "c", "d"} and d.waves == 2
+    assert d.bytes == 4 * 100 * 3
+
+
+def test_worth_waiting() -> None:
+    assert worth_waiting(1.0, 0.5, 2.0)
+    assert not worth_waiting(1.0, 1.5, 2.0)
+    assert worth_waiting(1.0, 1.5, 2.0, margin=1.5)
