@@ -89,9 +89,9 @@ def test_missing_peers_are_one_clear_line_each(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_a_peer_that_exits_at_start_is_unavailable_with_its_output() -> None:
-    with peers.spawn("fake-server", ["sh", "-c", "echo cannot bind; exit 3"]) as proc:
-        with pytest.raises(peers.PeerUnavailable, match="fake-server exited with code 3: cannot bind"):
-            peers.wait_ready(lambda: False, [proc], "fake-server", timeout=10)
+    with peers.spawn("fake-server", ["sh", "-c", "echo cannot bind; exit 3"]) as proc, \
+            pytest.raises(peers.PeerUnavailable, match="fake-server exited with code 3: cannot bind"):
+        peers.wait_ready(lambda: False, [proc], "fake-server", timeout=10)
 
 
 class WrongBytes:
