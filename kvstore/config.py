@@ -145,6 +145,7 @@ class NodeConfig:
     max_batch_pages: int = 65536
     max_batch_bytes: int = 1 << 30
     max_pin_ttl: float = 3600.0
+    max_claim_seconds: float = 600.0   # the longest in-flight prefill claim a Lookup may make
     grace: float = 5.0
     deadline_share: float = 0.8
     control_timeout: float = 5.0

@@ -304,9 +304,11 @@ class AsyncKvClient:
     async def lookup(self, namespace: str, keys: Sequence[bytes], *, record: bool = False) -> int:
         return (await self.lookup_nodes(namespace, keys, record=record)).prefix_length
 
-    async def lookup_nodes(self, namespace: str, keys: Sequence[bytes], *, record: bool = False) -> pb.LookupResponse:
+    async def lookup_nodes(self, namespace: str, keys: Sequence[bytes], *, record: bool = False,
+                           claim_seconds: float = 0.0) -> pb.LookupResponse:
+        """See ``KvClient.lookup_nodes`` (``claim_seconds``: an in-flight prefill claim)."""
         return await self._call(self._stub.Lookup, pb.LookupRequest(namespace=namespace, keys=list(keys),
-                                                                    record=record))
+                                                                    record=record, claim_seconds=claim_seconds))
 
     async def lookup_lease(self, namespace: str, keys: Sequence[bytes], *, ttl: float, lease_id: str = "",
                            record: bool = False) -> pb.LookupResponse:

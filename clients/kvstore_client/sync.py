@@ -330,11 +330,17 @@ class KvClient:
         predictor learns from these."""
         return self.lookup_nodes(namespace, keys, record=record).prefix_length
 
-    def lookup_nodes(self, namespace: str, keys: Sequence[bytes], *, record: bool = False) -> pb.LookupResponse:
+    def lookup_nodes(self, namespace: str, keys: Sequence[bytes], *, record: bool = False,
+                     claim_seconds: float = 0.0) -> pb.LookupResponse:
         """The local prefix length and, per live node, its prefix length with
         placement hints (``pending``: a speculative copy is on its way;
-        ``expires_in_seconds``: a speculative replica's remaining life)."""
-        return self._call(self._stub.Lookup, pb.LookupRequest(namespace=namespace, keys=list(keys), record=record))
+        ``expires_in_seconds``: a speculative replica's remaining life;
+        ``computing``: another request is prefilling it, ready in about
+        ``ready_in_seconds``). ``claim_seconds > 0`` says this caller will
+        compute what the cluster lacks and Put it within that time (an
+        in-flight prefill claim other callers see as ``computing``)."""
+        return self._call(self._stub.Lookup, pb.LookupRequest(namespace=namespace, keys=list(keys), record=record,
+                                                              claim_seconds=claim_seconds))
 
     def lookup_lease(self, namespace: str, keys: Sequence[bytes], *, ttl: float, lease_id: str = "",
                      record: bool = False, timeout: float | None = None) -> pb.LookupResponse:

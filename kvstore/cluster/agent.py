@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import grpc
 
 from kvstore.cluster.checks import check_key_batch
+from kvstore.cluster.claims import Claim, Claims
 from kvstore.cluster.directory import Directory, Outbox
 from kvstore.cluster.membership import plan_round
 from kvstore.cluster.membership_backend import make_membership
@@ -57,6 +58,9 @@ class Placement(Protocol):
     def hints(self, namespace: str, chain: Sequence[bytes]) -> list[pb.NodePrefix]:
         """Nodes about to hold, or holding as speculative replicas, a prefix of ``chain``."""
 
+    def on_claims_landed(self, claims: Sequence[Claim]) -> None:
+        """In-flight prefill claims whose Put reached the directory (with the nodes that waited)."""
+
 
 class NoPlacement:
     """The placement of a node without a coordinator role attached (tests, tools)."""
@@ -69,6 +73,9 @@ class NoPlacement:
 
     def hints(self, namespace: str, chain: Sequence[bytes]) -> list[pb.NodePrefix]:
         return []
+
+    def on_claims_landed(self, claims: Sequence[Claim]) -> None:
+        pass
 
 
 class ClusterAgent:
@@ -85,8 +92,12 @@ class ClusterAgent:
         # gossip (heartbeats) or etcd (leases, and an elected coordinator): --membership
         self.membership = make_membership(config, self.self_info, lambda: self._wake.set())
         self.directory = Directory()
+        # in-flight prefill claims (kvstore.cluster.claims): kept, like the directory, where it is asked
+        self.claims = Claims()
+        self._claimed_until = 0.0  # this node forwarded claims that may live until then: report Puts at once
         self.outbox = Outbox()
         node.listeners.append(self.outbox.record)
+        node.listeners.append(self._stored)
         # the cluster secret signs every call to a peer (they check the proof); TLS channels with credentials
         sign = (lambda method, body: secret.sign(method, self.self_info.node_id, body)) if secret else None
         self.peers = PeerClient(self.membership, reconnect_s=min(1.0, config.heartbeat_timeout / 2), sign=sign,
@@ -184,6 +195,7 @@ class ClusterAgent:
         if self.membership.keeps_directory:
             seq, full, batches = report
             self.directory.report(self.node.node_id, self.incarnation, seq, full, batches, now)
+            self._claims_landed(self.node.node_id, batches)
         if plan.report_locally:
             self.placement.on_report(self.node.node_id, report[2])
         if plan.report_locally:
@@ -275,6 +287,7 @@ class ClusterAgent:
 
     def _forget_member(self, info: pb.MemberInfo, why: str) -> None:
         dropped = self.directory.drop(info.node_id)
+        self.claims.drop_node(info.node_id)
         for endpoint in info.endpoints:
             self.transport.forget(endpoint)
         log.warning("member %s %s; dropped %d directory entries", info.node_id, why, dropped)
@@ -312,6 +325,8 @@ class ClusterAgent:
         if request.has_directory:
             need_full = self.directory.report(request.sender.node_id, request.sender.incarnation, request.seq,
                                               request.full, request.directory, time.monotonic())
+            if not need_full:
+                self._claims_landed(request.sender.node_id, request.directory)
             if not need_full and self.membership.is_coordinator:
                 self.placement.on_report(request.sender.node_id, request.directory)
         for event in request.accesses:
@@ -329,21 +344,49 @@ class ClusterAgent:
         members = [m for m in (self.membership.member(n) for n in sorted(ids)) if m is not None]
         return pb.LocateResponse(holders=[pb.KeyHolders(node_ids=sorted(h)) for h in holders], members=members)
 
-    def prefixes(self, namespace: str, keys: Sequence[bytes]) -> list[pb.NodePrefix]:
+    def prefixes(self, namespace: str, keys: Sequence[bytes], asker: str = "", claim_seconds: float = 0.0,
+                 claim_start: int = 0) -> list[pb.NodePrefix]:
         """Per live node: its longest cached prefix of ``keys``, with
-        placement hints (speculative copies in flight or alive)."""
+        placement hints (speculative copies in flight or alive) and in-flight
+        prefill claims (``computing``). ``asker`` (a node id) is noted as a
+        waiter of the claims it is shown; with ``claim_seconds`` it claims
+        the part of the chain past ``claim_start`` and what the directory
+        knows is stored (after the answer is drawn: it never sees itself)."""
         out: dict[str, pb.NodePrefix] = {}
         for node_id, length in self.directory.prefixes(namespace, keys).items():
             member = self.membership.member(node_id)
             if member is not None:
                 out[node_id] = pb.NodePrefix(node_id=node_id, address=member.address, prefix_length=length)
+        held = {n: int(e.prefix_length) for n, e in out.items()}
         for hint in self.placement.hints(namespace, keys):
             have = out.get(hint.node_id)
             if have is None or hint.prefix_length > have.prefix_length:
                 out[hint.node_id] = hint  # about to hold more than the directory knows of
             elif hint.prefix_length == have.prefix_length and not hint.pending:
                 have.expires_in_seconds = hint.expires_in_seconds
+        now = time.monotonic()
+        for seen in self.claims.seen(namespace, keys, now, held, asker):
+            member, have = self.membership.member(seen.node), out.get(seen.node)
+            # over what the directory knows, not over a copy on its way (that brings the shared part)
+            if member is not None and (have is None or (seen.length > have.prefix_length and not have.pending)):
+                out[seen.node] = pb.NodePrefix(node_id=seen.node, address=member.address, prefix_length=seen.length,
+                                               pending=True, computing=True, ready_in_seconds=seen.ready_in,
+                                               copies_ahead=seen.copies_ahead)
+        if claim_seconds > 0 and asker and self.membership.member(asker) is not None:
+            self.claims.claim(namespace, keys, asker, min(claim_seconds, self.config.max_claim_seconds), now,
+                              start=max([claim_start, *held.values()]))
         return list(out.values())
+
+    def _claims_landed(self, node_id: str, batches: Sequence[pb.DirectoryBatch]) -> None:
+        landed = [c for b in batches if b.adds for c in self.claims.resolve(node_id, b.namespace, b.adds)]
+        if landed and self.membership.is_coordinator:
+            self.placement.on_claims_landed(landed)
+
+    def _stored(self, namespace: str, added: Any = (), removed: Any = ()) -> None:
+        """A node listener: pages stored here while this node holds claims go to the directory now (the
+        heartbeat wakes), so the followers waiting for them learn of it a round trip later, not a beat."""
+        if added and time.monotonic() < self._claimed_until:
+            self._wake.set()
 
     def status(self) -> pb.ClusterStatusResponse:
         self._refresh_self()
@@ -371,20 +414,29 @@ class ClusterAgent:
         coordinator's own pages lags one heartbeat.)"""
         return self.membership.is_coordinator and not self.warming()
 
-    async def lookup(self, namespace: str, keys: Sequence[bytes], record: bool = False) -> pb.LookupResponse:
+    async def lookup(self, namespace: str, keys: Sequence[bytes], record: bool = False,
+                     claim_seconds: float = 0.0) -> pb.LookupResponse:
         """Longest cached prefix here, and per live node (from the directory),
         with placement hints; ``record`` logs the request for the predictor.
         The directory is the coordinator's, else the standby's, else (neither
         answers) this node's own copy if it keeps one."""
         local = self.node.lookup(namespace, keys)
+        me = self.node.node_id
+        if claim_seconds > 0:
+            self._claimed_until = max(self._claimed_until,
+                                      time.monotonic() + claim_seconds + self.claims.grace_s)
         if self._answers_locally():
-            nodes = self.prefixes(namespace, keys)
+            nodes = self.prefixes(namespace, keys, me, claim_seconds, local)
         else:
-            reply = await self._ask_directory("ClusterLookup", pb.LookupRequest(namespace=namespace, keys=keys))
+            reply = await self._ask_directory("ClusterLookup", pb.LookupRequest(
+                namespace=namespace, keys=keys, claim_seconds=claim_seconds, claim_node_id=me,
+                claim_start=local))
             nodes = list(reply.nodes) if reply is not None else self.prefixes(namespace, keys)
-        nodes = [n for n in nodes if n.node_id != self.node.node_id and self.membership.alive(n.node_id)]
-        if local:
-            nodes.append(pb.NodePrefix(node_id=self.node.node_id, address=self.node.address, prefix_length=local))
+        # this node's own entry: what it holds, or (deeper) a claim or a copy on its way here
+        nodes = [n for n in nodes if self.membership.alive(n.node_id)
+                 and (n.node_id != me or (n.pending and n.prefix_length > local))]
+        if local and not any(n.node_id == me for n in nodes):
+            nodes.append(pb.NodePrefix(node_id=me, address=self.node.address, prefix_length=local))
         nodes.sort(key=lambda n: (-n.prefix_length, n.pending, n.node_id))
         if record and keys:
             depth = min(len(keys), self.config.predictor_depths[-1])

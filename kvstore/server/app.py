@@ -130,6 +130,8 @@ class NodeServer:
         self.coordinator = Coordinator(self.config, agent.directory, agent.membership, agent.peers, self.metrics,
                                        page_bytes=self._page_bytes)
         agent.placement = self.coordinator
+        if self.config.replication == "predictive":  # a landed claim goes to its waiters as a copy tree
+            agent.claims.tree_fanout = self.coordinator.plan_cfg.fanout
         self.metrics.watch_coordinator(self.coordinator)
         server = grpc.aio.server(options=server_options(self.config.max_message_bytes),
                                  interceptors=[BoundaryInterceptor(),

@@ -275,9 +275,12 @@ class KvStoreService(pb_grpc.KvStoreServicer):
     @_handler("lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         name = self._name(request.namespace)
+        claim = request.claim_seconds
+        if claim and not (0 < claim <= self.node.config.max_claim_seconds):  # NaN fails this too
+            raise InvalidArgument(f"claim_seconds must be in (0, {self.node.config.max_claim_seconds}], got {claim}")
         if request.lease_ttl_seconds or request.lease_id:
             return await self._lookup_and_lease(name, request)
-        return await self.agent.lookup(name, list(request.keys), request.record)
+        return await self.agent.lookup(name, list(request.keys), request.record, claim)
 
     async def _lookup_and_lease(self, name: str, request: pb.LookupRequest) -> pb.LookupResponse:
         """Lookup that pins this node's answer in the same call, idempotent
@@ -311,7 +314,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
             first = True
         else:
             first = False
-        reply = await self.agent.lookup(name, keys, request.record and first)
+        reply = await self.agent.lookup(name, keys, request.record and first, request.claim_seconds if first else 0.0)
         reply.lease_id, reply.leased_length = held.lease_id, held.leased_length
         reply.lease_expires_in_seconds = max(0.0, held.expires_at - time.monotonic())
         if first:
