@@ -40,7 +40,6 @@ import multiprocessing as mp
 import os
 import platform
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -201,8 +200,8 @@ def render_peers(results: dict) -> list[str]:  # type: ignore[type-arg]
     if not rows:
         return ["", *skipped] if skipped else []
     paths = [p for p in ("tcp", "tls", "shm") if any(k[0] == p for k in mine)]
-    lines = ["", "Beside other stores, same run (ratio = kvstore GB/s / peer GB/s; `tcp` is kvstore's socket data "
-             "channel, as the peers cross a socket too; `tls` the same with TLS; `shm` shared memory):", "",
+    lines = ["", ("Beside other stores, same run (ratio = kvstore GB/s / peer GB/s; `tcp` is kvstore's socket data "
+                  "channel, as the peers cross a socket too; `tls` the same with TLS; `shm` shared memory):"), "",
              "| peer | page | pages/call | peer put GB/s | peer get GB/s |"
              + "".join(f" {p} / peer put | {p} / peer get |" for p in paths),
              "|---|---|---|---|---|" + "---|---|" * len(paths)]
