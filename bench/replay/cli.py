@@ -224,7 +224,9 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
     from kvstore.loops import loop_factory
 
     spec, router = cluster_and_router(a, policy, router_cfg, cost)
-    cfg = RunConfig(policy=policy, router=router, cost=cost, namespace=a.preset, speedup=a.speedup,
+    base, claims = split_policy(policy)
+    cfg = RunConfig(policy=base, claims=claims, claim_margin=a.claim_margin, link_bytes_s=link_of(a)[0],
+                    router=router, cost=cost, namespace=a.preset, speedup=a.speedup,
                     concurrency=a.concurrency, oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl,
                     fetch_timeout_s=a.fetch_timeout, drain_timeout_s=a.drain_timeout, kills=parse_kills(a.kill, a.nodes))
     with LocalCluster(spec, a.out / "logs" / log_name) as cluster:  # stops the daemons on any exit

@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from bench.replay import claiming
 from bench.replay.costmodel import CostModel
 from bench.replay.metrics import RequestRecord, record_hits
 from bench.replay.oracle import Plan, Step, plan
@@ -84,6 +85,9 @@ class RunConfig:
     verify: bool = True
     kills: list[tuple[int, float]] = field(default_factory=list)   # (node index, trace s): --kill
     kill: Callable[[int], None] | None = None                       # SIGKILLs node i
+    claims: bool = False              # +claims: claim this engine's prefills, wait for others' (claiming.py)
+    claim_margin: float = 1.0
+    link_bytes_s: float = 12.5e9      # unscaled bytes per trace second of the modelled link (the wait rule)
 
 
 @dataclass(slots=True)
@@ -160,6 +164,7 @@ class Engine:
         self.prefill = asyncio.Lock()
         self.waiting = 0        # queued for a slot
         self.running = 0        # in a slot
+        self.backlog_s = 0.0    # trace s of prefill queued for or on the prefill unit
         self.own: set[bytes] = set()     # keys this node got by its own Put or its own Get's fetch
         self.used_placed: set[bytes] = set()
         self._on_done = on_done
@@ -215,9 +220,24 @@ class Engine:
                                  max(0.0, late) + cost.prefill_s(step.depth * cost.block_tokens) / S)
         local = cluster_max = cached = 0
         try:
-            lk = await self.kv.lookup_nodes(cfg.namespace, keys, record=True)
+            claim = claiming.claim_seconds(cost, rec.input_tokens, 0, self.backlog_s, S) if cfg.claims else 0.0
+            lk = await self.kv.lookup_nodes(cfg.namespace, keys, record=True, claim_seconds=claim)
             local = int(lk.prefix_length)
             cluster_max = max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending])
+            wait = claiming.wait_for(lk.nodes, self.node_id, local, cluster_max, cost, S, cfg.link_bytes_s,
+                                     self.backlog_s, cfg.claim_margin) if cfg.claims else None
+            if wait is not None:  # another request is computing this prefix: wait for it, then read it
+                rec.claim_wait = True
+                t_wait = time.perf_counter()
+                await asyncio.sleep(wait.ready_in_s / S)
+                while True:
+                    lk = await self.kv.lookup_nodes(cfg.namespace, keys)
+                    local = int(lk.prefix_length)
+                    if (claiming.landed(lk.nodes, self.node_id, local, wait.length, wait.node)
+                            or (time.perf_counter() - t_wait) * S >= wait.budget_s):
+                        break
+                    await asyncio.sleep(claiming.POLL_S)
+                cluster_max = max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending])
             fetch = cluster_max if step is None else max(local, step.depth)  # the oracle gets what its plan says
             if fetch > 0:
                 got = await self.kv.get(cfg.namespace, keys[:fetch], timeout=cfg.fetch_timeout_s)
@@ -243,9 +263,13 @@ class Engine:
         rec.decode_s = cost.decode_s(rec.input_tokens, rec.output_tokens)
         # -- prefill: one at a time per engine --
         t1 = time.perf_counter()
-        async with self.prefill:
-            prefill_wait = time.perf_counter() - t1
-            await asyncio.sleep(rec.prefill_s / S)
+        self.backlog_s += rec.prefill_s
+        try:
+            async with self.prefill:
+                prefill_wait = time.perf_counter() - t1
+                await asyncio.sleep(rec.prefill_s / S)
+        finally:
+            self.backlog_s -= rec.prefill_s
         rec.queue_s = (slot_wait + prefill_wait) * S
         rec.first_token_at = (time.perf_counter() - self.clock_start) * S
         # -- store the KV this node lacked, then decode in the slot --
