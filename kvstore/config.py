@@ -183,6 +183,8 @@ class NodeConfig:
             raise ValueError("max_batch_bytes must be > 0")
         if not 0 < self.max_pin_ttl <= 86400 * 7:
             raise ValueError("max_pin_ttl must be in (0, 604800] seconds")
+        if not 0 < self.max_claim_seconds <= 86400:
+            raise ValueError("max_claim_seconds must be in (0, 86400] seconds")
         if not self.grace >= 0:  # also rejects NaN
             raise ValueError("grace must be >= 0")
         if not self.predictor_depths or any(d <= 0 for d in self.predictor_depths) \
@@ -329,6 +331,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_batch_pages", int, "most pages in one Put/Get batch", "N"),
     Setting("max_batch_bytes", parse_size, "most page bytes in one Put/Get batch", "SIZE"),
     Setting("max_pin_ttl", float, "longest lease a Pin may ask for, seconds", "SECONDS"),
+    Setting("max_claim_seconds", float, "longest in-flight prefill claim a Lookup may make, seconds", "SECONDS"),
     Setting("grace", float, "seconds in-flight calls get to finish on SIGTERM", "SECONDS"),
     Setting("deadline_share", float, "share of a Get's deadline spent fetching from peers; the rest is left to "
             "send what arrived", "FRACTION"),
