@@ -311,10 +311,12 @@ class AsyncKvClient:
                                                                     record=record, claim_seconds=claim_seconds))
 
     async def lookup_lease(self, namespace: str, keys: Sequence[bytes], *, ttl: float, lease_id: str = "",
-                           record: bool = False) -> pb.LookupResponse:
-        """One call that looks up and leases (see ``KvClient.lookup_lease``)."""
+                           record: bool = False, claim_seconds: float = 0.0) -> pb.LookupResponse:
+        """One call that looks up and leases (see ``KvClient.lookup_lease``; ``claim_seconds``: an
+        in-flight prefill claim, made on the first call of a ``lease_id`` only)."""
         return await self._call(self._stub.Lookup, pb.LookupRequest(
-            namespace=namespace, keys=list(keys), record=record, lease_ttl_seconds=ttl, lease_id=lease_id))
+            namespace=namespace, keys=list(keys), record=record, lease_ttl_seconds=ttl, lease_id=lease_id,
+            claim_seconds=claim_seconds))
 
     async def exists(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         reply = await self._call(self._stub.Exists, pb.KeysRequest(namespace=namespace, keys=list(keys)))

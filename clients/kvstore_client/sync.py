@@ -132,9 +132,9 @@ class _DataConn(BlockingFrames):
 
 
 def _lease_request(namespace: str, keys: Sequence[bytes], ttl: float, lease_id: str,
-                   record: bool) -> pb.LookupRequest:
+                   record: bool, claim_seconds: float = 0.0) -> pb.LookupRequest:
     return pb.LookupRequest(namespace=namespace, keys=list(keys), record=record, lease_ttl_seconds=ttl,
-                            lease_id=lease_id)
+                            lease_id=lease_id, claim_seconds=claim_seconds)
 
 
 class LookupFuture:
@@ -343,18 +343,23 @@ class KvClient:
                                                               claim_seconds=claim_seconds))
 
     def lookup_lease(self, namespace: str, keys: Sequence[bytes], *, ttl: float, lease_id: str = "",
-                     record: bool = False, timeout: float | None = None) -> pb.LookupResponse:
+                     record: bool = False, timeout: float | None = None,
+                     claim_seconds: float = 0.0) -> pb.LookupResponse:
         """One call that looks up and leases: :meth:`lookup_nodes`, plus a pin
         of this node's answer for ``ttl`` seconds (``reply.lease_id``,
         ``reply.leased_length``). A repeat with the same ``lease_id`` neither
-        pins nor records again."""
-        return self._call(self._stub.Lookup, _lease_request(namespace, keys, ttl, lease_id, record),
+        pins nor records nor claims again. ``claim_seconds``: an in-flight
+        prefill claim, as in :meth:`lookup_nodes`."""
+        return self._call(self._stub.Lookup, _lease_request(namespace, keys, ttl, lease_id, record, claim_seconds),
                           timeout=timeout or self.timeout)
 
     def lookup_lease_future(self, namespace: str, keys: Sequence[bytes], *, ttl: float, lease_id: str = "",
-                            record: bool = False, timeout: float | None = None) -> "LookupFuture":
-        """:meth:`lookup_lease` without blocking: poll ``done()``, then ``result()``."""
-        call = self._stub.Lookup.future(_lease_request(namespace, keys, ttl, lease_id, record),
+                            record: bool = False, timeout: float | None = None,
+                            claim_seconds: float = 0.0) -> "LookupFuture":
+        """:meth:`lookup_lease` without blocking: poll ``done()``, then ``result()``.
+        With ``ttl=0`` and no ``lease_id`` it is a plain :meth:`lookup_nodes`
+        (nothing pinned) that does not block."""
+        call = self._stub.Lookup.future(_lease_request(namespace, keys, ttl, lease_id, record, claim_seconds),
                                         timeout=timeout or self.timeout)
         return LookupFuture(call)
 
