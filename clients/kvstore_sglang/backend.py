@@ -7,6 +7,18 @@ stored prefix, which is what SGLang asks). Pages are sent straight from the
 caller's CPU tensors; a Get lands in a reused staging buffer and is copied
 once into the targets. A missing or late page (deadline-aware Get) is a
 miss, never an error: SGLang recomputes it.
+
+In-flight prefill claims (``"claims": true`` with ``"prefill_tokens_per_s"``
+in the extra config; off by default, as in the vLLM connector): the Lookup
+of ``batch_exists`` -- SGLang's prefetch asks it for the pages past its own
+device and host cache, and computes and writes back what it does not find --
+claims those pages (``claim_seconds``: the batch's pages at the configured
+throughput), so other engines' lookups see this node computing them and,
+under ``--replication predictive``, the coordinator copies them to the
+nodes that asked once they land. The backend never waits for another
+engine's claim: SGLang's storage interface has no point to wait at (one
+prefetch thread serves every request's ``batch_exists`` in turn, and the
+default ``best_effort`` prefetch policy schedules the request without it).
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvstore.errors import KvError
 from kvstore_client import KvClient
+from kvstore_client import claims as claiming
 
 log = logging.getLogger("kvstore_sglang")
 
@@ -57,6 +70,13 @@ class KvstoreHiCacheStorage(HiCacheStorage):
         self.timeout = float(extra.get("get_timeout_s", 2.0))
         self.page_bytes = int(extra.get("page_bytes", 0))
         self.capacity = int(extra.get("capacity", 0))
+        claims = extra.get("claims", False)
+        self.claims = claims.strip().lower() in ("1", "true", "yes", "on") if isinstance(claims, str) else bool(claims)
+        self.prefill_tokens_per_s = float(extra.get("prefill_tokens_per_s", 0.0))
+        self.max_claim_seconds = float(extra.get("max_claim_seconds", claiming.DEFAULT_MAX_CLAIM_S))
+        self.page_tokens = int(extra.get("page_tokens", 0))  # else the host pool's page size
+        if self.claims and not self.prefill_tokens_per_s > 0:
+            raise ValueError("kvstore backend: claims needs prefill_tokens_per_s > 0 (the engine's prefill throughput)")
         self.client = KvClient(self.address, data_path=extra.get("data_path", "auto"),
                                **extra.get("client_options", {}))
         self._ready = False
@@ -82,6 +102,7 @@ class KvstoreHiCacheStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
+        self.page_tokens = self.page_tokens or int(getattr(mem_pool_host, "page_size", 0) or 0)
         page = mem_pool_host.get_data_page(0, flat=True)
         if page.numel():
             self._ensure(page.numel() * page.element_size())
@@ -130,14 +151,28 @@ class KvstoreHiCacheStorage(HiCacheStorage):
         return results
 
     def exists(self, key: str) -> bool:
-        return self.batch_exists([key]) == 1
+        return self._lookup([key], claim=False) == 1
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many leading keys are stored: one Lookup."""
+        """How many leading keys are stored: one Lookup, which claims the rest with ``claims``."""
+        return self._lookup(keys, claim=True)
+
+    def claim_seconds(self, pages: int) -> float:
+        """``claim_seconds`` for computing ``pages`` pages (0: no claim)."""
+        if not (self.claims and self.page_tokens):
+            return 0.0
+        return claiming.claim_seconds(pages * self.page_tokens, self.prefill_tokens_per_s,
+                                      max_s=self.max_claim_seconds)
+
+    def _lookup(self, keys: list[str], claim: bool) -> int:
         if not keys or not self._ready:
             return 0
         try:
-            return self.client.lookup(self.namespace, [page_key(k) for k in keys])
+            # the hit is not known before the answer: claim the batch (the daemon claims only what the
+            # cluster lacks and nobody else claims, so a hit claims nothing)
+            return self.client.lookup_nodes(self.namespace, [page_key(k) for k in keys],
+                                            claim_seconds=self.claim_seconds(len(keys)) if claim else 0.0
+                                            ).prefix_length
         except KvError as exc:
             log.warning("kvstore lookup failed: %s", exc)
             return 0

@@ -14,11 +14,11 @@ to vLLM's interface.
 
 from .config import ConnectorConfig
 from .naming import block_keys, namespace_for, request_salt
-from .scheduler import LoadSpec, NodeHint, SaveSpec, SchedulerCore, StepPlan, router_hints
+from .scheduler import LoadSpec, NodeHint, SaveSpec, SchedulerCore, StepPlan, claim_wait, router_hints
 from .stats import ConnectorStats
 from .worker import WorkerCore
 
 __all__ = [
     "ConnectorConfig", "ConnectorStats", "LoadSpec", "NodeHint", "SaveSpec", "SchedulerCore", "StepPlan",
-    "WorkerCore", "block_keys", "namespace_for", "request_salt", "router_hints",
+    "WorkerCore", "block_keys", "claim_wait", "namespace_for", "request_salt", "router_hints",
 ]

@@ -44,6 +44,41 @@ class ConnectorConfig:
     """Passed to ``KvClient`` as keyword arguments (credentials go here once
     the node authenticates clients)."""
 
+    # ---- in-flight prefill claims (docs/vllm.md "Prefill claims") -------------
+    claims: bool = False
+    """Claim prefills and wait for other engines' claims. Off by default: the
+    wait rule compares a claimant's ready time with this engine's own prefill,
+    so it needs ``prefill_tokens_per_s`` measured for this model and GPU
+    (there is no throughput that is safe for every fleet: too high and the
+    engine never waits, too low and it waits when computing was faster), and
+    it pays only when every engine sharing the namespace claims (a follower can
+    wait only for a claimant) and the traffic has bursts of new shared
+    contexts (agent fan-out, a shared document); on conversation traffic
+    claims change nothing but a few bytes per Lookup. Turn it on fleet-wide,
+    with the throughput set, where such bursts are the workload."""
+    prefill_tokens_per_s: float = 0.0
+    """This engine's prefill throughput (tokens/s, at its usual batch): the
+    claimant's ``claim_seconds`` (its queued prefill plus its own) and a
+    follower's alternative to waiting. Required (> 0) with ``claims``."""
+    link_bytes_per_s: float = 12.5e9
+    """The node-to-node link the copy of a waited-for prefix takes (bytes/s;
+    12.5e9 = 100 Gb/s). The copy of ``n`` pages costs ``n * page_bytes /
+    link_bytes_per_s`` per wave ahead of this node."""
+    claim_margin: float = 1.0
+    """Wait when ``ready_in + copy < claim_margin * own prefill``. 1.0: only
+    when waiting is expected to be faster; the replay found 1.5 best under
+    ``--replication predictive`` (the waiters get a copy tree)."""
+    claim_max_wait_s: float = 10.0
+    """The longest a request defers for a claim, whatever its own prefill
+    estimate says; then it computes (a lost claim costs at most this)."""
+    claim_poll_ms: float = 20.0
+    """Re-lookup interval of a deferred request (a non-recording Lookup, one
+    in flight at a time)."""
+    max_claim_seconds: float = 600.0
+    """Cap on ``claim_seconds``: at most the daemon's ``--max-claim-seconds``
+    (a larger claim is refused, which the connector counts as a failed
+    Lookup: a miss)."""
+
     def __post_init__(self) -> None:
         if not self.address or ":" not in self.address:
             raise ValueError(f"kvstore address must be HOST:PORT, got {self.address!r}")
@@ -54,6 +89,13 @@ class ConnectorConfig:
             raise ValueError("lease_ttl_s, lookup_timeout_s and load_timeout_s must be > 0")
         if self.data_path not in ("auto", "grpc", "tcp"):
             raise ValueError("data_path must be auto, grpc or tcp")
+        for name in ("prefill_tokens_per_s", "link_bytes_per_s", "claim_max_wait_s", "claim_poll_ms"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.claim_margin > 0 or not 0 < self.max_claim_seconds <= 86400:
+            raise ValueError("claim_margin must be > 0 and max_claim_seconds in (0, 86400]")
+        if self.claims and not self.prefill_tokens_per_s > 0:
+            raise ValueError("claims needs prefill_tokens_per_s > 0 (this engine's prefill throughput)")
 
     @classmethod
     def from_dict(cls, extra: dict[str, Any]) -> "ConnectorConfig":

@@ -4,6 +4,13 @@ Per request it holds the block keys, one leasing Lookup (issued without
 blocking the scheduler loop, idempotent per request), what to load into
 which blocks, and how far the prompt's blocks have been saved. Each step it
 turns this into a :class:`StepPlan` that the worker side carries out.
+
+With ``claims`` (docs/vllm.md "Prefill claims") the leasing Lookup also
+claims the request's prefill, and a request whose Lookup shows another one
+computing its prefix (:func:`claim_wait`) is deferred -- ``matched_tokens``
+answers None, vLLM asks again next step -- while non-recording re-lookups
+run, until the prefix is held, the claim vanishes, or the wait budget is
+spent; then it loads what is held as usual.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.errors import KvError
+from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import KvClient
+from kvstore_client import claims as claiming
 from kvstore_client.sync import LookupFuture
 
 from .config import ConnectorConfig
@@ -78,6 +87,16 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0          # prompt blocks [0, saved_blocks) are stored or known stored
     has_saves: bool = False
+    prompt_tokens: int = 0
+    progress: int = 0              # tokens computed after the last planned step
+    # in-flight prefill claims
+    wait: claiming.Wait | None = None   # deferred for this prefill (or copy) in flight
+    waited: bool = False
+    wait_started: float = 0.0
+    wait_until: float = 0.0
+    next_poll: float = 0.0
+    poll: LookupFuture | None = None
+    last_reply: pb.LookupResponse | None = None
 
 
 class SchedulerCore:
@@ -94,6 +113,7 @@ class SchedulerCore:
             config.address, data_path=config.data_path, **config.client_options))
         self._client: KvClient | None = None
         self._reqs: dict[str, _Request] = {}
+        self._claim_ctx: tuple[str, int] | None = None   # (this node's id, page bytes), once known
 
     @property
     def client(self) -> KvClient:
@@ -114,13 +134,15 @@ class SchedulerCore:
 
         The first call issues one leasing Lookup (``record`` set) and waits
         at most ``lookup_wait_ms`` for it; repeats reuse its answer, so they
-        neither lease nor record again.
+        neither lease nor record again. With ``claims`` the Lookup claims the
+        prefill, and while the request waits for another's claim this
+        answers None (see the module docstring).
         """
         req = self._reqs.get(req_id)
         if req is None:
             keys = block_keys(prompt_token_ids, self.block_size, salt)
             req = _Request(keys=keys, max_hit_blocks=(len(prompt_token_ids) - 1) // self.block_size,
-                           lease_key=f"{self.engine_id}/{req_id}")
+                           lease_key=f"{self.engine_id}/{req_id}", prompt_tokens=len(prompt_token_ids))
             self._reqs[req_id] = req
         req.local_tokens = num_computed_tokens
         if req.hit_blocks is None and not self._answer(req):
@@ -134,15 +156,20 @@ class SchedulerCore:
         if not self.config.load or not lookup_keys:
             req.hit_blocks = 0
             return True
+        if req.wait is not None:
+            return self._follow(req, lookup_keys)
         if req.future is None:
             self.stats.add(lookups=1)
             req.issued_at = time.monotonic()
+            claim = self._claim_seconds(req)
             try:
                 req.future = self.client.lookup_lease_future(
                     self.namespace, lookup_keys, ttl=self.config.lease_ttl_s, lease_id=req.lease_key,
-                    record=self.config.record, timeout=self.config.lookup_timeout_s)
+                    record=self.config.record, timeout=self.config.lookup_timeout_s, claim_seconds=claim)
             except KvError as exc:
                 return self._lookup_failed(req, exc)
+            if claim:
+                self.stats.add(claims=1)
         if not req.future.done():
             wait = self.config.lookup_wait_ms / 1000 - (time.monotonic() - req.issued_at)
             if wait <= 0:
@@ -159,14 +186,107 @@ class SchedulerCore:
             except KvError as exc:
                 return self._lookup_failed(req, exc)
         req.future = None
+        req.lease_id = reply.lease_id
+        if self.config.claims and not req.waited and self._start_wait(req, reply):
+            return False
+        self._settle(req, reply)
+        return True
+
+    def _settle(self, req: _Request, reply: pb.LookupResponse) -> None:
+        """``hit_blocks`` from a Lookup's answer (the lease is the first Lookup's)."""
         best = max((n.prefix_length for n in reply.nodes if not n.pending), default=0)
         req.hit_blocks = min(max(best, reply.prefix_length), req.max_hit_blocks)
-        req.lease_id = reply.lease_id
         req.hints = [NodeHint(n.node_id, n.address, n.prefix_length, n.pending, n.expires_in_seconds)
                      for n in reply.nodes]
         # blocks the store already holds are not saved again
         req.saved_blocks = req.hit_blocks
         self.stats.add(lookup_hit_tokens=req.hit_blocks * self.block_size)
+
+    # ---- in-flight prefill claims ----------------------------------------------
+    def backlog_tokens(self, but: _Request | None = None) -> int:
+        """Prefill tokens queued on this engine: what the answered requests still have to compute of
+        their prompts (an estimate: vLLM's own cache hits are known only at their lookup)."""
+        total = 0
+        for r in self._reqs.values():
+            if r is not but and r.hit_blocks is not None:
+                done = max(r.progress, r.hit_blocks * self.block_size, r.local_tokens)
+                total += max(0, r.prompt_tokens - done)
+        return total
+
+    def _claim_seconds(self, req: _Request) -> float:
+        """The first Lookup's ``claim_seconds``: this request's prefill of what vLLM lacks, behind the
+        engine's queued prefill (0: no claim, when claims are off or the engine does not save)."""
+        if not (self.config.claims and self.config.save):
+            return 0.0
+        return claiming.claim_seconds(req.prompt_tokens - req.local_tokens, self.config.prefill_tokens_per_s,
+                                      self.backlog_tokens(req), self.config.max_claim_seconds)
+
+    def _context(self) -> tuple[str, int] | None:
+        """This node's id and the namespace's page bytes (two RPCs, once); None while unknown."""
+        if self._claim_ctx is None:
+            try:
+                self._claim_ctx = (self.client.node_info().node_id, self.client.page_bytes(self.namespace))
+            except KvError as exc:
+                log.debug("kvstore claims: node or namespace not known yet: %s", exc)
+        return self._claim_ctx
+
+    def _start_wait(self, req: _Request, reply: pb.LookupResponse) -> bool:
+        """Defer the request when its first answer shows a prefill (or copy) worth waiting for."""
+        if not any(n.pending for n in reply.nodes):
+            return False  # nothing in flight (the usual answer): no RPC for the context
+        ctx = self._context()
+        if ctx is None:
+            return False
+        wait = claim_wait(self.config, reply, ctx[0], block_size=self.block_size, page_bytes=ctx[1],
+                          backlog_tokens=self.backlog_tokens(req),
+                          engine_blocks=req.local_tokens // self.block_size)
+        if wait is None:
+            return False
+        now = time.monotonic()
+        req.wait, req.wait_started, req.last_reply = wait, now, reply
+        req.wait_until = now + min(wait.budget_s, self.config.claim_max_wait_s)
+        # the claimant Puts in about ready_in: the re-lookups start halfway there
+        req.next_poll = now + min(wait.ready_in_s / 2, wait.budget_s)
+        self.stats.add(claim_waits=1)
+        return True
+
+    def _follow(self, req: _Request, lookup_keys: list[bytes]) -> bool:
+        """One step of a deferred request: True once the wait is over (``hit_blocks`` known)."""
+        assert req.wait is not None and req.last_reply is not None
+        now = time.monotonic()
+        if req.poll is not None and req.poll.done():
+            try:
+                reply = req.poll.result()
+            except KvError as exc:
+                log.debug("kvstore claim re-lookup failed: %s", exc)
+                return self._end_wait(req, landed=False)
+            req.poll, req.last_reply = None, reply
+            me = self._claim_ctx[0] if self._claim_ctx else ""
+            local = int(reply.prefix_length)
+            if claiming.landed(reply.nodes, me, local, req.wait.length, req.wait.node):
+                return self._end_wait(req, landed=True)
+            if not claiming.still_coming(reply.nodes, req.wait.length) and local < req.wait.length:
+                return self._end_wait(req, landed=False)  # the claim vanished (claimant gone, or gave up)
+        if now >= req.wait_until:
+            return self._end_wait(req, landed=False)
+        if req.poll is None and now >= req.next_poll:
+            req.next_poll = now + self.config.claim_poll_ms / 1000
+            try:  # no ttl, no lease_id: a plain, non-recording Lookup, without blocking
+                req.poll = self.client.lookup_lease_future(self.namespace, lookup_keys, ttl=0.0,
+                                                           timeout=self.config.lookup_timeout_s)
+            except KvError as exc:
+                log.debug("kvstore claim re-lookup failed: %s", exc)
+                return self._end_wait(req, landed=False)
+        return False
+
+    def _end_wait(self, req: _Request, landed: bool) -> bool:
+        if req.poll is not None:
+            req.poll.cancel()
+            req.poll = None
+        self.stats.add(claim_waits_landed=int(landed), claim_wait_seconds=time.monotonic() - req.wait_started)
+        reply, req.wait, req.waited, req.last_reply = req.last_reply, None, True, None
+        assert reply is not None
+        self._settle(req, reply)
         return True
 
     def _lookup_failed(self, req: _Request, exc: KvError) -> bool:
@@ -174,6 +294,11 @@ class SchedulerCore:
         self.stats.add(lookup_errors=1)
         req.future, req.hit_blocks = None, 0
         return True
+
+    def waiting(self, req_id: str) -> claiming.Wait | None:
+        """The claim a request is deferred for, if any."""
+        req = self._reqs.get(req_id)
+        return req.wait if req else None
 
     # ---- update_state_after_alloc / build_connector_meta ----------------------
     def after_alloc(self, req_id: str, num_external_tokens: int) -> None:
@@ -195,8 +320,9 @@ class SchedulerCore:
             if req is None:
                 continue
             req.block_ids = list(block_ids)
+            req.progress = computed + num_scheduled.get(req_id, 0)
             self._plan_load(req_id, req, plan)
-            self._plan_save(req_id, req, computed + num_scheduled.get(req_id, 0), plan)
+            self._plan_save(req_id, req, req.progress, plan)
         for req_id, new_block_ids, resumed, computed in cached:
             req = self._reqs.get(req_id)
             if req is None:
@@ -206,7 +332,8 @@ class SchedulerCore:
                 self._plan_load(req_id, req, plan)
             elif new_block_ids:
                 req.block_ids.extend(new_block_ids)
-            self._plan_save(req_id, req, computed + num_scheduled.get(req_id, 0), plan)
+            req.progress = computed + num_scheduled.get(req_id, 0)
+            self._plan_save(req_id, req, req.progress, plan)
         return plan
 
     def _plan_load(self, req_id: str, req: _Request, plan: StepPlan) -> None:
@@ -236,8 +363,9 @@ class SchedulerCore:
         req = self._reqs.pop(req_id, None)
         if req is None:
             return False, None
-        if req.future is not None:
-            req.future.cancel()
+        for call in (req.future, req.poll):
+            if call is not None:
+                call.cancel()
         params = {"kvstore": {"namespace": self.namespace, "nodes": [vars_of(h) for h in req.hints]}} \
             if req.hints else None
         return req.has_saves, params
@@ -246,6 +374,28 @@ class SchedulerCore:
         """Placement hints of a request's Lookup (which nodes hold its prefix)."""
         req = self._reqs.get(req_id)
         return list(req.hints) if req else []
+
+
+def claim_wait(config: ConnectorConfig, reply: pb.LookupResponse, me: str, *, block_size: int, page_bytes: int,
+               backlog_tokens: int = 0, engine_blocks: int = 0) -> claiming.Wait | None:
+    """What a request's first Lookup answer says to do with claims: the prefill in flight (another
+    request's claim, or a copy on its way to this node) to defer for, or None -- load what is held and
+    compute the rest. ``me``: this node's id; ``engine_blocks``: vLLM's own prefix-cache hit in blocks
+    (a claim no deeper than that is not waited for). Pure: the rule is
+    :func:`kvstore_client.claims.wait_for`, with this connector's knobs."""
+    if not (config.claims and config.load):
+        return None
+    local, nodes = int(reply.prefix_length), list(reply.nodes)
+    wait = claiming.wait_for(nodes, me, local, block_tokens=block_size, page_bytes=page_bytes,
+                             prefill_tokens_per_s=config.prefill_tokens_per_s,
+                             link_bytes_per_s=config.link_bytes_per_s, backlog_tokens=backlog_tokens,
+                             margin=config.claim_margin)
+    if wait is None:
+        wait = claiming.incoming(nodes, me, local, block_tokens=block_size,
+                                 prefill_tokens_per_s=config.prefill_tokens_per_s, backlog_tokens=backlog_tokens)
+    if wait is None or wait.length <= engine_blocks or min(wait.budget_s, config.claim_max_wait_s) <= 0:
+        return None
+    return wait
 
 
 def vars_of(hint: NodeHint) -> dict[str, Any]:

@@ -23,6 +23,10 @@ class ConnectorStats:
     save_bytes: int = 0
     save_errors: int = 0
     save_seconds: float = 0.0
+    claims: int = 0               # Lookups that carried claim_seconds (a claim of what the cluster lacks)
+    claim_waits: int = 0          # requests deferred for another request's prefill (or a copy on its way)
+    claim_waits_landed: int = 0   # ... that ended with the prefix held (else: timed out, or the claim vanished)
+    claim_wait_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:

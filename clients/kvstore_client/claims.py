@@ -1,0 +1,126 @@
+"""The engine's side of kvstored's in-flight prefill claims, shared by the engine connectors
+(:mod:`kvstore_vllm`, :mod:`kvstore_sglang`). Pure functions over a Lookup's answer: no I/O.
+
+* **Claim.** A request that is about to prefill passes ``claim_seconds`` on its recorded Lookup:
+  when it expects to have stored the chain (:func:`claim_seconds`: its prefill queue plus its own
+  prefill, at the engine's configured throughput). The coordinator claims only what the cluster
+  lacks and nobody else claims, so a request that turns out to hit, or that follows another
+  claimant, claims nothing it will not compute.
+* **Wait.** When the answer shows another request computing a deeper prefix than the cluster
+  holds (``NodePrefix.computing``), :func:`wait_for` says whether waiting for it beats computing:
+  ``ready_in + copy * (copies_ahead + 1) < margin * own prefill of those blocks``
+  (:func:`worth_waiting`). A copy already on its way to this node (``pending``, not computing, on
+  its own entry: the coordinator's copy tree) is waited for too (:func:`incoming`), rather than
+  pulled a second time.
+* **Until.** The follower re-looks (no record, no claim, no lease) until :func:`landed`, at most its
+  own prefill time (and the connector's cap), then does its ordinary leasing Lookup and load; a
+  claim that vanishes without landing (:func:`still_coming` false: its claimant died or gave up)
+  ends the wait at once.
+
+The same rule as the replay's simulated engines (``bench/replay/claiming.py``), in the engine's
+units: real seconds, tokens and bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_MAX_CLAIM_S = 600.0  # kvstored's default --max-claim-seconds: a longer claim is refused
+
+
+def worth_waiting(ready_in_s: float, copy_s: float, own_prefill_s: float, margin: float = 1.0) -> bool:
+    """Wait for a claimant's prefill (then copy it) instead of computing the same blocks when
+    ``ready_in + copy < margin * own prefill``."""
+    return ready_in_s + copy_s < margin * own_prefill_s
+
+
+def prefill_s(tokens: float, prefill_tokens_per_s: float) -> float:
+    """Seconds this engine needs to prefill ``tokens`` at its configured throughput."""
+    return max(0.0, tokens) / prefill_tokens_per_s if prefill_tokens_per_s > 0 else math.inf
+
+
+def claim_seconds(compute_tokens: int, prefill_tokens_per_s: float, backlog_tokens: int = 0,
+                  max_s: float = DEFAULT_MAX_CLAIM_S) -> float:
+    """The ``claim_seconds`` of a request that will prefill ``compute_tokens`` behind
+    ``backlog_tokens`` of queued prefill; 0 (no claim) when there is nothing to compute or no
+    throughput estimate. Capped at ``max_s`` (kvstored refuses a claim over its
+    ``--max-claim-seconds``)."""
+    if compute_tokens <= 0 or prefill_tokens_per_s <= 0:
+        return 0.0
+    return min(max_s, prefill_s(compute_tokens + max(0, backlog_tokens), prefill_tokens_per_s))
+
+
+def held(nodes: Sequence[Any], local: int = 0) -> int:
+    """Blocks of the chain the cluster holds now: the longest non-pending entry, or ``local``."""
+    return max([local, *(int(e.prefix_length) for e in nodes if not e.pending)])
+
+
+@dataclass(slots=True, frozen=True)
+class Wait:
+    """A prefill (or copy) in flight that a follower defers for."""
+
+    node: str           # the claimant (this node for a copy on its way here)
+    length: int         # blocks of the chain it will hold
+    ready_in_s: float
+    budget_s: float     # the longest the wait may take: this engine's own prefill of those blocks
+    computing: bool = True  # False: a copy on its way to this node
+
+
+def wait_for(nodes: Sequence[Any], me: str, local: int, *, block_tokens: int, page_bytes: int,
+             prefill_tokens_per_s: float, link_bytes_per_s: float, backlog_tokens: int = 0,
+             margin: float = 1.0) -> Wait | None:
+    """The claim in a Lookup's ``nodes`` worth waiting for (the deepest such), or None: compute it
+    yourself. ``me``: this engine's node id; ``local``: blocks this node holds (the reply's
+    ``prefix_length``); ``backlog_tokens``: prefill queued before this request here (its own
+    alternative waits behind it too). The copy from another node goes over ``link_bytes_per_s``,
+    behind ``copies_ahead`` waves of the same copy to other waiters."""
+    if prefill_tokens_per_s <= 0:
+        return None
+    cluster = held(nodes, local)
+    best: Wait | None = None
+    for e in nodes:
+        length = int(e.prefix_length)
+        if not e.computing or length <= cluster:
+            continue
+        one = (length - local) * page_bytes / link_bytes_per_s if link_bytes_per_s > 0 else math.inf
+        copy = 0.0 if e.node_id == me else one * (int(e.copies_ahead) + 1)
+        own = prefill_s(backlog_tokens + (length - cluster) * block_tokens, prefill_tokens_per_s)
+        ready = float(e.ready_in_seconds)
+        if worth_waiting(ready, copy, own, margin) and (best is None or length > best.length):
+            best = Wait(node=e.node_id, length=length, ready_in_s=ready, budget_s=own)
+    return best
+
+
+def incoming(nodes: Sequence[Any], me: str, local: int, *, block_tokens: int,
+             prefill_tokens_per_s: float, backlog_tokens: int = 0) -> Wait | None:
+    """A copy on its way to this node (its own entry ``pending``, not ``computing``, deeper than
+    ``local``): wait for it rather than pull the same pages a second time, at most as long as
+    computing them would take."""
+    if prefill_tokens_per_s <= 0:
+        return None
+    for e in nodes:
+        length = int(e.prefix_length)
+        if e.node_id == me and e.pending and not e.computing and length > local:
+            own = prefill_s(backlog_tokens + (length - local) * block_tokens, prefill_tokens_per_s)
+            return Wait(node=me, length=length, ready_in_s=0.0, budget_s=own, computing=False)
+    return None
+
+
+def landed(nodes: Sequence[Any], me: str, local: int, length: int, claimant: str = "") -> bool:
+    """The awaited prefix is here, or held elsewhere and not on its way here (a copy tree that has
+    this node as a target answers it ``pending``: wait for that copy rather than pull a second
+    one). When the claimant is this node, only here counts."""
+    if local >= length or claimant == me:
+        return local >= length
+    if any(e.node_id == me and e.pending and not e.computing and int(e.prefix_length) >= length for e in nodes):
+        return False
+    return any(int(e.prefix_length) >= length and not e.pending for e in nodes)
+
+
+def still_coming(nodes: Sequence[Any], length: int) -> bool:
+    """Some entry is still computing, or copying, at least ``length`` blocks: the awaited prefill
+    has not vanished (a claim whose claimant died or gave up expires, and the wait ends)."""
+    return any(e.pending and int(e.prefix_length) >= length for e in nodes)
