@@ -8,10 +8,13 @@ import signal
 import time
 from collections.abc import Iterator
 
+import grpc
 import numpy as np
 import pytest
 
 from kvstore.ops import NumpyPageOps
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client import KvClient
 from kvstore_cluster import start_cluster, wait_until
 from kvstore_vllm import ConnectorConfig, SchedulerCore, WorkerCore, block_keys, namespace_for, request_salt
@@ -226,6 +229,65 @@ def test_request_finished_holds_blocks_until_the_save_is_done(cluster) -> None: 
         gate.set()
         worker.close()
         sched.close()
+
+
+def _warm(address: str) -> bool:
+    """The coordinator answers lookups itself (while it warms up after taking the role, its askers fall
+    back to the standby, which keeps no claims)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            pb_grpc.ClusterStub(channel).ClusterLookup(pb.LookupRequest(namespace=NS, keys=[b"absent"]), timeout=5)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                return False
+            raise
+    return True
+
+
+def test_follower_waits_for_a_claimed_prefill_then_loads_it(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Engine A (node a) misses and claims its prefill; engine B (node b) gets a prompt sharing A's 4
+    blocks while A computes: B defers (None), and once A's save lands B gets the whole prefix from the
+    store (pulled from node a) instead of computing it."""
+    prompt = list(range(900, 900 + 4 * BS + 7))
+    kv_a, kv_b = engine(seed=6), engine()
+    # A: 135 tokens at 27 tok/s claims 5 s; B's own prefill of the 4 blocks at 12.8 tok/s is 10 s
+    sched_a, worker_a = make_pair(cluster["a"].address, kv_a, "claim-a", claims=True, prefill_tokens_per_s=27.0)
+    sched_b, worker_b = make_pair(cluster["b"].address, kv_b, "claim-b", claims=True, prefill_tokens_per_s=12.8)
+    try:
+        wait_until(lambda: _warm(cluster["a"].address), 15, "the coordinator to answer lookups itself")
+        wait_until(lambda: sched_a.matched_tokens("ra", prompt, b"", 0) is not None, 5, "A's lookup")
+        assert sched_a.matched_tokens("ra", prompt, b"", 0) == 0 and sched_a.stats.claims == 1
+
+        longer = prompt[:4 * BS] + [2000 + i for i in range(40)]
+        wait_until(lambda: sched_b.matched_tokens("rb", longer, b"", 0) is None and sched_b.waiting("rb"), 5,
+                   "B to defer for A's claim", lambda: sched_b.stats)
+        wait = sched_b.waiting("rb")
+        assert wait is not None and (wait.node, wait.length) == ("a", 4) and 0 < wait.ready_in_s <= 5.0
+        for _ in range(5):                                 # still deferred while A computes
+            assert sched_b.matched_tokens("rb", longer, b"", 0) is None
+            time.sleep(0.05)
+
+        sched_a.after_alloc("ra", 0)                       # A's prefill step: compute, then save (Put)
+        plan = sched_a.build_plan([("ra", [3, 9, 4, 11, 2], 0)], [], {"ra": len(prompt)})
+        worker_a.start_load(plan.loads)
+        worker_a.save(plan.saves)
+        assert worker_a.flush(10) and worker_a.stats.saved_blocks == 4
+
+        wait_until(lambda: sched_b.matched_tokens("rb", longer, b"", 0) is not None, 9, "B's wait to end",
+                   lambda: sched_b.stats)
+        assert sched_b.matched_tokens("rb", longer, b"", 0) == 4 * BS   # the whole shared prefix
+        assert (sched_b.stats.claim_waits, sched_b.stats.claim_waits_landed) == (1, 1)
+        sched_b.after_alloc("rb", 4 * BS)
+        plan = sched_b.build_plan([("rb", [7, 0, 15, 20, 1, 5], 4 * BS)], [], {"rb": len(longer) - 4 * BS})
+        worker_b.start_load(plan.loads)
+        worker_b.wait_layer("layer.0")
+        assert worker_b.take_load_errors() == set() and worker_b.stats.loaded_tokens == 4 * BS
+        for a, b in zip(kv_a, kv_b):                       # B's blocks hold A's KV, pulled from node a
+            for src, dst in zip([3, 9, 4, 11], [7, 0, 15, 20]):
+                np.testing.assert_array_equal(b[dst], a[src])
+    finally:
+        for part in (worker_a, worker_b, sched_a, sched_b):
+            part.close()
 
 
 def test_names_and_salts_are_stable() -> None:
