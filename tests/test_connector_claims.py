@@ -87,9 +87,12 @@ def test_incoming_copy_and_landed() -> None:
     assert not claims.landed(coming, "b", 0, 8, "a")
     assert claims.landed(coming, "b", 8, 8, "a")
     assert not claims.landed([entry("a", 8)], "b", 3, 8, "b") and claims.landed([], "b", 8, 8, "b")
-    assert claims.still_coming([entry("a", 8, computing=True)], 8)
-    assert claims.still_coming(coming, 8) and not claims.still_coming([entry("a", 8)], 8)
-    assert not claims.still_coming([entry("a", 5, computing=True)], 8)
+    assert claims.still_coming([entry("a", 8, computing=True)], "b", 8, "a")
+    assert claims.still_coming(coming, "b", 8, "a") and not claims.still_coming([entry("a", 8)], "b", 8, "a")
+    assert not claims.still_coming([entry("a", 5, computing=True)], "b", 8, "a")
+    # the waiter's own claim of its suffix (its own entry, computing, deeper) is not the awaited one
+    assert not claims.still_coming([entry("b", 9, computing=True)], "b", 8, "a")
+    assert claims.still_coming([entry("b", 9, computing=True)], "b", 8, "b")  # a claimant on this node
 
 
 # ---- the vLLM connector's decision ----------------------------------------------------------
@@ -235,7 +238,8 @@ def test_follower_gives_up_at_the_budget_or_when_the_claim_vanishes() -> None:
     assert sched.matched_tokens("t", PROMPT, b"", 0) == 0                         # computes it itself
     assert (sched.stats.claim_waits, sched.stats.claim_waits_landed) == (1, 0)
 
-    answers = iter([computing, computing, reply()])                               # then the claim expires
+    # then the claim expires; the follower's own claim of its suffix (its own entry) does not hold it
+    answers = iter([computing, computing, reply(entry("b", 9, computing=True))])
     gone = ScriptedClient(lambda call: next(answers))
     sched = core(gone)
     results = [sched.matched_tokens("v", PROMPT, b"", 0) for _ in range(4)]

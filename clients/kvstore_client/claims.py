@@ -120,7 +120,11 @@ def landed(nodes: Sequence[Any], me: str, local: int, length: int, claimant: str
     return any(int(e.prefix_length) >= length and not e.pending for e in nodes)
 
 
-def still_coming(nodes: Sequence[Any], length: int) -> bool:
-    """Some entry is still computing, or copying, at least ``length`` blocks: the awaited prefill
-    has not vanished (a claim whose claimant died or gave up expires, and the wait ends)."""
-    return any(e.pending and int(e.prefix_length) >= length for e in nodes)
+def still_coming(nodes: Sequence[Any], me: str, length: int, claimant: str) -> bool:
+    """The awaited prefill has not vanished: ``claimant`` still computes at least ``length``
+    blocks, or a copy of them is on its way to this node (a claim whose claimant died or gave up
+    expires, and the wait ends). Only the claimant's entry counts: this node's own entry can show
+    the waiter's own claim of its suffix, which is no sign of the awaited one."""
+    return any(e.pending and int(e.prefix_length) >= length
+               and ((e.node_id == claimant and (e.computing or claimant == me))
+                    or (e.node_id == me and not e.computing)) for e in nodes)

@@ -265,7 +265,7 @@ class SchedulerCore:
             local = int(reply.prefix_length)
             if claiming.landed(reply.nodes, me, local, req.wait.length, req.wait.node):
                 return self._end_wait(req, landed=True)
-            if not claiming.still_coming(reply.nodes, req.wait.length) and local < req.wait.length:
+            if not claiming.still_coming(reply.nodes, me, req.wait.length, req.wait.node):
                 return self._end_wait(req, landed=False)  # the claim vanished (claimant gone, or gave up)
         if now >= req.wait_until:
             return self._end_wait(req, landed=False)
