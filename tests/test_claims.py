@@ -55,7 +55,7 @@ def test_table_is_bounded() -> None:
     assert c.refused == 1 and len(c) == 3
 
 
-def test_copies_ahead_counts_waves_not_waiters_under_a_tree() -> None:
+def test_copies_ahead_counts_tree_waves_not_waiters_under_a_tree() -> None:
     star, tree = Claims(), Claims(tree_fanout=2)
     for table in (star, tree):
         table.claim(NS, CHAIN, "a", 1.0, now=0.0)
@@ -64,7 +64,7 @@ def test_copies_ahead_counts_waves_not_waiters_under_a_tree() -> None:
     [s] = star.seen(NS, CHAIN, now=0.2, asker="h")
     [t] = tree.seen(NS, CHAIN, now=0.2, asker="h")
     assert s.copies_ahead == 6         # six other waiters pull from a's egress
-    assert t.copies_ahead == 1         # 7 targets, fanout 2: 2 waves, one before the last
+    assert t.copies_ahead == 3         # 7 targets, fanout 2: 2 waves of 2 copies sharing a sender: 4 copy times
 
 
 def test_waiter_tree_copies_the_shared_part_from_the_claimant_out() -> None:
@@ -85,3 +85,15 @@ def test_worth_waiting() -> None:
     assert worth_waiting(1.0, 0.5, 2.0)
     assert not worth_waiting(1.0, 1.5, 2.0)
     assert worth_waiting(1.0, 1.5, 2.0, margin=1.5)
+
+
+def test_a_wide_burst_spreads_the_tree_to_every_live_node_after_the_waiters() -> None:
+    c = Claims()
+    claim = c.claim(NS, CHAIN, "a", 1.0, now=0.0)
+    assert claim is not None
+    c.seen(NS, CHAIN, now=0.1, asker="c")
+    one = waiter_tree(claim, lambda n: True, 2, 30.0, 1, others=["a", "b", "c", "d", "e"])
+    assert one is not None and one.targets == ("c",)    # one waiter: no burst to spread for
+    c.seen(NS, CHAIN, now=0.1, asker="e")
+    wide = waiter_tree(claim, lambda n: n != "d", 2, 30.0, 1, others=["a", "b", "c", "d", "e"])
+    assert wide is not None and wide.targets == ("c", "e", "b")  # waiters first, then the live rest

@@ -148,6 +148,17 @@ def test_assign_sources_batches_keys_per_holder() -> None:
     assert assign_sources(keys, holders, {"b"}) == {"b": [b"1", b"3"]}
 
 
+def test_pullers_of_one_prefix_spread_over_its_equal_holders() -> None:
+    keys = [b"%d" % i for i in range(8)]
+    full = {"h1", "h2", "h3", "h4"}
+    picks = {p: next(iter(assign_sources(keys, [full] * 8, full, puller=p))) for p in (f"n{i}" for i in range(16))}
+    assert len(set(picks.values())) >= 3  # not every puller on one holder's egress
+    again = {p: next(iter(assign_sources(keys, [full] * 8, full, puller=p))) for p in picks}
+    assert again == picks                   # each puller's order is stable
+    partial = [full] * 7 + [{"h2"}]         # more keys still win over the spread: one batch per holder
+    assert set(assign_sources(keys, partial, full, puller="n0")) == {"h2"}
+
+
 # ---- the coordinator's replica map -------------------------------------------------
 class NoNamespaces:
     namespaces: dict[str, object] = {}

@@ -239,3 +239,24 @@ def test_claims_share_one_prefill_of_a_new_context_and_the_tree_spreads_its_copi
     senders = tree["sim"]["coordinator"]["pages_from"]
     assert len(senders) > 3  # the waiters that landed first served the rest
     assert tree["ttft_p50_s"] < claims["ttft_p50_s"]
+
+
+def test_claim_margin_auto_and_the_copy_on_its_way() -> None:
+    from bench.replay import claiming
+    from bench.replay.costmodel import CostModel
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    assert claiming.margin_for("reactive+claims", "auto") == 1.0
+    assert claiming.margin_for("predictive+claims", "auto") == 2.0
+    assert claiming.margin_for("predictive+claims", "3") == 3.0
+    with pytest.raises(ValueError):
+        claiming.margin_for("reactive", "0")
+    cost = CostModel.preset("llama3-70b-tp8")
+    tree_copy = pb.NodePrefix(node_id="me", prefix_length=10, pending=True)
+    wait = claiming.incoming([tree_copy], "me", 2, cost)
+    assert wait is not None and wait.length == 10 and wait.budget_s == pytest.approx(cost.prefill_s(8 * cost.block_tokens))
+    assert claiming.incoming([pb.NodePrefix(node_id="me", prefix_length=10, pending=True, computing=True)],
+                             "me", 2, cost) is None   # a claim of this node's is not a copy on its way
+    assert not claiming.landed([tree_copy, pb.NodePrefix(node_id="x", prefix_length=10)], "me", 2, 10)
+    assert claiming.landed([pb.NodePrefix(node_id="x", prefix_length=10)], "me", 2, 10)
+    assert not claiming.landed([pb.NodePrefix(node_id="x", prefix_length=10)], "me", 2, 10, claimant="me")

@@ -26,6 +26,20 @@ from kvstore.cluster.claims import worth_waiting
 from kvstore.v1 import kvstore_pb2 as pb
 
 POLL_S = 0.010  # real seconds between the re-lookups of a waiting follower
+# --claim-margin auto: the margin each policy did best with on agent-fanout (simulated sweep over 1, 1.5,
+# 2, 4; docs/benchmark.md): reactive's waiters all pull from the claimant's egress, so waiting pays only
+# when clearly faster; predictive's get a copy tree (and the copies its coordinator sends ahead)
+AUTO_MARGIN = {"reactive": 1.0, "predictive": 2.0}
+
+
+def margin_for(policy: str, setting: str) -> float:
+    """``--claim-margin``: a number, or ``auto`` (:data:`AUTO_MARGIN` by base policy, 1.0 otherwise)."""
+    if setting == "auto":
+        return AUTO_MARGIN.get(split_policy(policy)[0], 1.0)
+    value = float(setting)
+    if not value > 0:
+        raise ValueError(f"--claim-margin must be > 0 or auto, got {setting}")
+    return value
 
 
 def split_policy(policy: str) -> tuple[str, bool]:
@@ -64,10 +78,27 @@ def wait_for(nodes: Sequence[pb.NodePrefix], me: str, local: int, cluster_max: i
         # the copy over this run's link, behind the copy waves that go out before it
         one = (length - local) * cost.page_bytes / link_bytes_s
         copy = 0.0 if e.node_id == me else one * (int(e.copies_ahead) + 1)
-        own = backlog_s + cost.prefill_s((length - cluster_max) * cost.block_tokens)
-        if worth_waiting(ready, copy, own, margin) and (best is None or length > best.length):
-            best = Wait(node=e.node_id, length=length, ready_in_s=ready, budget_s=own)
+        mine = cost.prefill_s((length - cluster_max) * cost.block_tokens)
+        own = backlog_s + mine
+        # a margin above 1 accepts a longer wait to spare the GPU for the requests queued behind this
+        # one: in full once a prefill's worth is queued, not at all with nothing queued
+        m = 1.0 + (margin - 1.0) * min(1.0, backlog_s / mine) if margin > 1 and mine > 0 else margin
+        if worth_waiting(ready, copy, own, m) and (best is None or length > best.length):
+            best = Wait(node=e.node_id, length=length, ready_in_s=ready, budget_s=m * own)
     return best
+
+
+def incoming(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel,
+             backlog_s: float = 0.0) -> Wait | None:
+    """A copy on its way to this node (the coordinator's copy tree answers its target ``pending``): wait
+    for it rather than pull a second copy of the same pages from a holder, at most as long as computing
+    them would take."""
+    for e in nodes:
+        length = int(e.prefix_length)
+        if e.node_id == me and e.pending and not e.computing and length > local:
+            own = backlog_s + cost.prefill_s((length - local) * cost.block_tokens)
+            return Wait(node=me, length=length, ready_in_s=0.0, budget_s=own)
+    return None
 
 
 def landed(nodes: Sequence[pb.NodePrefix], me: str, local: int, length: int, claimant: str = "") -> bool:

@@ -29,7 +29,7 @@ from bench.replay.engine import Driver, RunConfig
 from bench.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum
 from bench.replay.report import plot_cdf, plot_timeline, ratios, render, sweep_table, table
 from bench.replay.routers import ROUTERS, make_router
-from bench.replay.claiming import split_policy
+from bench.replay.claiming import margin_for, split_policy
 from bench.replay.sim import DEFAULT_RPC_MS, run_policy_sim
 from bench.replay.sim_report import compare_section
 from bench.replay.sweep import compare, key, router_configs
@@ -86,8 +86,9 @@ def replay_parser() -> argparse.ArgumentParser:
     c.add_argument("--nodes", type=int, default=4)
     c.add_argument("--policies", default=",".join(POLICIES), help="comma list of " + ",".join(POLICIES) +
                    "; each but oracle may take +claims (engines claim their prefills and wait for each other's)")
-    c.add_argument("--claim-margin", type=float, default=1.0,
-                   help="+claims: an engine waits for another's prefill when ready + copy < this x its own")
+    c.add_argument("--claim-margin", default="auto",
+                   help="+claims: an engine waits for another's prefill when ready + copy < this x its own "
+                        "queue + prefill; auto: 1.0 under reactive, 2.0 under predictive (each one's best)")
     c.add_argument("--router", default="cache-aware", choices=ROUTERS, help="the router (see --routers)")
     c.add_argument("--routers", default=None, help="comma list of routers; every policy runs under each "
                    "(the oracle routes itself). Default: --router")
@@ -225,7 +226,8 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
 
     spec, router = cluster_and_router(a, policy, router_cfg, cost)
     base, claims = split_policy(policy)
-    cfg = RunConfig(policy=base, claims=claims, claim_margin=a.claim_margin, link_bytes_s=link_of(a)[0],
+    cfg = RunConfig(policy=base, claims=claims, claim_margin=margin_for(policy, a.claim_margin),
+                    link_bytes_s=link_of(a)[0],
                     router=router, cost=cost, namespace=a.preset, speedup=a.speedup,
                     concurrency=a.concurrency, oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl,
                     fetch_timeout_s=a.fetch_timeout, drain_timeout_s=a.drain_timeout, kills=parse_kills(a.kill, a.nodes))
@@ -279,6 +281,11 @@ def _replay(a: argparse.Namespace) -> int:
     if bad or not policies:
         print(f"kvctl replay: unknown policies {bad}; choose from {','.join(POLICIES)} (each but oracle may take "
               "+claims: engines claim their prefills and wait for each other's)", file=sys.stderr)
+        return 2
+    try:
+        margin_for("reactive", a.claim_margin)
+    except ValueError as exc:
+        print(f"kvctl replay: {exc}", file=sys.stderr)
         return 2
     if a.nodes < 1 or a.speedup <= 0 or a.concurrency < 1 or a.repeats < 1:
         print("kvctl replay: --nodes, --speedup, --concurrency and --repeats must be positive", file=sys.stderr)

@@ -226,18 +226,22 @@ class Engine:
             cluster_max = max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending])
             wait = claiming.wait_for(lk.nodes, self.node_id, local, cluster_max, cost, S, cfg.link_bytes_s,
                                      self.backlog_s, cfg.claim_margin) if cfg.claims else None
+            if wait is None and cfg.claims:
+                wait = claiming.incoming(lk.nodes, self.node_id, local, cost, self.backlog_s)
             if wait is not None:  # another request is computing this prefix: wait for it, then read it
                 rec.claim_wait = True
-                t_wait = time.perf_counter()
+                t_wait, held_before = time.perf_counter(), cluster_max
                 await asyncio.sleep(wait.ready_in_s / S)
                 while True:
                     lk = await self.kv.lookup_nodes(cfg.namespace, keys)
                     local = int(lk.prefix_length)
-                    if (claiming.landed(lk.nodes, self.node_id, local, wait.length, wait.node)
-                            or (time.perf_counter() - t_wait) * S >= wait.budget_s):
+                    came = claiming.landed(lk.nodes, self.node_id, local, wait.length, wait.node)
+                    if came or (time.perf_counter() - t_wait) * S >= wait.budget_s:
                         break
                     await asyncio.sleep(claiming.POLL_S)
-                cluster_max = max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending])
+                # it came: read it; it did not within the budget: compute it (read only what was held before)
+                cluster_max = (max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending]) if came
+                               else max(local, held_before))
             fetch = cluster_max if step is None else max(local, step.depth)  # the oracle gets what its plan says
             if fetch > 0:
                 got = await self.kv.get(cfg.namespace, keys[:fetch], timeout=cfg.fetch_timeout_s)

@@ -185,17 +185,24 @@ class SimDriver:
             cluster_max = max([local] + [int(e.prefix_length) for e in nodes if not e.pending])
             wait = claiming.wait_for(nodes, cl.ids[n], local, cluster_max, cost, cfg.speedup, cfg.link_rate,
                                      eng.backlog_s, cfg.claim_margin) if cfg.claims else None
+            if wait is None and cfg.claims:
+                wait = claiming.incoming(nodes, cl.ids[n], local, cost, eng.backlog_s)
             if wait is not None:  # another request is computing this prefix: wait for it, then read it
-                t_wait = sim.now
+                t_wait, held_before = sim.now, cluster_max
                 rec.claim_wait = True
                 yield sim.timeout(wait.ready_in_s)
-                while cl.alive(n):
+                came = False
+                while cl.alive(n) and not came:
                     yield sim.timeout(self.rpc)  # re-Lookup
                     local, nodes = cl.lookup(n, keys)
-                    if claiming.landed(nodes, cl.ids[n], local, wait.length, wait.node) or sim.now - t_wait >= wait.budget_s:
+                    came = claiming.landed(nodes, cl.ids[n], local, wait.length, wait.node)
+                    if not came and sim.now - t_wait >= wait.budget_s:
                         break
-                    yield sim.timeout(claiming.POLL_S * cfg.speedup)
-                cluster_max = max([local] + [int(e.prefix_length) for e in nodes if not e.pending])
+                    if not came:
+                        yield sim.timeout(claiming.POLL_S * cfg.speedup)
+                # it came: read it; it did not within the budget: compute it (read only what was held before)
+                cluster_max = max([local] + [int(e.prefix_length) for e in nodes if not e.pending]) if came \
+                    else max(local, held_before)
             fetch = cluster_max if step is None else max(local, step.depth)
             if fetch > 0:
                 yield cl.fetch_missing(n, keys[:fetch])
@@ -357,7 +364,8 @@ def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float]
     rate, latency = link_of(a)
     free = a.network == "none"
     base, claims = claiming.split_policy(policy)
-    cfg = SimConfig(policy=base, claims=claims, claim_margin=getattr(a, "claim_margin", 1.0), router=router, cost=cost, namespace=a.preset, nodes=a.nodes, speedup=a.speedup,
+    cfg = SimConfig(policy=base, claims=claims, router=router,
+                    claim_margin=claiming.margin_for(policy, getattr(a, "claim_margin", "auto")), cost=cost, namespace=a.preset, nodes=a.nodes, speedup=a.speedup,
                     concurrency=a.concurrency, daemon_args=spec.args("n0"), link_rate=1e18 if free else rate,
                     link_latency=0.0 if free else latency, capacity_bytes=parse_size(a.capacity),
                     oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl, fetch_timeout_s=a.fetch_timeout,

@@ -341,7 +341,7 @@ class SimCluster:
         if todo:
             holders = self.directory.locate(self.p.namespace, todo)
             usable = {n for j, n in enumerate(self.ids) if j != i and self.known_alive(j)}
-            for src, ks in assign_sources(todo, holders, usable).items():
+            for src, ks in assign_sources(todo, holders, usable, self.ids[i]).items():
                 jobs.append(self.pull(i, self.index[src], ks, REPLICA))
         deadline = self.sim.timeout(self.trace_s(self.p.fetch_timeout_s))
         return self.sim.any_of([self.sim.all_of(jobs), deadline])

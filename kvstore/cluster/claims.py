@@ -46,6 +46,7 @@ from kvstore.predict.planner_types import Decision
 
 DEFAULT_MAX_KEYS = 200_000      # claimed keys kept at once (a claim that does not fit is not recorded)
 DEFAULT_GRACE_S = 2.0           # a claim lives this long past its ready time before it is dropped
+SPREAD_AT_WAITERS = 2           # this many nodes waiting on one claim: copy it to every live node
 
 
 @dataclass(slots=True)
@@ -69,7 +70,7 @@ class Seen:
     node: str
     length: int
     ready_in: float
-    copies_ahead: int = 0  # copy waves of it that come before the asker's (see Claims.tree_fanout)
+    copies_ahead: int = 0  # copy times before the asker's copy ends, less one (see Claims.tree_fanout)
 
 
 class Claims:
@@ -79,7 +80,7 @@ class Claims:
                  tree_fanout: int = 0) -> None:
         # tree_fanout: 0 = every waiter pulls from the claimant (one egress shared by all: copies_ahead is
         # the other waiters); > 0 = the coordinator copies to the waiters as a tree of this fanout
-        # (copies_ahead is the waves before the last one)
+        # (copies_ahead + 1 = waves x fanout: each wave's copies share their sender's egress)
         self.max_keys, self.grace_s, self.tree_fanout = max_keys, grace_s, tree_fanout
         self._by_key: dict[tuple[str, bytes], Claim] = {}
         self._expiry: list[tuple[float, int, Claim]] = []   # heap: claims by expiry, for an O(log n) prune
@@ -139,7 +140,10 @@ class Claims:
                 c.waiters.add(asker)
                 c.needed = max(c.needed, j)
             others = len(c.waiters - {asker})
-            ahead = others if self.tree_fanout <= 0 else copy_tree(["s"], [""] * (others + 1), self.tree_fanout)[1] - 1
+            if self.tree_fanout <= 0:
+                ahead = others  # every waiter pulls from the claimant at once: its egress shared by all
+            else:               # each wave's copies share their sender's egress: waves x fanout copy times
+                ahead = copy_tree(["s"], [""] * (others + 1), self.tree_fanout)[1] * self.tree_fanout - 1
             out.append(Seen(node=c.node, length=j, ready_in=max(0.0, c.ready_at - now), copies_ahead=ahead))
             i = j  # a deeper run claimed by another node needs this one's keys first: it waits for both
         return out
@@ -178,15 +182,20 @@ class Claims:
         return dropped
 
 
-def waiter_tree(claim: Claim, alive: Callable[[str], bool], fanout: int, ttl_s: float,
-                page_bytes: int) -> Decision | None:
-    """The copy tree that brings a landed claim's chain to the nodes that waited for it (the claimant
-    first, then every landed waiter serves more), instead of every waiter pulling from the claimant at
-    once. None when nobody else waited."""
-    targets = tuple(sorted(n for n in claim.waiters if n != claim.node and alive(n)))
+def waiter_tree(claim: Claim, alive: Callable[[str], bool], fanout: int, ttl_s: float, page_bytes: int,
+                others: Sequence[str] = (), spread_at: int = SPREAD_AT_WAITERS) -> Decision | None:
+    """The copy tree that brings a landed claim's shared prefix to the nodes that waited for it (the
+    claimant first, then every landed copy serves more), instead of every waiter pulling from the
+    claimant at once. When at least ``spread_at`` nodes waited, a burst is on and a router that
+    spreads load will send its next followers anywhere: the tree then goes on to ``others`` (the live
+    nodes), after the waiters. None when nobody else waited."""
+    waiters = sorted(n for n in claim.waiters if n != claim.node and alive(n))
     chain = claim.chain[:claim.needed]  # what the waiters share (the claimant's own suffix is its alone)
-    if not targets or not chain:
+    if not waiters or not chain:
         return None
+    extra = [n for n in others if n != claim.node and n not in claim.waiters and alive(n)] \
+        if len(waiters) >= spread_at else []
+    targets = tuple(waiters + sorted(extra))
     edges, waves = copy_tree([claim.node], list(targets), fanout)
     return Decision(namespace=claim.namespace, keys=tuple(chain), depth=len(chain), source=claim.node,
                     targets=targets, prob=1.0, ttl_s=ttl_s, reason="claim-waiters",

@@ -115,7 +115,7 @@ class Coordinator:
         if self.policy != "predictive":
             return None
         return waiter_tree(claim, alive, self.plan_cfg.fanout, self.plan_cfg.ttl_s,
-                           self._page_bytes(claim.namespace))
+                           self._page_bytes(claim.namespace), others=self.membership.live_ids())
 
     def on_claims_landed(self, claims: Sequence[Claim]) -> None:
         """Claims whose Put reached the directory: copy each to the nodes that waited for it, as a tree."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -48,9 +49,13 @@ _CANCEL_GRACE_S = 0.05  # how long a reader waits for its cancelled pulls to end
 Locate = Callable[[str, Sequence[bytes]], Awaitable[pb.LocateResponse]]
 
 
-def assign_sources(keys: Sequence[bytes], holders: Sequence[set[str]], usable: set[str]) -> dict[str, list[bytes]]:
+def assign_sources(keys: Sequence[bytes], holders: Sequence[set[str]], usable: set[str],
+                   puller: str = "") -> dict[str, list[bytes]]:
     """Pick one source per key: greedily the node that holds the most of the
-    keys still unassigned, so each peer gets one batched transfer."""
+    keys still unassigned, so each peer gets one batched transfer. Among
+    holders of as many keys, each puller ranks them in its own order (a
+    hash of puller and holder), so nodes pulling one prefix at once spread
+    over its holders instead of all queueing on the lowest id's egress."""
     options = {k: h & usable for k, h in zip(keys, holders)}
     todo = [k for k in keys if options[k]]
     groups: dict[str, list[bytes]] = {}
@@ -59,7 +64,7 @@ def assign_sources(keys: Sequence[bytes], holders: Sequence[set[str]], usable: s
         for key in todo:
             for node in options[key]:
                 counts[node] = counts.get(node, 0) + 1
-        best = min(counts, key=lambda n: (-counts[n], n))
+        best = min(counts, key=lambda n: (-counts[n], zlib.crc32(f"{puller}/{n}".encode()) if puller else 0, n))
         groups[best] = [k for k in todo if best in options[k]]
         todo = [k for k in todo if best not in options[k]]
     return groups
@@ -144,7 +149,8 @@ class Replicator:
             except TimeoutError:
                 located = pb.LocateResponse()
             if len(located.holders) == len(todo):
-                groups = assign_sources(todo, [set(h.node_ids) for h in located.holders], self._live_peers())
+                groups = assign_sources(todo, [set(h.node_ids) for h in located.holders], self._live_peers(),
+                                        self.node.node_id)
                 jobs.extend(self.pull(src, namespace, ks, PageKind.REPLICA) for src, ks in groups.items())
         if jobs:
             await self._run_bounded(jobs, timeout - (time.perf_counter() - start))
