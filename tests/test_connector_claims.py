@@ -54,7 +54,13 @@ def test_wait_for_a_remote_claim_when_ready_plus_copy_beats_own_prefill() -> Non
     assert rule([entry("a", 8, computing=True, ready=0.1)], link_bytes_per_s=0) is None  # no link: never
     # queued prefill here makes computing slower, so waiting pays for a later claim
     assert rule([entry("a", 8, computing=True, ready=0.3)], backlog_tokens=200) is not None
-    assert rule([entry("a", 8, computing=True, ready=0.3)], margin=1.5) is not None
+    # a margin over 1 counts in full once a prefill's worth is queued, not at all with nothing queued
+    late = [entry("a", 8, computing=True, ready=0.6)]                       # own: 0.256 + 0.256 queued
+    assert rule(late, backlog_tokens=256) is None and rule(late, margin=1.5) is None
+    assert rule(late, backlog_tokens=256, margin=1.5).budget_s == pytest.approx(1.5 * 0.512)  # type: ignore[union-attr]
+    assert rule(late, backlog_tokens=128, margin=1.5) is None               # m = 1.25: 0.48 s
+    assert claims.scaled_margin(2.0, 0.0, 1.0) == 1.0 and claims.scaled_margin(2.0, 5.0, 1.0) == 2.0
+    assert claims.scaled_margin(0.8, 5.0, 1.0) == 0.8
     assert rule([entry("a", 8, computing=True, ready=0.1)], prefill_tokens_per_s=0) is None
 
 
@@ -237,6 +243,15 @@ def test_follower_gives_up_at_the_budget_or_when_the_claim_vanishes() -> None:
     time.sleep(0.06)
     assert sched.matched_tokens("t", PROMPT, b"", 0) == 0                         # computes it itself
     assert (sched.stats.claim_waits, sched.stats.claim_waits_landed) == (1, 0)
+
+    # a wait that overran computes: it loads only what was held before, though a holder is known now
+    late = iter([computing, reply(entry("a", 8), entry("b", 8, pending=True), local=1)])
+    client = ScriptedClient(lambda call: next(late, None))
+    sched = core(client, claim_max_wait_s=0.05)
+    assert sched.matched_tokens("u", PROMPT, b"", 0) is None
+    assert sched.matched_tokens("u", PROMPT, b"", 0) is None                      # not landed: a copy comes
+    time.sleep(0.06)
+    assert sched.matched_tokens("u", PROMPT, b"", 0) == BS                        # the block held here
 
     # then the claim expires; the follower's own claim of its suffix (its own entry) does not hold it
     answers = iter([computing, computing, reply(entry("b", 9, computing=True))])

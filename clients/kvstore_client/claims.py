@@ -13,9 +13,9 @@
   its own entry: the coordinator's copy tree) is waited for too (:func:`incoming`), rather than
   pulled a second time.
 * **Until.** The follower re-looks (no record, no claim, no lease) until :func:`landed`, at most its
-  own prefill time (and the connector's cap), then does its ordinary leasing Lookup and load; a
-  claim that vanishes without landing (:func:`still_coming` false: its claimant died or gave up)
-  ends the wait at once.
+  own prefill time (times the margin; and the connector's cap), then loads what is held; a claim
+  that vanishes without landing (:func:`still_coming` false: its claimant died or gave up) ends the
+  wait at once. A wait that did not land computes: it reads only what was held before it.
 
 The same rule as the replay's simulated engines (``bench/replay/claiming.py``), in the engine's
 units: real seconds, tokens and bytes.
@@ -87,11 +87,21 @@ def wait_for(nodes: Sequence[Any], me: str, local: int, *, block_tokens: int, pa
             continue
         one = (length - local) * page_bytes / link_bytes_per_s if link_bytes_per_s > 0 else math.inf
         copy = 0.0 if e.node_id == me else one * (int(e.copies_ahead) + 1)
-        own = prefill_s(backlog_tokens + (length - cluster) * block_tokens, prefill_tokens_per_s)
+        mine = prefill_s((length - cluster) * block_tokens, prefill_tokens_per_s)
+        own = prefill_s(backlog_tokens, prefill_tokens_per_s) + mine
+        m = scaled_margin(margin, own - mine, mine)
         ready = float(e.ready_in_seconds)
-        if worth_waiting(ready, copy, own, margin) and (best is None or length > best.length):
-            best = Wait(node=e.node_id, length=length, ready_in_s=ready, budget_s=own)
+        if worth_waiting(ready, copy, own, m) and (best is None or length > best.length):
+            best = Wait(node=e.node_id, length=length, ready_in_s=ready, budget_s=m * own)
     return best
+
+
+def scaled_margin(margin: float, backlog_s: float, mine_s: float) -> float:
+    """A margin above 1 accepts a longer wait to spare the GPU for the requests queued behind this
+    one: in full once a prefill's worth is queued, not at all with nothing queued (the replay's rule)."""
+    if margin > 1 and mine_s > 0:
+        return 1.0 + (margin - 1.0) * min(1.0, backlog_s / mine_s)
+    return margin
 
 
 def incoming(nodes: Sequence[Any], me: str, local: int, *, block_tokens: int,

@@ -65,9 +65,13 @@ class ConnectorConfig:
     12.5e9 = 100 Gb/s). The copy of ``n`` pages costs ``n * page_bytes /
     link_bytes_per_s`` per wave ahead of this node."""
     claim_margin: float = 1.0
-    """Wait when ``ready_in + copy < claim_margin * own prefill``. 1.0: only
-    when waiting is expected to be faster; the replay found 1.5 best under
-    ``--replication predictive`` (the waiters get a copy tree)."""
+    """Wait when ``ready_in + copy < m * own prefill`` (queued prefill
+    included), at most ``m * own prefill``. 1.0: only when waiting is expected
+    to be faster. Above 1 it accepts a longer wait to spare the GPU for the
+    requests queued behind this one: ``m`` grows from 1 with nothing queued to
+    ``claim_margin`` once a prefill's worth is queued (the replay's rule; its
+    simulated sweep found 2.0 best under ``--replication predictive``, where
+    the waiters get a copy tree, and 1.0 under ``reactive``)."""
     claim_max_wait_s: float = 10.0
     """The longest a request defers for a claim, whatever its own prefill
     estimate says; then it computes (a lost claim costs at most this)."""

@@ -97,6 +97,7 @@ class _Request:
     next_poll: float = 0.0
     poll: LookupFuture | None = None
     last_reply: pb.LookupResponse | None = None
+    held_before: int = 0           # blocks the cluster held when the wait began
 
 
 class SchedulerCore:
@@ -192,10 +193,11 @@ class SchedulerCore:
         self._settle(req, reply)
         return True
 
-    def _settle(self, req: _Request, reply: pb.LookupResponse) -> None:
-        """``hit_blocks`` from a Lookup's answer (the lease is the first Lookup's)."""
-        best = max((n.prefix_length for n in reply.nodes if not n.pending), default=0)
-        req.hit_blocks = min(max(best, reply.prefix_length), req.max_hit_blocks)
+    def _settle(self, req: _Request, reply: pb.LookupResponse, hit: int | None = None) -> None:
+        """``hit_blocks`` from a Lookup's answer, or ``hit`` (the lease is the first Lookup's)."""
+        if hit is None:
+            hit = max([int(reply.prefix_length), *(int(n.prefix_length) for n in reply.nodes if not n.pending)])
+        req.hit_blocks = min(hit, req.max_hit_blocks)
         req.hints = [NodeHint(n.node_id, n.address, n.prefix_length, n.pending, n.expires_in_seconds)
                      for n in reply.nodes]
         # blocks the store already holds are not saved again
@@ -244,6 +246,7 @@ class SchedulerCore:
             return False
         now = time.monotonic()
         req.wait, req.wait_started, req.last_reply = wait, now, reply
+        req.held_before = claiming.held(reply.nodes, int(reply.prefix_length))
         req.wait_until = now + min(wait.budget_s, self.config.claim_max_wait_s)
         # the claimant Puts in about ready_in: the re-lookups start halfway there
         req.next_poll = now + min(wait.ready_in_s / 2, wait.budget_s)
@@ -286,7 +289,9 @@ class SchedulerCore:
         self.stats.add(claim_waits_landed=int(landed), claim_wait_seconds=time.monotonic() - req.wait_started)
         reply, req.wait, req.waited, req.last_reply = req.last_reply, None, True, None
         assert reply is not None
-        self._settle(req, reply)
+        # it came: load what is held; it did not (budget spent, claim gone): compute it, loading only what
+        # was held before the wait (a late landing would be fetched on top of the wait)
+        self._settle(req, reply, None if landed else max(req.held_before, int(reply.prefix_length)))
         return True
 
     def _lookup_failed(self, req: _Request, exc: KvError) -> bool:
