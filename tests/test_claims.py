@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstore.cluster.claims import Claims, waiter_tree, worth_waiting
+from kvstore.cluster.claims import Claims, waiter_tree
 
 NS = "ns"
 CHAIN = [b"k%d" % i for i in range(6)]
@@ -79,12 +79,6 @@ def test_waiter_tree_copies_the_shared_part_from_the_claimant_out() -> None:
     assert d.keys == tuple(CHAIN[:4]) and d.targets == ("b", "c", "d")
     assert d.tree[0][0] == "a" and {t for _, t in d.tree} == {"b", "c", "d"} and d.waves == 2
     assert d.bytes == 4 * 100 * 3
-
-
-def test_worth_waiting() -> None:
-    assert worth_waiting(1.0, 0.5, 2.0)
-    assert not worth_waiting(1.0, 1.5, 2.0)
-    assert worth_waiting(1.0, 1.5, 2.0, margin=1.5)
 
 
 def test_a_wide_burst_spreads_the_tree_to_every_live_node_after_the_waiters() -> None:

@@ -6,11 +6,12 @@ The engine's side of :mod:`kvstore.cluster.claims`, as an inference engine's con
 * its recorded Lookup carries ``claim_seconds``: when it expects to have
   prefilled and stored the chain (its prefill queue plus this prefill);
 * when the answer shows another request computing a deeper prefix than the
-  cluster holds (``NodePrefix.computing``), it waits for that one if
-  :func:`~kvstore.cluster.claims.worth_waiting` says so -- the claimant's
-  ready time plus the copy (nothing on the same node) against its own
-  prefill of those blocks -- then re-looks until the prefix is held, at most
-  its own prefill time, and Gets (which pulls).
+  cluster holds (``NodePrefix.computing``), it waits for that one if the
+  connectors' rule says so (:mod:`kvstore_client.claims`, run here in the
+  cost model's units) -- the claimant's ready time plus the copy (nothing
+  on the same node) against its own queue and prefill of those blocks --
+  then re-looks until the prefix is held, the claim vanishes, or its budget
+  ends, and Gets (which pulls); a wait that did not land computes.
 
 Times: the daemons' (``ready_in_seconds``, ``claim_seconds``) are real
 seconds; the engines' cost model is trace seconds (real x speedup).
@@ -19,13 +20,15 @@ seconds; the engines' cost model is trace seconds (real x speedup).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from bench.replay.costmodel import CostModel
-from kvstore.cluster.claims import worth_waiting
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore_client.claims import Wait, decide, incoming_copy, landed, still_coming
 
-POLL_S = 0.010  # real seconds between the re-lookups of a waiting follower
+__all__ = ["POLL_S", "Wait", "claim_seconds", "incoming", "landed", "margin_for", "split_policy", "still_coming",
+           "wait_for"]
+
+POLL_S = 0.010  # real seconds between the re-lookups of a waiting follower, at least (or ready_in / 8)
 # --claim-margin auto: the margin each policy did best with on agent-fanout (simulated sweep over 1, 1.5,
 # 2, 4; docs/benchmark.md): reactive's waiters all pull from the claimant's egress, so waiting pays only
 # when clearly faster; predictive's get a copy tree (and the copies its coordinator sends ahead)
@@ -57,56 +60,17 @@ def claim_seconds(cost: CostModel, input_tokens: int, local_blocks: int, backlog
     return (backlog_s + own) / speedup
 
 
-@dataclass(slots=True, frozen=True)
-class Wait:
-    node: str            # the claimant
-    length: int          # blocks it will hold
-    ready_in_s: float    # trace s
-    budget_s: float      # trace s: the longest the wait may take (own prefill of those blocks, queue included)
-
-
-def wait_for(nodes: Sequence[pb.NodePrefix], me: str, local: int, cluster_max: int, cost: CostModel,
-             speedup: float, link_bytes_s: float, backlog_s: float = 0.0, margin: float = 1.0) -> Wait | None:
-    """The claim worth waiting for in a Lookup's answer, or None: compute it yourself. The alternative
-    is this engine's own prefill of those blocks behind its prefill queue (``backlog_s``, trace s)."""
-    best: Wait | None = None
-    for e in nodes:
-        length = int(e.prefix_length)
-        if not e.computing or length <= cluster_max:
-            continue
-        ready = float(e.ready_in_seconds) * speedup
-        # the copy over this run's link, behind the copy waves that go out before it
-        one = (length - local) * cost.page_bytes / link_bytes_s
-        copy = 0.0 if e.node_id == me else one * (int(e.copies_ahead) + 1)
-        mine = cost.prefill_s((length - cluster_max) * cost.block_tokens)
-        own = backlog_s + mine
-        # a margin above 1 accepts a longer wait to spare the GPU for the requests queued behind this
-        # one: in full once a prefill's worth is queued, not at all with nothing queued
-        m = 1.0 + (margin - 1.0) * min(1.0, backlog_s / mine) if margin > 1 and mine > 0 else margin
-        if worth_waiting(ready, copy, own, m) and (best is None or length > best.length):
-            best = Wait(node=e.node_id, length=length, ready_in_s=ready, budget_s=m * own)
-    return best
+def wait_for(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel, speedup: float,
+             link_bytes_s: float, backlog_s: float = 0.0, margin: float = 1.0) -> Wait | None:
+    """The connectors' rule (:func:`kvstore_client.claims.decide`) on the replay's clock: trace
+    seconds (the daemons' ``ready_in`` x speedup), the cost model's prefill, the modelled link
+    (``link_bytes_s``: unscaled bytes per trace second)."""
+    return decide(nodes, me, local, page_bytes=cost.page_bytes, link_bytes_per_s=link_bytes_s,
+                  prefill_blocks_s=lambda blocks: cost.prefill_s(blocks * cost.block_tokens), backlog_s=backlog_s,
+                  margin=margin, time_scale=speedup)
 
 
 def incoming(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel,
              backlog_s: float = 0.0) -> Wait | None:
-    """A copy on its way to this node (the coordinator's copy tree answers its target ``pending``): wait
-    for it rather than pull a second copy of the same pages from a holder, at most as long as computing
-    them would take."""
-    for e in nodes:
-        length = int(e.prefix_length)
-        if e.node_id == me and e.pending and not e.computing and length > local:
-            own = backlog_s + cost.prefill_s((length - local) * cost.block_tokens)
-            return Wait(node=me, length=length, ready_in_s=0.0, budget_s=own)
-    return None
-
-
-def landed(nodes: Sequence[pb.NodePrefix], me: str, local: int, length: int, claimant: str = "") -> bool:
-    """The awaited prefix is here, or held elsewhere and not on its way here (a copy tree that has this
-    node as a target answers it ``pending``: wait for that copy rather than pull a second one). When the
-    claimant is this node, only here counts."""
-    if local >= length or claimant == me:
-        return local >= length
-    if any(e.node_id == me and e.pending and not e.computing and int(e.prefix_length) >= length for e in nodes):
-        return False
-    return any(int(e.prefix_length) >= length and not e.pending for e in nodes)
+    """A copy on its way to this node: :func:`kvstore_client.claims.incoming_copy` in trace seconds."""
+    return incoming_copy(nodes, me, local, lambda blocks: cost.prefill_s(blocks * cost.block_tokens), backlog_s)

@@ -224,21 +224,23 @@ class Engine:
             lk = await self.kv.lookup_nodes(cfg.namespace, keys, record=True, claim_seconds=claim)
             local = int(lk.prefix_length)
             cluster_max = max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending])
-            wait = claiming.wait_for(lk.nodes, self.node_id, local, cluster_max, cost, S, cfg.link_bytes_s,
+            wait = claiming.wait_for(lk.nodes, self.node_id, local, cost, S, cfg.link_bytes_s,
                                      self.backlog_s, cfg.claim_margin) if cfg.claims else None
             if wait is None and cfg.claims:
                 wait = claiming.incoming(lk.nodes, self.node_id, local, cost, self.backlog_s)
             if wait is not None:  # another request is computing this prefix: wait for it, then read it
                 rec.claim_wait = True
                 t_wait, held_before = time.perf_counter(), cluster_max
-                await asyncio.sleep(wait.ready_in_s / S)
+                poll = max(claiming.POLL_S, wait.ready_in_s / S / 8)  # real s between re-lookups
+                await asyncio.sleep(min(wait.ready_in_s / S, poll))
                 while True:
                     lk = await self.kv.lookup_nodes(cfg.namespace, keys)
                     local = int(lk.prefix_length)
                     came = claiming.landed(lk.nodes, self.node_id, local, wait.length, wait.node)
-                    if came or (time.perf_counter() - t_wait) * S >= wait.budget_s:
+                    if (came or (time.perf_counter() - t_wait) * S >= wait.budget_s
+                            or not claiming.still_coming(lk.nodes, self.node_id, wait.length, wait.node)):
                         break
-                    await asyncio.sleep(claiming.POLL_S)
+                    await asyncio.sleep(poll)
                 # it came: read it; it did not within the budget: compute it (read only what was held before)
                 cluster_max = (max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending]) if came
                                else max(local, held_before))

@@ -183,23 +183,25 @@ class SimDriver:
                                                cfg.speedup)
             local, nodes = cl.lookup(n, keys, record=True, claim_seconds=claim)
             cluster_max = max([local] + [int(e.prefix_length) for e in nodes if not e.pending])
-            wait = claiming.wait_for(nodes, cl.ids[n], local, cluster_max, cost, cfg.speedup, cfg.link_rate,
+            wait = claiming.wait_for(nodes, cl.ids[n], local, cost, cfg.speedup, cfg.link_rate,
                                      eng.backlog_s, cfg.claim_margin) if cfg.claims else None
             if wait is None and cfg.claims:
                 wait = claiming.incoming(nodes, cl.ids[n], local, cost, eng.backlog_s)
             if wait is not None:  # another request is computing this prefix: wait for it, then read it
                 t_wait, held_before = sim.now, cluster_max
                 rec.claim_wait = True
-                yield sim.timeout(wait.ready_in_s)
+                poll = max(claiming.POLL_S * cfg.speedup, wait.ready_in_s / 8)  # trace s between re-lookups
+                yield sim.timeout(min(wait.ready_in_s, poll))
                 came = False
                 while cl.alive(n) and not came:
                     yield sim.timeout(self.rpc)  # re-Lookup
                     local, nodes = cl.lookup(n, keys)
                     came = claiming.landed(nodes, cl.ids[n], local, wait.length, wait.node)
-                    if not came and sim.now - t_wait >= wait.budget_s:
+                    if not came and (sim.now - t_wait >= wait.budget_s
+                                     or not claiming.still_coming(nodes, cl.ids[n], wait.length, wait.node)):
                         break
                     if not came:
-                        yield sim.timeout(claiming.POLL_S * cfg.speedup)
+                        yield sim.timeout(poll)
                 # it came: read it; it did not within the budget: compute it (read only what was held before)
                 cluster_max = max([local] + [int(e.prefix_length) for e in nodes if not e.pending]) if came \
                     else max(local, held_before)

@@ -17,14 +17,15 @@
   that vanishes without landing (:func:`still_coming` false: its claimant died or gave up) ends the
   wait at once. A wait that did not land computes: it reads only what was held before it.
 
-The same rule as the replay's simulated engines (``bench/replay/claiming.py``), in the engine's
-units: real seconds, tokens and bytes.
+The replay's engines (``bench/replay/claiming.py``, real and simulated) run this same rule
+(:func:`decide`, :func:`incoming_copy`) in their cost model's units; the connectors in real seconds,
+tokens and bytes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,17 @@ def wait_for(nodes: Sequence[Any], me: str, local: int, *, block_tokens: int, pa
     behind ``copies_ahead`` waves of the same copy to other waiters."""
     if prefill_tokens_per_s <= 0:
         return None
+    return decide(nodes, me, local, page_bytes=page_bytes, link_bytes_per_s=link_bytes_per_s,
+                  prefill_blocks_s=lambda blocks: prefill_s(blocks * block_tokens, prefill_tokens_per_s),
+                  backlog_s=prefill_s(backlog_tokens, prefill_tokens_per_s), margin=margin)
+
+
+def decide(nodes: Sequence[Any], me: str, local: int, *, page_bytes: int, link_bytes_per_s: float,
+           prefill_blocks_s: Callable[[int], float], backlog_s: float = 0.0, margin: float = 1.0,
+           time_scale: float = 1.0) -> Wait | None:
+    """:func:`wait_for` in any engine's cost model: ``prefill_blocks_s(n)`` is its prefill of ``n``
+    blocks, ``backlog_s`` its queued prefill, both on the engine's clock, which runs ``time_scale``
+    times the daemon's (``ready_in_seconds``; the replay's engines run on trace time)."""
     cluster = held(nodes, local)
     best: Wait | None = None
     for e in nodes:
@@ -87,10 +99,10 @@ def wait_for(nodes: Sequence[Any], me: str, local: int, *, block_tokens: int, pa
             continue
         one = (length - local) * page_bytes / link_bytes_per_s if link_bytes_per_s > 0 else math.inf
         copy = 0.0 if e.node_id == me else one * (int(e.copies_ahead) + 1)
-        mine = prefill_s((length - cluster) * block_tokens, prefill_tokens_per_s)
-        own = prefill_s(backlog_tokens, prefill_tokens_per_s) + mine
-        m = scaled_margin(margin, own - mine, mine)
-        ready = float(e.ready_in_seconds)
+        mine = prefill_blocks_s(length - cluster)
+        own = backlog_s + mine
+        m = scaled_margin(margin, backlog_s, mine)
+        ready = float(e.ready_in_seconds) * time_scale
         if worth_waiting(ready, copy, own, m) and (best is None or length > best.length):
             best = Wait(node=e.node_id, length=length, ready_in_s=ready, budget_s=m * own)
     return best
@@ -111,11 +123,18 @@ def incoming(nodes: Sequence[Any], me: str, local: int, *, block_tokens: int,
     computing them would take."""
     if prefill_tokens_per_s <= 0:
         return None
+    return incoming_copy(nodes, me, local, lambda blocks: prefill_s(blocks * block_tokens, prefill_tokens_per_s),
+                         prefill_s(backlog_tokens, prefill_tokens_per_s))
+
+
+def incoming_copy(nodes: Sequence[Any], me: str, local: int, prefill_blocks_s: Callable[[int], float],
+                  backlog_s: float = 0.0) -> Wait | None:
+    """:func:`incoming` in any engine's cost model (see :func:`decide`)."""
     for e in nodes:
         length = int(e.prefix_length)
         if e.node_id == me and e.pending and not e.computing and length > local:
-            own = prefill_s(backlog_tokens + (length - local) * block_tokens, prefill_tokens_per_s)
-            return Wait(node=me, length=length, ready_in_s=0.0, budget_s=own, computing=False)
+            return Wait(node=me, length=length, ready_in_s=0.0, budget_s=backlog_s + prefill_blocks_s(length - local),
+                        computing=False)
     return None
 
 

@@ -19,7 +19,7 @@ tokens, on engines that are the bottleneck. With claims:
 2. a follower's Lookup, on any node, sees the claimant as
    ``NodePrefix(pending=true, computing=true, ready_in_seconds=...)`` and
    its connector waits for it when ``ready_in + the copy < its own prefill``
-   (:func:`worth_waiting`), then Gets, which pulls;
+   (``kvstore_client.claims``: the engines decide), then Gets, which pulls;
 3. the claimant's Put reaches the directory (its node reports at once while
    it holds claims), which resolves the claim: from then on the node is an
    ordinary holder.
@@ -200,10 +200,3 @@ def waiter_tree(claim: Claim, alive: Callable[[str], bool], fanout: int, ttl_s: 
     return Decision(namespace=claim.namespace, keys=tuple(chain), depth=len(chain), source=claim.node,
                     targets=targets, prob=1.0, ttl_s=ttl_s, reason="claim-waiters",
                     bytes=len(chain) * page_bytes * len(targets), tree=tuple(edges), waves=waves)
-
-
-def worth_waiting(ready_in_s: float, copy_s: float, own_prefill_s: float, margin: float = 0.8) -> bool:
-    """A follower waits for a claimant's prefill (then copies it) instead of computing the same prefix
-    itself when that is clearly faster: ``ready_in + copy < margin * own prefill`` (the margin pays for
-    a late claimant and the directory's round trip)."""
-    return ready_in_s + copy_s < margin * own_prefill_s
