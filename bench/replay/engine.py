@@ -241,9 +241,10 @@ class Engine:
                             or not claiming.still_coming(lk.nodes, self.node_id, wait.length, wait.node)):
                         break
                     await asyncio.sleep(poll)
-                # it came: read it; it did not within the budget: compute it (read only what was held before)
+                # it came: read it; it did not within the budget: compute it (read only what was held before
+                # the claim; after a copy to this node that did not come, only what is here: a Get would join it)
                 cluster_max = (max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending]) if came
-                               else max(local, held_before))
+                               else max(local, held_before) if wait.computing else local)
             fetch = cluster_max if step is None else max(local, step.depth)  # the oracle gets what its plan says
             if fetch > 0:
                 got = await self.kv.get(cfg.namespace, keys[:fetch], timeout=cfg.fetch_timeout_s)

@@ -202,9 +202,10 @@ class SimDriver:
                         break
                     if not came:
                         yield sim.timeout(poll)
-                # it came: read it; it did not within the budget: compute it (read only what was held before)
+                # it came: read it; it did not within the budget: compute it (read only what was held before
+                # the claim; after a copy to this node that did not come, only what is here: a Get would join it)
                 cluster_max = max([local] + [int(e.prefix_length) for e in nodes if not e.pending]) if came \
-                    else max(local, held_before)
+                    else max(local, held_before) if wait.computing else local
             fetch = cluster_max if step is None else max(local, step.depth)
             if fetch > 0:
                 yield cl.fetch_missing(n, keys[:fetch])
