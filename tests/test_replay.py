@@ -82,6 +82,21 @@ def test_round_robin_and_least_load() -> None:
     assert {ll.choose(_views([0, 0, 0], [0, 0, 0]), 4)[0] for _ in range(3)} == {0, 1, 2}
 
 
+def test_routers_skip_a_node_whose_store_is_down() -> None:
+    def down(views, *idx):  # type: ignore[no-untyped-def]
+        for i in idx:
+            views[i].down = True
+        return views
+
+    assert LeastLoad().choose(down(_views([3, 0, 2], [0, 0, 0]), 1), 4)[0] == 2
+    rr = RoundRobin()
+    assert {rr.choose(down(_views([0, 0, 0], [0, 0, 0]), 0), 4)[0] for _ in range(4)} == {1, 2}
+    ca = CacheAware(abs_threshold=32)
+    assert ca.choose(down(_views([0, 5, 9], [8, 4, 0]), 0), 10) == (1, "affinity")   # next-longest prefix
+    assert ca.choose(down(_views([0, 20, 40], [0, 0, 8]), 0), 10)[1] == "affinity"    # a dead idle node is no imbalance
+    assert LeastLoad().choose(down(_views([3, 1], [0, 0]), 0, 1), 4)[0] == 1           # all down: as if none were
+
+
 def test_cache_aware_prefix_affinity_until_imbalanced() -> None:
     r = CacheAware(abs_threshold=32, rel_threshold=1.5)
     # the node with the longest prefix wins even when busier (balanced cluster)

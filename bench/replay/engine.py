@@ -309,6 +309,7 @@ class Driver:
                                                       "ingress_bytes": []})
         self.oracle_plan: Plan | None = None
         self.held: Held | None = None
+        self.store_down: set[int] = set()  # node indices whose kvstored is not a live member (Status)
         self._outstanding = 0
         self._all_done = asyncio.Event()
         self._start = 0.0
@@ -325,16 +326,32 @@ class Driver:
         return [float(e.load) for e in self.engines]
 
     async def _views(self, keys: list[bytes]) -> list[NodeView]:
-        plain = [NodeView(n, load) for n, load in zip(self.node_ids, self._loads())]
-        if not self.cfg.router.needs_prefix:
-            return plain
-        for i in self._alive():  # the coordinator first; another node if it was killed
-            try:
-                lk = await self.kvs[i].lookup_nodes(self.cfg.namespace, keys)
-                return views_from_lookup(self.node_ids, self._loads(), lk.nodes)
-            except (KvError, grpc.RpcError, OSError):
-                continue
-        return plain
+        views = [NodeView(n, load) for n, load in zip(self.node_ids, self._loads())]
+        if self.cfg.router.needs_prefix:
+            for i in self._alive():  # the coordinator first; another node if it was killed
+                try:
+                    lk = await self.kvs[i].lookup_nodes(self.cfg.namespace, keys)
+                    views = views_from_lookup(self.node_ids, self._loads(), lk.nodes)
+                    break
+                except (KvError, grpc.RpcError, OSError):
+                    continue
+        for i in self.store_down:
+            views[i].down = True
+        return views
+
+    async def _watch_members(self) -> None:
+        """The router's view of which stores are up: the cluster's Status (live members), every sample
+        period, as a fleet router would watch it -- a killed node drops out a heartbeat timeout later."""
+        while True:
+            for i in self._alive():
+                try:
+                    st = await self.cluster_stubs[i].Status(pb.ClusterStatusRequest(), timeout=self.cfg.rpc_timeout_s)
+                except grpc.RpcError:
+                    continue
+                live = {m.node_id for m in st.members}
+                self.store_down = {j for j, n in enumerate(self.node_ids) if n not in live}
+                break
+            await asyncio.sleep(self.cfg.sample_s)
 
     def _alive(self) -> list[int]:
         return [i for i in range(len(self.node_ids)) if i not in self.result.killed]
@@ -491,6 +508,7 @@ class Driver:
                 background.append(loop.create_task(self._oracle(items, tasks)))
             if cfg.kills:
                 background.append(loop.create_task(self._kill()))
+                background.append(loop.create_task(self._watch_members()))
             await self._dispatch(items, tasks)
             if items:
                 try:

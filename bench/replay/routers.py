@@ -24,6 +24,10 @@ Cache-aware, as SGLang's router does it:
 
 Ties always go to the lower load, then the longer real (non-hinted) prefix,
 then a rotating index, so equal nodes share work.
+
+Every router skips a node whose store is down (``NodeView.down``: its
+kvstored left the cluster's membership, as a fleet router watching the
+cluster's Status sees it), unless every node's is.
 """
 
 from __future__ import annotations
@@ -43,6 +47,13 @@ class NodeView:
     load: float = 0.0
     prefix: int = 0        # leading blocks the node holds (directory answer)
     hinted: int = 0        # leading blocks a pending or live speculative copy gives it
+    down: bool = False     # its kvstored is not a live member: route elsewhere
+
+
+def up(views: Sequence[NodeView]) -> list[int]:
+    """Indices of the nodes whose store is up (all of them if none is)."""
+    live = [i for i, v in enumerate(views) if not v.down]
+    return live or list(range(len(views)))
 
 
 class Router(Protocol):
@@ -74,8 +85,9 @@ class RoundRobin:
         self._i = 0
 
     def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
-        i = self._i % len(views)
-        self._i = i + 1
+        live = up(views)
+        i = live[self._i % len(live)]
+        self._i += 1
         return i, "round-robin"
 
 
@@ -92,7 +104,8 @@ class LeastLoad:
 
 def least_loaded(views: Sequence[NodeView], rot: _Rotation, among: Iterable[int] | None = None) -> int:
     """The least-loaded node of ``among`` (all by default); ties: longer real prefix, then rotation."""
-    idx = list(range(len(views))) if among is None else list(among)
+    live = set(up(views))
+    idx = [i for i in (range(len(views)) if among is None else among) if i in live] or sorted(live)
     low = min(views[i].load for i in idx)
     tied = [i for i in idx if views[i].load <= low + 1e-9]
     longest = max(views[i].prefix for i in tied)
@@ -115,7 +128,7 @@ class CacheAware:
         self._rot = _Rotation()
 
     def imbalanced(self, views: Sequence[NodeView]) -> bool:
-        loads = [v.load for v in views]
+        loads = [views[i].load for i in up(views)]
         hi, lo = max(loads), min(loads)
         return hi - lo > self.abs_threshold and hi > self.rel_threshold * lo
 
@@ -130,7 +143,8 @@ class CacheAware:
     def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
         if self.imbalanced(views):
             return least_loaded(views, self._rot), "imbalance"
-        eff = self.effective(views)
+        live = set(up(views))
+        eff = [e if i in live else -1 for i, e in enumerate(self.effective(views))]
         best = max(eff)
         if best <= 0 or best < self.match_threshold * max(1, blocks):
             return least_loaded(views, self._rot), "no-match"

@@ -148,8 +148,12 @@ class SimDriver:
         loads = [float(e.load) for e in self.engines]
         ids = self.cluster.ids
         if not self.cfg.router.needs_prefix or not self.cluster.alive(0):
-            return [NodeView(n, load) for n, load in zip(ids, loads)], 0.0
-        return views_from_lookup(ids, loads, self.cluster.prefixes(keys)), self.cfg.rpc_ms / 1e3
+            views, route_s = [NodeView(n, load) for n, load in zip(ids, loads)], 0.0
+        else:
+            views, route_s = views_from_lookup(ids, loads, self.cluster.prefixes(keys)), self.cfg.rpc_ms / 1e3
+        for i, v in enumerate(views):  # a fleet router watching Status: down a heartbeat timeout after a kill
+            v.down = not self.cluster.known_alive(i)
+        return views, route_s
 
     def _arrive(self, i: int, keys: list[bytes], step: Step | None) -> None:
         rec = self.records[i]
