@@ -133,6 +133,7 @@ class NodeConfig:
     spec_bandwidth: int = 10**9
     spec_ttl: float = 120.0
     node_rate: float = 0.0
+    copy_fanout: int = 2
     keep_fetched: bool = True
     fetch_timeout: float = 5.0
     max_pull_bytes: int = 64 << 20
@@ -196,6 +197,8 @@ class NodeConfig:
             raise ValueError("shm_hold_timeout must be > 0")
         if not self.node_rate >= 0:
             raise ValueError("node_rate must be >= 0")
+        if not 1 <= self.copy_fanout <= 64:
+            raise ValueError("copy_fanout must be in [1, 64]")
         if not 0 <= self.spec_threshold <= 1 or not 0 <= self.spec_budget <= 1:
             raise ValueError("spec_threshold and spec_budget must be in [0, 1]")
         if self.spec_bandwidth <= 0:
@@ -315,6 +318,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("spec_ttl", float, "seconds an unread speculative replica lives unless renewed", "SECONDS"),
     Setting("node_rate", float, "requests/s one node's engines serve: sizes each prefix's replica set from its "
             "forecast demand, copied as a tree (0: unknown; at most 2 new copies per prefix per tick)", "RPS"),
+    Setting("copy_fanout", int, "copies one node sends at once in a copy tree (each wave's copies share its "
+            "egress): 1 doubles the holders every single-copy time", "N"),
     Setting("keep_fetched", parse_bool, "keep pages a Get pulled from a peer as local replicas", "BOOL"),
     Setting("fetch_timeout", float, "longest a Get waits for remote pages when the client gives no deadline; "
             "what has not arrived by then is reported missing", "SECONDS"),

@@ -65,7 +65,7 @@ class Coordinator:
                                     momentum_window_s=config.predictor_momentum_window)
         self.plan_cfg = PlannerConfig(threshold=config.spec_threshold, spec_budget=config.spec_budget,
                                       spec_bandwidth=config.spec_bandwidth, tick_s=config.planner_tick,
-                                      ttl_s=config.spec_ttl, node_rate=config.node_rate)
+                                      ttl_s=config.spec_ttl, node_rate=config.node_rate, fanout=config.copy_fanout)
         self.predictor = None
         if self.policy == "predictive":
             from kvstore.predict.model import DEFAULT_MODEL_PATH
