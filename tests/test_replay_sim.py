@@ -260,3 +260,13 @@ def test_claim_margin_auto_and_the_copy_on_its_way() -> None:
     assert not claiming.landed([tree_copy, pb.NodePrefix(node_id="x", prefix_length=10)], "me", 2, 10)
     assert claiming.landed([pb.NodePrefix(node_id="x", prefix_length=10)], "me", 2, 10)
     assert not claiming.landed([pb.NodePrefix(node_id="x", prefix_length=10)], "me", 2, 10, claimant="me")
+
+
+def test_replica_seconds_integrate_the_slot_samples() -> None:
+    from bench.replay.metrics import replica_gib_s
+
+    tl = {"stats_t": [0.0, 2.0, 4.0], "spec_slots": [[0, 0], [2, 0], [2, 2]], "replica_slots": [[1, 1], [1, 1], [0, 0]]}
+    held = replica_gib_s(tl, 1 << 30)   # 1 GiB pages
+    assert held["speculative"] == pytest.approx((0 + 2) / 2 * 2 + (2 + 4) / 2 * 2)   # 8 GiB-s
+    assert held["replica"] == pytest.approx(2 * 2 + (2 + 0) / 2 * 2)                 # 6 GiB-s
+    assert replica_gib_s({}, 1 << 30) == {"speculative": 0.0, "replica": 0.0}

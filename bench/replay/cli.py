@@ -26,7 +26,7 @@ from bench.replay import netns
 from bench.replay.cluster import ClusterSpec, LocalCluster
 from bench.replay.costmodel import LINKS, PRESETS, CostModel
 from bench.replay.engine import Driver, RunConfig
-from bench.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum
+from bench.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum, replica_gib_s
 from bench.replay.report import plot_cdf, plot_timeline, ratios, render, sweep_table, table
 from bench.replay.routers import ROUTERS, make_router
 from bench.replay.claiming import margin_for, split_policy
@@ -247,6 +247,8 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
         policy, result.node_stats, coordinator_metrics, cost.scaled_page_bytes, cost.byte_scale,
         result.oracle.get("copied_pages", 0), result.placed_used_pages, link_bytes),
         slo_factor=a.slo_factor, gpus=cost.gpus, block_tokens=cost.block_tokens)
+    held = replica_gib_s(result.timeline, cost.page_bytes)
+    summary.update(replica_gib_s_speculative=round(held["speculative"], 3), replica_gib_s=round(held["replica"], 3))
     summary.update(put_errors=result.put_errors, wall_s=round(result.wall_s, 2), oracle=result.oracle,
                    daemon_args=spec.args("nX"), router=router_cfg[0], network=network)
     if cfg.kills:

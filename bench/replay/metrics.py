@@ -270,3 +270,18 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
                                                 {"kind": k}))
                               for k in ("replicate", "drop", "full")},
     }
+
+
+def replica_gib_s(timeline: dict[str, Any], page_bytes: int) -> dict[str, float]:
+    """Replica-seconds: GiB (unscaled ``page_bytes`` per slot) x trace seconds held, summed over nodes, of
+    the speculative replicas and of the plain replicas (pages a node pulled or was copied and kept),
+    from the timeline's per-node slot samples (trapezoids between samples)."""
+    t = timeline.get("stats_t", [])
+    out = {}
+    for name, key in (("speculative", "spec_slots"), ("replica", "replica_slots")):
+        series = timeline.get(key, [])
+        total = 0.0
+        for (t0, a), (t1, b) in zip(zip(t, series), zip(t[1:], series[1:])):
+            total += (sum(a) + sum(b)) / 2 * (t1 - t0)
+        out[name] = total * page_bytes / (1 << 30)
+    return out

@@ -70,7 +70,7 @@ def sweep_table(w: dict[str, Any]) -> str:
     best baseline and predictive's ratios against it."""
     head = ("| policy | router | done | TTFT p50 s | TTFT p99 s (min-max) | TTFT mean s | p99 cached-prefix s | "
             "SLO % | req/s | KV fetch p99 s | fetch on crit. path s | prefill GPU-s | recomputed cached tok | "
-            "link GiB reactive / spec / full (unscaled) | spec wasted % |")
+            "link GiB reactive / spec / full (unscaled) | spec wasted % | replica GiB-s spec / kept |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     best = (w.get("best_baseline") or {}).get("config")
     order = {p: i for i, p in enumerate(POLICIES)}
@@ -88,7 +88,8 @@ def sweep_table(w: dict[str, Any]) -> str:
             f"{100 * _med(runs, 'slo_attainment'):.0f} | {_med(runs, 'throughput_rps'):.2f} | "
             f"{_med(runs, 'kv_fetch_p99_s'):.3f} | {_med(runs, 'fetch_critical_s'):.1f} | "
             f"{_med(runs, 'prefill_gpu_s'):.1f} | {_med(runs, 'recomputed_cached_tokens'):.0f} | "
-            f"{gib[0]:.1f} / {gib[1]:.1f} / {gib[2]:.1f} | {100 * _med(runs, 'spec_waste_ratio'):.0f} |")
+            f"{gib[0]:.1f} / {gib[1]:.1f} / {gib[2]:.1f} | {100 * _med(runs, 'spec_waste_ratio'):.0f} | "
+            f"{_med(runs, 'replica_gib_s_speculative'):.0f} / {_med(runs, 'replica_gib_s'):.0f} |")
     lines.append("")
     lines.append(vs_best_lines(w))
     fail = failover_table(w)

@@ -31,7 +31,8 @@ from typing import Any
 
 from bench.replay import claiming
 from bench.replay.costmodel import CostModel
-from bench.replay.metrics import RequestRecord, after_kill, aggregate, cluster_summary, record_hits
+from bench.replay.metrics import (RequestRecord, after_kill, aggregate, cluster_summary, record_hits,
+                                  replica_gib_s)
 from bench.replay.oracle import Plan, Step, plan
 from bench.replay.routers import NodeView, Router, views_from_lookup
 from bench.replay.sim_cluster import PRIMARY, SPECULATIVE, ClusterParams, SimCluster
@@ -388,6 +389,8 @@ def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float]
         result.oracle.get("copied_pages", 0), result.placed_used_pages, result.link_bytes),
         slo_factor=a.slo_factor, gpus=cost.gpus, block_tokens=cost.block_tokens)
     network = driver.cluster.net.describe() if not free else {"kind": "none"}
+    held = replica_gib_s(result.timeline, cost.page_bytes)
+    summary.update(replica_gib_s_speculative=round(held["speculative"], 3), replica_gib_s=round(held["replica"], 3))
     summary.update(put_errors=result.put_errors, wall_s=round(result.wall_s, 2), oracle=result.oracle,
                    daemon_args=spec.args("nX"), router=router_cfg[0], network=network, simulated=True,
                    sim={"rpc_ms": cfg.rpc_ms, "coordinator": result.coordinator})
