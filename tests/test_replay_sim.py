@@ -215,7 +215,8 @@ def test_sim_agrees_with_the_real_replay_on_the_smoke_workload(tmp_path) -> None
     assert "measured vs simulated" in (out / "report.md").read_text()
 
 
-def test_claims_share_one_prefill_of_a_new_context_and_the_tree_spreads_its_copies(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_claims_share_one_prefill_of_a_new_context_and_the_tree_spreads_its_copies(  # type: ignore[no-untyped-def]
+        tmp_path) -> None:
     """agent-fanout (one seed, 8 nodes, 70B over 100 GbE), simulated: with +claims the followers of a new
     context wait for its first prefill instead of recomputing it (fewer prefill GPU-seconds than
     without), and under predictive the coordinator copies it to them as a tree (copies sent by nodes
@@ -254,7 +255,8 @@ def test_claim_margin_auto_and_the_copy_on_its_way() -> None:
     cost = CostModel.preset("llama3-70b-tp8")
     tree_copy = pb.NodePrefix(node_id="me", prefix_length=10, pending=True)
     wait = claiming.incoming([tree_copy], "me", 2, cost)
-    assert wait is not None and wait.length == 10 and wait.budget_s == pytest.approx(cost.prefill_s(8 * cost.block_tokens))
+    assert wait is not None and wait.length == 10
+    assert wait.budget_s == pytest.approx(cost.prefill_s(8 * cost.block_tokens))
     assert claiming.incoming([pb.NodePrefix(node_id="me", prefix_length=10, pending=True, computing=True)],
                              "me", 2, cost) is None   # a claim of this node's is not a copy on its way
     assert not claiming.landed([tree_copy, pb.NodePrefix(node_id="x", prefix_length=10)], "me", 2, 10)

@@ -373,7 +373,8 @@ def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float]
     free = a.network == "none"
     base, claims = claiming.split_policy(policy)
     cfg = SimConfig(policy=base, claims=claims, router=router,
-                    claim_margin=claiming.margin_for(policy, getattr(a, "claim_margin", "auto")), cost=cost, namespace=a.preset, nodes=a.nodes, speedup=a.speedup,
+                    claim_margin=claiming.margin_for(policy, getattr(a, "claim_margin", "auto")), cost=cost,
+                    namespace=a.preset, nodes=a.nodes, speedup=a.speedup,
                     concurrency=a.concurrency, daemon_args=spec.args("n0"), link_rate=1e18 if free else rate,
                     link_latency=0.0 if free else latency, capacity_bytes=parse_size(a.capacity),
                     oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl, fetch_timeout_s=a.fetch_timeout,
