@@ -131,6 +131,11 @@ def test_cache_aware_uses_placement_hints_to_spread_a_burst() -> None:
     v = views_from_lookup(["n0", "n1", "n2", "n3"], [6, 0, 1, 0], entries)
     assert [(x.prefix, x.hinted) for x in v] == [(17, 0), (0, 16), (17, 17), (0, 0)]
     assert CacheAware().choose(v, 19) == (1, "affinity-hint")
+    # an in-flight prefill claim is no holding: its followers are not piled onto the claimant
+    claim = [SimpleNamespace(node_id="n3", prefix_length=17, pending=True, computing=True, expires_in_seconds=0.0)]
+    v = views_from_lookup(["n0", "n1", "n2", "n3"], [6, 0, 1, 0], claim)
+    assert [(x.prefix, x.hinted) for x in v] == [(0, 0)] * 4
+    assert CacheAware().choose(v, 19)[1] == "no-match"
 
 
 # ---- oracle --------------------------------------------------------------------

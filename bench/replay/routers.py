@@ -169,6 +169,9 @@ def views_from_lookup(node_ids: Sequence[str], loads: Sequence[float], entries: 
     """Views from ``LookupResponse.nodes`` (``NodePrefix``-like objects).
 
     An entry with ``pending`` is a copy in flight: it sets ``hinted`` only.
+    One that is ``computing`` (an in-flight prefill claim) sets nothing: the
+    claim's followers wait for it wherever they run, and crediting the
+    claimant with the prefix would pile them onto its engine's slots.
     Any other entry is a holding (the directory's, or a live speculative
     replica, which ``expires_in_seconds`` marks); a speculative one sets
     ``hinted`` as well, so hint-aware routing can tell it apart.
@@ -181,6 +184,8 @@ def views_from_lookup(node_ids: Sequence[str], loads: Sequence[float], entries: 
             continue
         v = views[i]
         if e.pending:
+            if getattr(e, "computing", False):
+                continue  # an in-flight prefill is not a holding: piling its followers onto it queues them
             v.hinted = max(v.hinted, int(e.prefix_length))
         else:
             v.prefix = max(v.prefix, int(e.prefix_length))
