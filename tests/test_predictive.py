@@ -127,9 +127,12 @@ def test_demand_sized_fanout_is_copied_as_a_tree(make_server) -> None:  # type: 
 
     The planner's first tick sees the whole demand (it sits out the
     lookups): 5 targets as a tree, so some of the pages are sent by a node
-    other than the primary, and every page is copied once."""
+    other than the primary, and every page is copied once. The node rate is
+    low enough (0.05 req/s) that even a slow machine's rate estimate of the
+    12 lookups (7 req/10 s seen) asks for all five nodes at once, not three
+    now and two a tick later."""
     common = dict(replication="predictive", transport="tcp", heartbeat_interval=0.05, heartbeat_timeout=2.0,
-                  planner_tick=0.1, spec_ttl=30.0, capacity=32 << 20, node_rate=0.2)
+                  planner_tick=0.1, spec_ttl=30.0, capacity=32 << 20, node_rate=0.05)
     a = make_server(node_id="a", **common)
     others = [make_server(node_id=n, peers=(a.address,), **common) for n in "bcdef"]
     servers = [a, *others]
@@ -153,7 +156,13 @@ def test_demand_sized_fanout_is_copied_as_a_tree(make_server) -> None:  # type: 
             return sum(1 for s in others if s.call(lambda s=s: s.node.namespace("m").pool.speculative_slots) == 8)
 
         wait_until(lambda: spread() == 5, 15, "speculative replicas on all five other nodes", state=spread)
-    sent = a.call(lambda: dict(a.server.coordinator.pages_from))
+
+    def sent_now() -> dict[str, int]:
+        return a.call(lambda: dict(a.server.coordinator.pages_from))
+
+    # a target holds its pages a moment before the coordinator has the Replicate's reply and counts them
+    wait_until(lambda: sum(sent_now().values()) >= 5 * 8, 5, "the coordinator to count the copies", state=sent_now)
+    sent = sent_now()
     assert sum(sent.values()) == 5 * 8, sent
     assert sent.get("a", 0) < 5 * 8, f"every page went out of the primary: {sent}"
     for srv in servers:
