@@ -64,13 +64,15 @@ bench: $(STAMP)
 	$(BIN)/kvctl bench micro $(ARGS)
 
 # The main job (docs/benchmark.md): trace replay on local 8-node clusters of real kvstored
-# processes (CPU pools), every byte between nodes over a shaped 50 GB/s link (rdma-400g) inside
+# processes (CPU pools), every byte between nodes over a shaped 12.5 GB/s link (eth-100g) inside
 # TTFT: the shipped Mooncake conversation window and the agent-fanout shape, Llama-3-70B TP8,
-# policies none/reactive/predictive/oracle under the least-load and cache-aware routers; names the
-# best baseline, prints the table, writes bench/out/replay/{results.json,report.md,*.png}.
+# policies none/reactive/predictive/oracle, with and without in-flight prefill claims, under the
+# least-load and cache-aware routers; names the best baseline (reactive+claims is one), prints the
+# table, writes bench/out/replay/{results.json,report.md,*.png}.
 RUN_ARGS ?= --trace bench/data/mooncake_conversation.jsonl --window 60 --trace agent-fanout \
-  --nodes 8 --preset llama3-70b-tp8 --policies none,reactive,predictive,oracle \
-  --routers least-load,cache-aware --network shaped --link rdma-400g
+  --nodes 8 --preset llama3-70b-tp8 \
+  --policies none,reactive,reactive+claims,predictive,predictive+claims,oracle \
+  --routers least-load,cache-aware --network shaped --link eth-100g
 run: $(STAMP)
 	$(BIN)/kvctl replay --device cpu $(RUN_ARGS) $(ARGS)
 
