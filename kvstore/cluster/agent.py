@@ -373,8 +373,7 @@ class ClusterAgent:
                                                pending=True, computing=True, ready_in_seconds=seen.ready_in,
                                                copies_ahead=seen.copies_ahead)
         if claim_seconds > 0 and asker and self.membership.member(asker) is not None:
-            self.claims.claim(namespace, keys, asker, min(claim_seconds, self.config.max_claim_seconds), now,
-                              start=max([claim_start, *held.values()]))
+            self.claims.claim(namespace, keys, asker, claim_seconds, now, start=max([claim_start, *held.values()]))
         return list(out.values())
 
     def _claims_landed(self, node_id: str, batches: Sequence[pb.DirectoryBatch]) -> None:

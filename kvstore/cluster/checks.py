@@ -30,6 +30,12 @@ def check_key_batch(namespace: str, keys: Sequence[bytes], max_pages: int) -> No
     check_keys(keys, allow_duplicates=True)
 
 
+def check_claim_seconds(value: float, max_s: float) -> None:
+    """A Lookup's ``claim_seconds``: 0 (no claim) or in (0, ``max_s``]; NaN fails the range."""
+    if value and not 0 < value <= max_s:
+        raise InvalidArgument(f"claim_seconds must be in (0, {max_s}], got {value}")
+
+
 def check_member(info: pb.MemberInfo) -> None:
     """A member as a peer describes it: id, gRPC address, incarnation, endpoints."""
     check_id(info.node_id, "node id")

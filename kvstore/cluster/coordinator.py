@@ -32,12 +32,12 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.cluster.claims import Claim, waiter_tree
 from kvstore.cluster.directory import Directory
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.peers import PeerClient
 from kvstore.config import NodeConfig
 from kvstore.errors import KvError
-from kvstore.cluster.claims import Claim, waiter_tree
 from kvstore.metrics import NodeMetrics
 from kvstore.pool.pool import PageKind
 from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig

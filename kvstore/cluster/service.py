@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 
 from kvstore.cluster.agent import ClusterAgent
-from kvstore.cluster.checks import check_heartbeat, check_replicate
-from kvstore.errors import InvalidArgument, KvError, Unavailable, bounded
+from kvstore.cluster.checks import check_claim_seconds, check_heartbeat, check_replicate
+from kvstore.errors import KvError, Unavailable, bounded
 from kvstore.node import page_kind
 from kvstore.pool.pool import PageKind
 from kvstore.v1 import kvstore_pb2 as pb
@@ -50,11 +50,9 @@ class ClusterService(pb_grpc.ClusterServicer):
     async def ClusterLookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         try:
             self.agent.check_keys(request.namespace, request.keys)
-            claim = request.claim_seconds
-            if claim and not (0 < claim <= self.agent.config.max_claim_seconds):
-                raise InvalidArgument(f"claim_seconds must be in (0, {self.agent.config.max_claim_seconds}]")
-            nodes = self.agent.prefixes(request.namespace, list(request.keys), request.claim_node_id, claim,
-                                        min(request.claim_start, len(request.keys)))
+            check_claim_seconds(request.claim_seconds, self.agent.config.max_claim_seconds)
+            nodes = self.agent.prefixes(request.namespace, list(request.keys), request.claim_node_id,
+                                        request.claim_seconds, min(request.claim_start, len(request.keys)))
             self._check_warm(max((n.prefix_length for n in nodes), default=0) < len(request.keys))
             return pb.LookupResponse(nodes=nodes)
         except KvError as exc:

@@ -29,6 +29,7 @@ import grpc
 
 import kvstore
 from kvstore.cluster.agent import ClusterAgent
+from kvstore.cluster.checks import check_claim_seconds
 from kvstore.framing import WIRE_VERSION
 from kvstore.errors import (DeadlineExceeded, InvalidArgument, KvError, ResourceExhausted, Unauthenticated, bounded,
                             shown)
@@ -275,12 +276,10 @@ class KvStoreService(pb_grpc.KvStoreServicer):
     @_handler("lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         name = self._name(request.namespace)
-        claim = request.claim_seconds
-        if claim and not (0 < claim <= self.node.config.max_claim_seconds):  # NaN fails this too
-            raise InvalidArgument(f"claim_seconds must be in (0, {self.node.config.max_claim_seconds}], got {claim}")
+        check_claim_seconds(request.claim_seconds, self.node.config.max_claim_seconds)
         if request.lease_ttl_seconds or request.lease_id:
             return await self._lookup_and_lease(name, request)
-        return await self.agent.lookup(name, list(request.keys), request.record, claim)
+        return await self.agent.lookup(name, list(request.keys), request.record, request.claim_seconds)
 
     async def _lookup_and_lease(self, name: str, request: pb.LookupRequest) -> pb.LookupResponse:
         """Lookup that pins this node's answer in the same call, idempotent
