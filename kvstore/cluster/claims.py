@@ -85,7 +85,7 @@ class Claims:
         self._by_key: dict[tuple[str, bytes], Claim] = {}
         self._expiry: list[tuple[float, int, Claim]] = []   # heap: claims by expiry, for an O(log n) prune
         self._seq = itertools.count()
-        self.made = self.resolved = self.expired = self.refused = 0   # counters (metrics)
+        self.refused = 0   # claims not recorded because the table was full
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -105,13 +105,13 @@ class Claims:
         if len(self._by_key) + len(won) > self.max_keys:
             self.refused += 1
             return None
-        last = max(i for i, k in enumerate(keys) if k in set(won))
+        taken = set(won)
+        last = max(i for i, k in enumerate(keys) if k in taken)
         c = Claim(node=node, namespace=namespace, ready_at=now + seconds,
                   expires_at=now + seconds + self.grace_s, keys=won, chain=list(keys[:last + 1]))
         for k in won:
             self._by_key[(namespace, k)] = c
         heapq.heappush(self._expiry, (c.expires_at, next(self._seq), c))
-        self.made += 1
         return c
 
     def _live(self, slot: tuple[str, bytes], now: float) -> Claim | None:
@@ -157,9 +157,7 @@ class Claims:
             if c is not None and c.node == node:
                 del self._by_key[(namespace, k)]
                 ended[id(c)] = c
-        done = [c for c in ended.values() if not any(self._by_key.get((namespace, k)) is c for k in c.keys)]
-        self.resolved += len(done)
-        return done
+        return [c for c in ended.values() if not any(self._by_key.get((namespace, k)) is c for k in c.keys)]
 
     def drop_node(self, node: str) -> int:
         """``node`` left the cluster: its claims will never land."""
@@ -176,9 +174,7 @@ class Claims:
             mine = [k for k in c.keys if self._by_key.get((c.namespace, k)) is c]
             for k in mine:
                 del self._by_key[(c.namespace, k)]
-            if mine:
-                self.expired += 1
-                dropped += len(mine)
+            dropped += len(mine)
         return dropped
 
 
