@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from bench.replay.sim_kernel import Event, Network, Sim
+from kvstore.cluster import answer
 from kvstore.cluster.claims import Claims
 from kvstore.cluster.directory import Directory, Outbox
 from kvstore.cluster.replicator import assign_sources
@@ -275,34 +276,17 @@ class SimCluster:
         """The coordinator's answer: per live node its longest prefix (directory), with the hints and the
         in-flight claims; a claim in the same call is recorded after the answer is drawn (as the agent)."""
         ns = self.p.namespace
-        out: dict[str, pb.NodePrefix] = {}
-        for node_id, length in self.directory.prefixes(ns, keys).items():
-            if self.membership.alive(node_id):
-                out[node_id] = pb.NodePrefix(node_id=node_id, prefix_length=length)
-        held = {n: int(e.prefix_length) for n, e in out.items()}  # what the directory knows is stored
-        hints = self.placement.hints(ns, keys) if self.placement is not None else []
-        for hint in hints:  # as kvstore.cluster.agent.Agent.prefixes merges them
-            have = out.get(hint.node_id)
-            if have is None or hint.prefix_length > have.prefix_length:
-                out[hint.node_id] = hint
-            elif hint.prefix_length == have.prefix_length and not hint.pending:
-                have.expires_in_seconds = hint.expires_in_seconds
+        held = {n: length for n, length in self.directory.prefixes(ns, keys).items() if self.membership.alive(n)}
         now = self.dnow()
-        for seen in self.claims.seen(ns, keys, now, held, asker):
-            have = out.get(seen.node)
-            # a claim shows over what the directory knows, not over a copy on its way (that copy brings the
-            # shared part; the claim beyond it is the node's own suffix)
-            if self.membership.alive(seen.node) and (have is None or (seen.length > have.prefix_length
-                                                                     and not have.pending)):
-                out[seen.node] = pb.NodePrefix(node_id=seen.node, prefix_length=seen.length, pending=True,
-                                               computing=True, ready_in_seconds=seen.ready_in,
-                                               copies_ahead=seen.copies_ahead)
+        seen = self.claims.seen(ns, keys, now, held, asker)
+        hints = self.placement.hints(ns, keys) if self.placement is not None else []
+        out = answer.merge(held, hints, seen, lambda n: "" if self.membership.alive(n) else None)
         if claim_seconds > 0 and claim_node:
             start = max([claim_start, *held.values()])
             if self.claims.claim(ns, keys, claim_node, claim_seconds, now, start=start) is not None:
                 i = self.index[claim_node]
                 self.claimed_until[i] = max(self.claimed_until[i], now + claim_seconds + self.claims.grace_s)
-        return list(out.values())
+        return out
 
     def stored(self, i: int) -> None:
         """Node ``i`` stored pages (a Put): while it holds claims it reports at once (the agent wakes its
@@ -315,11 +299,8 @@ class SimCluster:
         """Node ``i``'s Lookup: (its local prefix, every node's prefix) as the agent answers it."""
         local = self.pools[i].prefix(keys)
         me = self.ids[i]
-        answer = self.prefixes(keys, asker=me, claim_node=me, claim_seconds=claim_seconds, claim_start=local)
-        # this node's own entry: what it holds, or (deeper) a claim or a copy on its way here
-        nodes = [n for n in answer if n.node_id != me or (n.pending and n.prefix_length > local)]
-        if local and not any(n.node_id == me for n in nodes):
-            nodes.append(pb.NodePrefix(node_id=me, prefix_length=local))
+        reply = self.prefixes(keys, asker=me, claim_node=me, claim_seconds=claim_seconds, claim_start=local)
+        nodes = answer.as_seen_by(reply, me, local)
         if record and keys:
             depth = min(len(keys), self.p.depth_cap)
             remote = any(n.prefix_length >= depth and not n.pending for n in nodes if n.node_id != me)

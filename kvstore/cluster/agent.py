@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from kvstore.cluster import answer
 from kvstore.cluster.checks import check_key_batch
 from kvstore.cluster.claims import Claim, Claims
 from kvstore.cluster.directory import Directory, Outbox
@@ -352,29 +353,18 @@ class ClusterAgent:
         waiter of the claims it is shown; with ``claim_seconds`` it claims
         the part of the chain past ``claim_start`` and what the directory
         knows is stored (after the answer is drawn: it never sees itself)."""
-        out: dict[str, pb.NodePrefix] = {}
-        for node_id, length in self.directory.prefixes(namespace, keys).items():
+        def address_of(node_id: str) -> str | None:
             member = self.membership.member(node_id)
-            if member is not None:
-                out[node_id] = pb.NodePrefix(node_id=node_id, address=member.address, prefix_length=length)
-        held = {n: int(e.prefix_length) for n, e in out.items()}
-        for hint in self.placement.hints(namespace, keys):
-            have = out.get(hint.node_id)
-            if have is None or hint.prefix_length > have.prefix_length:
-                out[hint.node_id] = hint  # about to hold more than the directory knows of
-            elif hint.prefix_length == have.prefix_length and not hint.pending:
-                have.expires_in_seconds = hint.expires_in_seconds
+            return member.address if member is not None else None
+
+        held = {n: length for n, length in self.directory.prefixes(namespace, keys).items()
+                if address_of(n) is not None}
         now = time.monotonic()
-        for seen in self.claims.seen(namespace, keys, now, held, asker):
-            member, have = self.membership.member(seen.node), out.get(seen.node)
-            # over what the directory knows, not over a copy on its way (that brings the shared part)
-            if member is not None and (have is None or (seen.length > have.prefix_length and not have.pending)):
-                out[seen.node] = pb.NodePrefix(node_id=seen.node, address=member.address, prefix_length=seen.length,
-                                               pending=True, computing=True, ready_in_seconds=seen.ready_in,
-                                               copies_ahead=seen.copies_ahead)
+        seen = self.claims.seen(namespace, keys, now, held, asker)
+        out = answer.merge(held, self.placement.hints(namespace, keys), seen, address_of)
         if claim_seconds > 0 and asker and self.membership.member(asker) is not None:
             self.claims.claim(namespace, keys, asker, claim_seconds, now, start=max([claim_start, *held.values()]))
-        return list(out.values())
+        return out
 
     def _claims_landed(self, node_id: str, batches: Sequence[pb.DirectoryBatch]) -> None:
         landed = [c for b in batches if b.adds for c in self.claims.resolve(node_id, b.namespace, b.adds)]
@@ -431,11 +421,7 @@ class ClusterAgent:
                 namespace=namespace, keys=keys, claim_seconds=claim_seconds, claim_node_id=me,
                 claim_start=local))
             nodes = list(reply.nodes) if reply is not None else self.prefixes(namespace, keys)
-        # this node's own entry: what it holds, or (deeper) a claim or a copy on its way here
-        nodes = [n for n in nodes if self.membership.alive(n.node_id)
-                 and (n.node_id != me or (n.pending and n.prefix_length > local))]
-        if local and not any(n.node_id == me for n in nodes):
-            nodes.append(pb.NodePrefix(node_id=me, address=self.node.address, prefix_length=local))
+        nodes = answer.as_seen_by(nodes, me, local, self.node.address, self.membership.alive)
         nodes.sort(key=lambda n: (-n.prefix_length, n.pending, n.node_id))
         if record and keys:
             depth = min(len(keys), self.config.predictor_depths[-1])
