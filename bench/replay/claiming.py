@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 from bench.replay.costmodel import CostModel
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore_client.claims import Wait, decide, incoming_copy, landed, still_coming
+from kvstore_client.claims import Wait, decide, held, incoming_copy, landed, still_coming
 
-__all__ = ["POLL_S", "Wait", "claim_seconds", "incoming", "landed", "margin_for", "split_policy", "still_coming",
-           "wait_for"]
+__all__ = ["POLL_S", "Wait", "choose", "claim_seconds", "held", "incoming", "landed", "margin_for",
+           "readable_after", "split_policy", "still_coming", "wait_for"]
 
 POLL_S = 0.010  # real seconds between the re-lookups of a waiting follower, at least (or ready_in / 8)
 # --claim-margin auto: the margin each policy did best with on agent-fanout (simulated sweep over 1, 1.5,
@@ -74,3 +74,20 @@ def incoming(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostMode
              backlog_s: float = 0.0) -> Wait | None:
     """A copy on its way to this node: :func:`kvstore_client.claims.incoming_copy` in trace seconds."""
     return incoming_copy(nodes, me, local, lambda blocks: cost.prefill_s(blocks * cost.block_tokens), backlog_s)
+
+
+def choose(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel, speedup: float,
+           link_bytes_s: float, backlog_s: float = 0.0, margin: float = 1.0) -> Wait | None:
+    """What a request's first Lookup answer says to wait for: another's claim worth it
+    (:func:`wait_for`), else a copy on its way here (:func:`incoming`); None: read and compute now."""
+    return (wait_for(nodes, me, local, cost, speedup, link_bytes_s, backlog_s, margin)
+            or incoming(nodes, me, local, cost, backlog_s))
+
+
+def readable_after(wait: Wait, came: bool, nodes: Sequence[pb.NodePrefix], local: int, held_before: int) -> int:
+    """Blocks to read once a wait ended. It came: what the cluster holds now. It did not (budget spent,
+    claim gone): compute it, reading only what was held before the claim -- and after a copy to this
+    node that did not come, only what is here (a Get would join that copy)."""
+    if came:
+        return held(nodes, local)
+    return max(local, held_before) if wait.computing else local

@@ -223,11 +223,9 @@ class Engine:
             claim = claiming.claim_seconds(cost, rec.input_tokens, 0, self.backlog_s, S) if cfg.claims else 0.0
             lk = await self.kv.lookup_nodes(cfg.namespace, keys, record=True, claim_seconds=claim)
             local = int(lk.prefix_length)
-            cluster_max = max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending])
-            wait = claiming.wait_for(lk.nodes, self.node_id, local, cost, S, cfg.link_bytes_s,
-                                     self.backlog_s, cfg.claim_margin) if cfg.claims else None
-            if wait is None and cfg.claims:
-                wait = claiming.incoming(lk.nodes, self.node_id, local, cost, self.backlog_s)
+            cluster_max = claiming.held(lk.nodes, local)
+            wait = claiming.choose(lk.nodes, self.node_id, local, cost, S, cfg.link_bytes_s, self.backlog_s,
+                                   cfg.claim_margin) if cfg.claims else None
             if wait is not None:  # another request is computing this prefix: wait for it, then read it
                 rec.claim_wait = True
                 t_wait, held_before = time.perf_counter(), cluster_max
@@ -241,10 +239,7 @@ class Engine:
                             or not claiming.still_coming(lk.nodes, self.node_id, wait.length, wait.node)):
                         break
                     await asyncio.sleep(poll)
-                # it came: read it; it did not within the budget: compute it (read only what was held before
-                # the claim; after a copy to this node that did not come, only what is here: a Get would join it)
-                cluster_max = (max([local] + [int(e.prefix_length) for e in lk.nodes if not e.pending]) if came
-                               else max(local, held_before) if wait.computing else local)
+                cluster_max = claiming.readable_after(wait, came, lk.nodes, local, held_before)
             fetch = cluster_max if step is None else max(local, step.depth)  # the oracle gets what its plan says
             if fetch > 0:
                 got = await self.kv.get(cfg.namespace, keys[:fetch], timeout=cfg.fetch_timeout_s)

@@ -187,11 +187,9 @@ class SimDriver:
                 claim = claiming.claim_seconds(cost, rec.input_tokens, cl.pools[n].prefix(keys), eng.backlog_s,
                                                cfg.speedup)
             local, nodes = cl.lookup(n, keys, record=True, claim_seconds=claim)
-            cluster_max = max([local] + [int(e.prefix_length) for e in nodes if not e.pending])
-            wait = claiming.wait_for(nodes, cl.ids[n], local, cost, cfg.speedup, cfg.link_rate,
-                                     eng.backlog_s, cfg.claim_margin) if cfg.claims else None
-            if wait is None and cfg.claims:
-                wait = claiming.incoming(nodes, cl.ids[n], local, cost, eng.backlog_s)
+            cluster_max = claiming.held(nodes, local)
+            wait = claiming.choose(nodes, cl.ids[n], local, cost, cfg.speedup, cfg.link_rate, eng.backlog_s,
+                                   cfg.claim_margin) if cfg.claims else None
             if wait is not None:  # another request is computing this prefix: wait for it, then read it
                 t_wait, held_before = sim.now, cluster_max
                 rec.claim_wait = True
@@ -207,10 +205,7 @@ class SimDriver:
                         break
                     if not came:
                         yield sim.timeout(poll)
-                # it came: read it; it did not within the budget: compute it (read only what was held before
-                # the claim; after a copy to this node that did not come, only what is here: a Get would join it)
-                cluster_max = max([local] + [int(e.prefix_length) for e in nodes if not e.pending]) if came \
-                    else max(local, held_before) if wait.computing else local
+                cluster_max = claiming.readable_after(wait, came, nodes, local, held_before)
             fetch = cluster_max if step is None else max(local, step.depth)
             if fetch > 0:
                 yield cl.fetch_missing(n, keys[:fetch])

@@ -196,7 +196,7 @@ class SchedulerCore:
     def _settle(self, req: _Request, reply: pb.LookupResponse, hit: int | None = None) -> None:
         """``hit_blocks`` from a Lookup's answer, or ``hit`` (the lease is the first Lookup's)."""
         if hit is None:
-            hit = max([int(reply.prefix_length), *(int(n.prefix_length) for n in reply.nodes if not n.pending)])
+            hit = claiming.held(reply.nodes, int(reply.prefix_length))
         req.hit_blocks = min(hit, req.max_hit_blocks)
         req.hints = [NodeHint(n.node_id, n.address, n.prefix_length, n.pending, n.expires_in_seconds)
                      for n in reply.nodes]
