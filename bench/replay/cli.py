@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.replay import netns
+from bench.replay.claiming import margin_for, split_policy
 from bench.replay.cluster import ClusterSpec, LocalCluster
 from bench.replay.costmodel import LINKS, PRESETS, CostModel
 from bench.replay.engine import Driver, RunConfig
 from bench.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum, replica_gib_s
 from bench.replay.report import plot_cdf, plot_timeline, ratios, render, sweep_table, table
 from bench.replay.routers import ROUTERS, make_router
-from bench.replay.claiming import margin_for, split_policy
 from bench.replay.sim import DEFAULT_RPC_MS, run_policy_sim
 from bench.replay.sim_report import compare_section
 from bench.replay.sweep import compare, key, router_configs
@@ -277,9 +277,18 @@ def replay_main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
 
 
+def _known_policy(name: str) -> bool:
+    """One of POLICIES, each but the oracle optionally with +claims."""
+    try:
+        base, claims = split_policy(name)
+    except ValueError:
+        return False
+    return base in POLICIES and not (claims and base == "oracle")
+
+
 def _replay(a: argparse.Namespace) -> int:
     policies = [p.strip() for p in a.policies.split(",") if p.strip()]
-    bad = [p for p in policies if p.removesuffix("+claims") not in POLICIES or p == "oracle+claims"]
+    bad = [p for p in policies if not _known_policy(p)]
     if bad or not policies:
         print(f"kvctl replay: unknown policies {bad}; choose from {','.join(POLICIES)} (each but oracle may take "
               "+claims: engines claim their prefills and wait for each other's)", file=sys.stderr)

@@ -20,6 +20,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from bench.replay.claiming import split_policy
+
 BASELINES = ("none", "reactive", "reactive+claims")  # what a user can run without prediction
 RATIO_KEYS = ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s")
 
@@ -83,9 +85,9 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                             **{k: spread([s[k] for s in b]) for k in RATIO_KEYS}}
     for k, v in runs.items():
         policy, router = k.split("|")
-        if policy.split("+")[0] in ("predictive", "oracle"):
+        if split_policy(policy)[0] in ("predictive", "oracle"):
             out["vs_best"][k] = {m: ratio_spread(v, b, m) for m in RATIO_KEYS}
-        if policy.split("+")[0] == "predictive":
+        if split_policy(policy)[0] == "predictive":
             for base in BASELINES:
                 if key(base, router) in runs:
                     out["per_router"][f"{k} / {base}"] = {m: ratio_spread(v, runs[key(base, router)], m)
