@@ -61,7 +61,7 @@ class Target(Protocol):
 
 def page_count(page_bytes: int, total: int, batch: int) -> int:
     """Pages moved per (store, page size, batch, op): the same for every store."""
-    return max(8, total // page_bytes) // batch * batch
+    return max(batch, max(8, total // page_bytes) // batch * batch)
 
 
 def measure(target: Target, page_bytes: int, total: int, bar: Any, batch: int = 1) -> dict[str, float]:
