@@ -51,7 +51,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script (kvctl bench micro): bench/ is not a package on the path
     sys.path.insert(0, str(ROOT))
-from bench import peers  # noqa: E402
+from bench import micro_clients, peers  # noqa: E402
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
 
@@ -206,8 +206,28 @@ def render(results: dict) -> str:  # type: ignore[type-arg]
             lines.append(f"| {row['page']} | {row.get('batch', 1)} | {row['put_gbps']:.2f} / {base['put_gbps']:.2f} | "
                          f"{row['get_gbps']:.2f} / {base['get_gbps']:.2f} | "
                          f"{row['put_gbps'] / base['put_gbps']:.2f}x | {row['get_gbps'] / base['get_gbps']:.2f}x |")
+    lines += render_clients(results)
     lines += render_peers(results)
     return "\n".join(lines) + "\n"
+
+
+CONCURRENT = (("4MiB", 1), ("1MiB", 8))  # the shapes of the socket target, with several clients at once
+
+
+def render_clients(results: dict) -> list[str]:  # type: ignore[type-arg]
+    rows = results.get("concurrent", [])
+    if not rows:
+        return []
+    raw = results["raw_tcp_streams_gbps"]
+    lines = ["", f"{rows[0]['clients']} clients at once (each its own process, connection and namespace; aggregate "
+             f"GB/s from the common start to the last done) against {rows[0]['clients']} concurrent raw TCP streams: "
+             f"**{raw:.2f} GB/s**:", "",
+             "| path | page | pages/call | clients | put GB/s | get GB/s | put / raw streams | get / raw streams |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['path']} | {row['page']} | {row['batch']} | {row['clients']} | {row['put_gbps']:.2f} | "
+                     f"{row['get_gbps']:.2f} | {row['put_gbps'] / raw:.2f}x | {row['get_gbps'] / raw:.2f}x |")
+    return lines
 
 
 TARGETS = {"redis": (("get",), 1.0), "mooncake": (("put", "get"), 1.5)}  # issue 15: kvstore tcp / peer at 4MiB
@@ -280,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                         "data channel of a second node with TLS)")
     parser.add_argument("--batch", default="1,8", help="pages per call to measure, e.g. 1,8")
     parser.add_argument("--sizes", default=",".join(SIZES), help="page sizes: " + ",".join(SIZES))
+    parser.add_argument("--clients", type=int, default=4, help="also measure this many clients at once on the "
+                        "data channel (4 MiB x1 and 1 MiB x8) against as many concurrent raw TCP streams; 0: skip")
     parser.add_argument("--peers", default="", help="other stores measured beside kvstore in the same run: "
                         "redis,mooncake (pip install -e '.[bench]'; Debian redis-server and libibverbs1); one "
                         "not installed is skipped with one line")
@@ -327,6 +349,14 @@ def main(argv: list[str] | None = None) -> int:
                     for name, target in others.items():
                         row = peers.measure(target, SIZES[size], total, bar, batch)
                         results["rows"].append({"path": name, "page": size, "peer": True, **row})
+        if args.clients > 1 and "tcp" in paths:
+            print(f"measuring {args.clients} clients at once ...", flush=True)
+            for size, batch in CONCURRENT:
+                count = peers.page_count(SIZES[size], total // args.clients, batch)
+                row = micro_clients.kv_clients(address, "tcp", args.clients, SIZES[size], count, batch)
+                results.setdefault("concurrent", []).append(
+                    {"path": "tcp", "page": size, "batch": batch, "clients": args.clients, **row})
+            results["raw_tcp_streams_gbps"] = micro_clients.raw_streams(args.clients)
         order = [*paths, *names]
         results["rows"].sort(key=lambda r: (order.index(r["path"]), sizes.index(r["page"]), r["batch"]))
     finally:
