@@ -50,7 +50,7 @@ import grpc
 
 from kvstore.cluster.replicator import Replicator
 from kvstore.errors import InvalidArgument, KvError, PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable
-from kvstore.framing import ChannelClosed, WireError, encode_header, read_frame, server_limits
+from kvstore.framing import ChannelClosed, WireError, encode_header, read_frame, sendall, server_limits
 from kvstore.metrics import NodeMetrics
 from kvstore.node import Namespace, Node, PutBatch
 from kvstore.pool.movement import SOCKET, Landing
@@ -238,7 +238,7 @@ class ShmServer:
             # Small: one sendmsg carries the frame and the descriptor.
             conn.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         else:
-            await loop.sock_sendall(conn.sock, frame)
+            await sendall(loop, conn.sock, frame)
 
     def _namespace(self, name: str) -> Namespace:
         ns = self._node.namespace(name)
