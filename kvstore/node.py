@@ -109,7 +109,7 @@ class PutBatch:
         """Seconds until the reservation deadline (None: no deadline)."""
         return max(0.0, self.deadline - time.monotonic()) if self.deadline else None
 
-    def _reserve(self, keys: Sequence[bytes]) -> tuple[list[int], Reservation]:
+    def _check(self, keys: Sequence[bytes]) -> None:
         if self._closed:
             raise RuntimeError("batch already committed or aborted")
         check_keys(keys)
@@ -123,6 +123,9 @@ class PutBatch:
                 f"batch of {total} pages ({total * page_bytes} bytes) is over the node's limit of "
                 f"{cfg.max_batch_pages} pages / {cfg.max_batch_bytes} bytes; split it"
             )
+
+    def _reserve(self, keys: Sequence[bytes]) -> tuple[list[int], Reservation]:
+        self._check(keys)
         pool = self.ns.pool
         new = [i for i, k in enumerate(keys) if k not in pool]
         # Hold the keys already stored while reserving, so this batch cannot
@@ -141,15 +144,36 @@ class PutBatch:
         bytes land (see :class:`~kvstore.pool.movement.Landing`); call the
         landing's ``finish`` once they have all arrived."""
         new, res = self._reserve(keys)
-        part = self._parts[-1]
+        return self._landing(self._parts[-1], keys, new, res.slots, carrier)
 
+    def _landing(self, part: _Part, keys: Sequence[bytes], new: list[int], slots: Sequence[int],
+                 carrier: Carrier) -> Landing:
         def done(stored: list[bytes], sums: list[int], bad: set[bytes]) -> None:
             part.checksums = sums if (self._node.config.checksum or any(sums)) else None
             part.ready = True
             if bad:
                 self.discard(bad)
 
-        return Landing(self.ns.pool, keys, new, res.slots, carrier, self._node.config.checksum, done)
+        return Landing(self.ns.pool, keys, new, slots, carrier, self._node.config.checksum, done)
+
+    def write_ahead(self, keys: Sequence[bytes], res: Reservation, carrier: Carrier = SOCKET) -> Landing:
+        """The chunk's bytes were written ahead, ``keys[i]`` into
+        ``res.slots[i]``, slots reserved before the keys were known (the
+        shared-memory path's write-ahead slots, :meth:`PagePool.reserve_free`).
+        The batch takes ``res`` over: the slots of keys already stored and the
+        unused rest go back to the pool, and the landing (over the new keys,
+        in place) computes their checksums from the slots when finished. On
+        a refusal ``res`` is left to the caller."""
+        self._check(keys)
+        if len(keys) > len(res.slots):
+            raise InvalidArgument(f"{len(keys)} keys for {len(res.slots)} write-ahead slots")
+        pool = self.ns.pool
+        new = [i for i, k in enumerate(keys) if k not in pool]
+        keep = {res.slots[i] for i in new}
+        pool.unreserve(res, [s for s in res.slots if s not in keep])  # res.slots: the new keys' slots, in order
+        self._seen.update(keys)
+        self._parts.append(_Part(res, [keys[i] for i in new]))
+        return self._landing(self._parts[-1], keys, new, list(res.slots), carrier)
 
     def add(self, keys: Sequence[bytes], pages: Sequence[bytes]) -> None:
         """Validate and copy one chunk of (key, page bytes) (gRPC Put)."""

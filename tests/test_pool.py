@@ -985,3 +985,59 @@ def test_ttl_at_the_limit_is_accepted() -> None:
     node.close()
     assert node.leases == {} and ns.pool.pinned_slots == 0
     assert lease.lease_id not in node.leases
+
+
+# ---------------------------------------------------------------------------
+# Write-ahead slots (the shared-memory path's one-round-trip Put)
+# ---------------------------------------------------------------------------
+
+def test_reserve_free_lends_free_slots_only_and_never_evicts() -> None:
+    pool = make_pool(4)
+    put(pool, [b"a", b"b", b"c"])
+    lent = pool.reserve_free(3)
+    assert lent is not None and len(lent.slots) == 1 and lent.ahead  # one free slot; nothing evicted
+    assert len(pool) == 3 and pool.used_slots == 3  # lent slots are not "used"
+    assert pool.reserve_free(1) is None  # none free now
+    pool.check_invariants()
+    pool.abort(lent)
+    assert pool.used_slots == 3 and pool.reserve(1).evicted == []  # the slot came back free
+    pool.check_invariants()
+
+
+def test_write_ahead_commits_new_keys_and_returns_the_rest() -> None:
+    node = make_node(capacity=8 * PB)
+    ns = node.create_namespace("m", PageLayout(PB))
+    pool = ns.pool
+    first = node.begin_put(ns.name)
+    landing = first.write_in([b"old"])
+    landing.targets[0][:] = page(9)
+    landing.finish()
+    first.commit()
+    res = pool.reserve_free(4)
+    assert res is not None and len(res.slots) == 4
+    for i, slot in enumerate(res.slots[:3]):  # "written ahead" into the lent slots
+        pool.buffer[slot] = np.frombuffer(page(i), dtype=np.uint8)
+    batch = node.begin_put(ns.name)
+    batch.write_ahead([b"x0", b"old", b"x2"], res).finish()
+    result = batch.commit()
+    assert (result.stored, result.already_present) == (2, 1)
+    assert len(pool) == 3 and pool.used_slots == 3  # the slot of "old" and the unused one went back
+    _, handle = node.acquire(ns.name, [b"x0", b"old", b"x2"])
+    assert read_bytes(pool, handle) == [page(0), page(9), page(2)]
+    assert all(e.checksum for e in pool._table.values())  # computed from the slots at commit
+    pool.check_invariants()
+
+
+def test_write_ahead_refuses_more_keys_than_slots_and_leaves_them_to_the_caller() -> None:
+    node = make_node(capacity=8 * PB)
+    ns = node.create_namespace("m", PageLayout(PB))
+    res = ns.pool.reserve_free(2)
+    assert res is not None
+    batch = node.begin_put("m")
+    with pytest.raises(InvalidArgument, match="3 keys for 2 write-ahead slots"):
+        batch.write_ahead([b"a", b"b", b"c"], res)
+    batch.abort()
+    assert not res.done  # still the caller's to give back
+    ns.pool.abort(res)
+    assert ns.pool.used_slots == 0 and ns.pool._lent == 0
+    ns.pool.check_invariants()

@@ -126,3 +126,120 @@ def test_no_shm_endpoint_for_a_device_pool_or_when_off(make_server) -> None:  # 
             kv.create_namespace("m", PAGE)
             kv.put("m", keys_for(2), random_pages(2, PAGE))
             assert kv._shm is None and kv.get("m", keys_for(2)).found.all()
+
+
+class Counting(ShmConn):
+    """A ShmConn that counts its round trips."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.trips = 0
+
+    def _exchange(self, header, want_fd=False, retry=True):  # type: ignore[no-untyped-def]
+        self.trips += 1
+        return super()._exchange(header, want_fd, retry)
+
+
+def shm_put(conn: ShmConn, keys: list[bytes], pages: np.ndarray):  # type: ignore[no-untyped-def]
+    return conn.put("m", keys, [memoryview(p) for p in pages], PAGE, 0)
+
+
+def test_a_put_after_the_first_takes_one_round_trip_into_write_ahead_slots(make_server) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server(capacity=16 << 20)
+    with KvClient(srv.address, data_path="tcp") as kv:
+        kv.create_namespace("m", PAGE)
+        conn = Counting(shm_path(srv.address), 10.0)
+        try:
+            conn._pool("m")
+            pages = random_pages(12, PAGE, seed=5)
+            conn.trips = 0
+            assert shm_put(conn, keys_for(4), pages[:4]).stored == 4
+            assert conn.trips == 2 and "m" in conn._ahead  # PUT + COMMIT, which lent slots for the next
+            assert pool_state(srv)[1:] == (4, 4)  # lent slots are not counted as used
+            conn.trips = 0
+            # one already stored: written ahead anyway, counted present, its slot given back
+            result = shm_put(conn, [*keys_for(3, b"n"), keys_for(1)[0]], np.concatenate([pages[4:7], pages[:1]]))
+            assert (result.stored, result.already_present, conn.trips) == (3, 1, 1)
+            got = kv.get("m", [*keys_for(4), *keys_for(3, b"n")])
+            assert got.found.all() and np.array_equal(got.pages, pages[:7])
+            conn.trips = 0
+            assert shm_put(conn, keys_for(5, b"big"), pages[7:12]).stored == 5  # more pages than lent: two trips
+            assert conn.trips == 2
+        finally:
+            conn.close()  # gives the lent slots back at once
+        assert pool_state(srv)[1:] == (12, 12)
+    check_pools_sound(srv)
+    assert srv.call(lambda: srv.node.namespace("m").pool._lent) == 0
+
+
+def test_write_ahead_never_evicts_a_full_pool(make_server) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server(capacity=16 << 20)
+    with KvClient(srv.address, data_path="tcp") as kv:
+        kv.create_namespace("m", PAGE, capacity=8 * PAGE)
+        conn = Counting(shm_path(srv.address), 10.0)
+        try:
+            conn._pool("m")
+            pages = random_pages(9, PAGE, seed=6)
+            for i in range(8):  # fill the pool one page at a time
+                shm_put(conn, keys_for(1, b"%d" % i), pages[i:i + 1])
+            assert pool_state(srv)[2] == 8 and "m" not in conn._ahead  # full: nothing lent
+            assert all(kv.exists("m", [k for i in range(8) for k in keys_for(1, b"%d" % i)]))
+            conn.trips = 0
+            assert shm_put(conn, keys_for(1, b"x"), pages[8:9]).evicted == 1  # an ordinary Put evicts
+            assert conn.trips == 2
+        finally:
+            conn.close()
+    check_pools_sound(srv)
+
+
+def test_write_ahead_slots_of_a_killed_client_lapse_with_their_lease(make_server) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server(capacity=16 << 20)
+    with KvClient(srv.address, data_path="tcp") as kv:
+        kv.create_namespace("m", PAGE)
+    paths = [p for p in sys.path if p]
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = {paths!r}
+        import numpy as np
+        from kvstore_client.shm import ShmConn
+        conn = ShmConn({shm_path(srv.address)!r}, 10.0)
+        pages = np.ones((4, {PAGE}), dtype=np.uint8)
+        conn.put("m", [b"a%d" % i for i in range(4)], [memoryview(p) for p in pages], {PAGE}, 0)
+        assert "m" in conn._ahead
+        print("lent", flush=True)
+        sys.stdin.read()
+    """)
+    with subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "lent"
+            assert srv.call(lambda: srv.node.namespace("m").pool._lent) == 4
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+    # the node keeps them to the end of their lease (the client may have been writing), then takes them back
+    wait_until(lambda: srv.call(lambda: srv.node.namespace("m").pool._lent) == 0, 10, "the lent slots to lapse")
+    assert pool_state(srv)[1:] == (4, 4)
+    check_pools_sound(srv)
+
+
+def test_a_write_ahead_commit_for_another_namespace_is_refused_and_returns_the_slots(make_server) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server(capacity=16 << 20)
+    with KvClient(srv.address, data_path="tcp") as kv:
+        kv.create_namespace("m", PAGE, capacity=4 << 20)
+        kv.create_namespace("other", PAGE, capacity=4 << 20)
+        conn = ShmConn(shm_path(srv.address), 10.0)
+        try:
+            conn._pool("m")
+            shm_put(conn, keys_for(2), random_pages(2, PAGE))
+            spare = conn._ahead.pop("m")
+            from kvstore.errors import InvalidArgument
+
+            with pytest.raises(InvalidArgument, match="another namespace"):
+                conn._exchange(pb.DataHeader(op=pb.DataHeader.COMMIT, grant=spare.grant, namespace="other",
+                                             keys=keys_for(2, b"z"), page_bytes=PAGE))
+            assert srv.call(lambda: srv.node.namespace("m").pool._lent) == 0
+            assert not any(kv.exists("other", keys_for(2, b"z")))
+        finally:
+            conn.close()
+    check_pools_sound(srv)

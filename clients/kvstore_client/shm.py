@@ -5,6 +5,12 @@ node passes its memfd over the unix socket), a Get copies the granted slots
 straight into the caller's buffer (one memcpy per page), a Put writes the
 pages straight into the slots the node reserved. The socket carries only
 keys, slot numbers and grants.
+
+Write-ahead: every Put's COMMIT asks for free slots for the next one (as many
+as it had pages); the next Put of at most that many pages writes straight
+into them and commits in one round trip. Slots are used only within half the
+lease the node gave them (the node keeps them to the end of the lease even if
+the connection drops) and are forgotten with the connection.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ import mmap
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,6 +31,15 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client._common import BlockingFrames, PutResult, parse_result
 
 SHM_PRESENT = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """Write-ahead slots the node reserved for this connection's next Put."""
+
+    grant: int
+    slots: list[int]
+    use_by: float  # time.monotonic(): half the node's lease after the reply came
 
 
 class ShmConn(BlockingFrames):
@@ -39,6 +56,7 @@ class ShmConn(BlockingFrames):
         self._maps: list[mmap.mmap] = []
         self._lock = threading.Lock()
         self._got_reply = False
+        self._ahead: dict[str, _Ahead] = {}  # namespace -> its write-ahead slots (this connection's)
 
     @staticmethod
     def usable(path: str) -> bool:
@@ -46,6 +64,10 @@ class ShmConn(BlockingFrames):
         return bool(path) and os.access(path, os.R_OK | os.W_OK)
 
     def close(self) -> None:
+        if self._sock is not None:  # give write-ahead slots back now, not at the end of their lease
+            for spare in list(self._ahead.values()):
+                self._release(spare.grant)
+        self._ahead.clear()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -98,11 +120,13 @@ class ShmConn(BlockingFrames):
             body += rest
         return parse_result(bytes(body[:header_len])), fd
 
-    def _exchange(self, header: pb.DataHeader, want_fd: bool = False) -> tuple[pb.DataHeader, int]:
+    def _exchange(self, header: pb.DataHeader, want_fd: bool = False,
+                  retry: bool = True) -> tuple[pb.DataHeader, int]:
         """One request and its answer. A connection the node closed while it
         sat idle (``--idle-timeout``) fails before any answer byte: the
-        request goes once more on a fresh connection (the mappings stay)."""
-        for attempt in (0, 1):
+        request goes once more on a fresh connection (the mappings stay),
+        unless ``retry`` is False (a request whose grant was the old connection's)."""
+        for attempt in (0, 1) if retry else (0,):
             reused = self._sock is not None
             self._got_reply = False
             try:
@@ -126,6 +150,7 @@ class ShmConn(BlockingFrames):
             self._drop_socket()
 
     def _drop_socket(self) -> None:
+        self._ahead.clear()  # they were this connection's
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -173,13 +198,31 @@ class ShmConn(BlockingFrames):
             kind: int) -> PutResult:
         with self._lock:
             pool = self._pool(namespace)
-            reply, _ = self._exchange(pb.DataHeader(op=pb.DataHeader.PUT, namespace=namespace, keys=keys,
-                                                    page_bytes=page_bytes, kind=kind))
-            if len(reply.slots) != len(keys):
-                self._release(reply.grant)
-                raise Unavailable("shared-memory reply does not match the request")
-            for view, slot in zip(views, reply.slots):
-                if slot != SHM_PRESENT:
+            spare = self._ahead.pop(namespace, None)
+            if spare is not None and (len(spare.slots) < len(keys) or time.monotonic() > spare.use_by
+                                      or pool.shape[1] != page_bytes):
+                self._release(spare.grant)  # too few, or too old to trust: give them back
+                spare = None
+            if spare is not None:  # one round trip: the pages go into the slots reserved ahead
+                for view, slot in zip(views, spare.slots):
                     pool[slot] = np.frombuffer(view, dtype=np.uint8)
-            done, _ = self._exchange(pb.DataHeader(op=pb.DataHeader.COMMIT, grant=reply.grant))
+                commit = pb.DataHeader(op=pb.DataHeader.COMMIT, grant=spare.grant, namespace=namespace, keys=keys,
+                                       page_bytes=page_bytes, kind=kind, ahead=len(keys))
+            else:
+                reply, _ = self._exchange(pb.DataHeader(op=pb.DataHeader.PUT, namespace=namespace, keys=keys,
+                                                        page_bytes=page_bytes, kind=kind))
+                if len(reply.slots) != len(keys):
+                    self._release(reply.grant)
+                    raise Unavailable("shared-memory reply does not match the request")
+                for view, slot in zip(views, reply.slots):
+                    if slot != SHM_PRESENT:
+                        pool[slot] = np.frombuffer(view, dtype=np.uint8)
+                commit = pb.DataHeader(op=pb.DataHeader.COMMIT, grant=reply.grant, ahead=len(keys))
+            done, _ = self._exchange(commit, retry=spare is None)
+            if done.ahead_grant:
+                if len(done.ahead_slots) and max(done.ahead_slots) < pool.shape[0]:
+                    self._ahead[namespace] = _Ahead(done.ahead_grant, list(done.ahead_slots),
+                                                    time.monotonic() + done.ahead_ms / 2000)
+                else:
+                    self._release(done.ahead_grant)
             return PutResult(done.put.stored, done.put.already_present, done.put.evicted)

@@ -17,11 +17,21 @@ only the node's own user gets in), and speaks data-channel frames there
   (``PutBatch.write_in``) and answers ``RESULT(slots, grant)``, one slot per
   key (``SHM_PRESENT``: already stored); the client writes the pages into
   those slots and sends ``COMMIT(grant)``; the node computes the checksums
-  from the slots, commits and answers ``RESULT(put)``.
+  from the slots, commits and answers ``RESULT(put)``;
+* write-ahead: a ``COMMIT`` may ask (``ahead``) for free slots for the
+  connection's next Put; the node reserves up to that many from the free
+  list (never evicting, at most an eighth of the pool) and answers them with
+  the result. The client writes its next pages straight into them and sends
+  ``COMMIT(grant, keys)``: one round trip per Put instead of two. The slots
+  of keys already stored, and unused ones, go back to the pool. A full pool
+  has no free slots to give, and its Puts take the two round trips.
 
 A grant is leased: the node takes back its holds or reservation after
 ``--shm-hold-timeout`` seconds, or when the client's connection ends (a
-client that dies mid-operation leaks nothing). Trust: every client that may
+client that dies mid-operation leaks nothing). Write-ahead slots are leased
+for :data:`AHEAD_S` at most and live to the end of their lease even when the
+connection ends first (the client may be writing into them that moment; it
+uses them only within half the lease it was told), then go back. Trust: every client that may
 attach a namespace is trusted with all of it (as with a CUDA IPC handle);
 namespaces, and so tenants, do not share a segment. Device pools are not
 shared this way (their clients use the socket paths).
@@ -54,12 +64,13 @@ from kvstore.framing import ChannelClosed, WireError, encode_header, read_frame,
 from kvstore.metrics import NodeMetrics
 from kvstore.node import Namespace, Node, PutBatch
 from kvstore.pool.movement import SOCKET, Landing
-from kvstore.pool.pool import PageKind, ReadHandle
+from kvstore.pool.pool import PageKind, ReadHandle, Reservation
 from kvstore.security.tokens import DEVELOPMENT, Principal, TokenStore, qualify
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
 SHM_PRESENT = (1 << 64) - 1  # a PUT slot meaning "already stored: write nothing"
+AHEAD_S = 2.0  # longest lease of write-ahead slots (at most --shm-hold-timeout)
 
 
 def default_dir() -> str:
@@ -71,6 +82,7 @@ class _Grant:
     ns: Namespace
     read: tuple[ReadHandle, set[bytes]] | None = None
     write: tuple[PutBatch, Landing, float] | None = None
+    ahead: Reservation | None = None  # write-ahead slots, not yet under any key
     timer: asyncio.TimerHandle | None = None
 
 
@@ -176,8 +188,9 @@ class ShmServer:
         except (ChannelClosed, ConnectionError, OSError):
             pass
         finally:
-            for grant_id in list(conn.grants):
-                self._end(conn, grant_id, commit=False)
+            for grant_id, grant in list(conn.grants.items()):
+                if grant.ahead is None:  # write-ahead slots stay reserved to the end of their lease
+                    self._end(conn, grant_id, commit=False)
             self._conns.discard(conn)
             conn.sock.close()
 
@@ -258,16 +271,18 @@ class ShmServer:
         finally:
             os.close(fd)
 
-    def _grant(self, conn: _Conn, grant: _Grant) -> int:
+    def _grant(self, conn: _Conn, grant: _Grant, timeout: float | None = None) -> int:
         grant_id = next(self._ids)
         conn.grants[grant_id] = grant
-        timeout = self._node.config.shm_hold_timeout
+        timeout = self._node.config.shm_hold_timeout if timeout is None else timeout
         grant.timer = asyncio.get_running_loop().call_later(timeout, self._expire, conn, grant_id)
         return grant_id
 
     def _expire(self, conn: _Conn, grant_id: int) -> None:
-        if grant_id in conn.grants:
-            log.warning("shm: a client held grant %d past --shm-hold-timeout; taking it back", grant_id)
+        grant = conn.grants.get(grant_id)
+        if grant is not None:
+            if grant.ahead is None:  # write-ahead slots simply lapse when not used
+                log.warning("shm: a client held grant %d past --shm-hold-timeout; taking it back", grant_id)
             self._end(conn, grant_id, commit=False)
 
     def _end(self, conn: _Conn, grant_id: int, commit: bool) -> _Grant | None:
@@ -283,6 +298,8 @@ class ShmServer:
             batch, landing, _ = grant.write
             landing.abandon()
             batch.abort()
+        if grant.ahead is not None and not commit:
+            grant.ns.pool.abort(grant.ahead)
         return grant
 
     async def _get(self, loop: asyncio.AbstractEventLoop, conn: _Conn, h: Any) -> None:
@@ -319,19 +336,60 @@ class ShmServer:
 
     async def _commit(self, loop: asyncio.AbstractEventLoop, conn: _Conn, h: Any) -> None:
         grant = conn.grants.get(h.grant)
-        if grant is None or grant.write is None:
+        if grant is None or (grant.write is None and grant.ahead is None):
             raise ResourceExhausted(f"grant {int(h.grant)} is not a live reservation (taken back after "
                                     f"--shm-hold-timeout?)")
+        start = time.perf_counter()
         self._end(conn, h.grant, commit=True)
-        batch, landing, start = grant.write
+        if grant.ahead is not None:
+            batch, landing = self._written_ahead(conn, h, grant.ns, grant.ahead)
+        else:
+            batch, landing, start = grant.write  # type: ignore[misc]
         try:
             landing.finish()
             result = batch.commit()
         finally:
             batch.abort()  # no-op after commit
-        page_bytes = grant.ns.layout.page_bytes
+        ns = grant.ns
+        page_bytes = ns.layout.page_bytes
         self._metrics.ops.labels("put", "OK").inc()
         self._metrics.bytes.labels("put", "shm").inc(result.stored * page_bytes)
         self._metrics.latency.labels("put", "shm").observe(time.perf_counter() - start)
+        ahead = self._ahead(conn, ns, h.ahead) if h.ahead else {}
         await self._reply(loop, conn, put=pb.PutResponse(stored=result.stored, already_present=result.already_present,
-                                                         evicted=result.evicted))
+                                                         evicted=result.evicted), **ahead)
+
+    def _written_ahead(self, conn: _Conn, h: Any, ns: Namespace, res: Reservation) -> tuple[PutBatch, Landing]:
+        """A COMMIT of write-ahead slots: its keys' pages are in them; the batch takes them over."""
+        try:
+            if self._namespace(qualify(conn.principal, h.namespace)) is not ns:
+                raise InvalidArgument("these write-ahead slots belong to another namespace (or one deleted since)")
+            if h.page_bytes != ns.layout.page_bytes:
+                raise InvalidArgument(f"pages of {h.page_bytes} bytes; namespace {ns.name[:100]!r} pages are "
+                                      f"{ns.layout.page_bytes} bytes")
+            if h.kind not in (0, PageKind.PRIMARY, PageKind.REPLICA, PageKind.SPECULATIVE):
+                raise InvalidArgument(f"unknown page kind {int(h.kind)}")
+            batch = self._node.begin_put(ns.name, PageKind(h.kind or PageKind.PRIMARY),
+                                         timeout=self._node.config.shm_hold_timeout)
+            try:
+                return batch, batch.write_ahead(list(h.keys), res)
+            except BaseException:
+                batch.abort()
+                raise
+        except BaseException:
+            ns.pool.abort(res)  # refused before the batch took the slots over
+            raise
+
+    def _ahead(self, conn: _Conn, ns: Namespace, want: int) -> dict[str, Any]:
+        """Free slots for the connection's next Put (write-ahead), as RESULT fields; none when the pool
+        has no free slot (they never evict) or the namespace went away."""
+        cfg, page_bytes = self._node.config, ns.layout.page_bytes
+        most = min(want, cfg.max_batch_pages, max(1, cfg.max_batch_bytes // page_bytes), max(1, ns.pool.num_slots // 8))
+        if self._node.namespaces.get(ns.name) is not ns:
+            return {}
+        res = ns.pool.reserve_free(most)
+        if res is None:
+            return {}
+        lease = min(AHEAD_S, cfg.shm_hold_timeout)
+        grant_id = self._grant(conn, _Grant(ns, ahead=res), timeout=lease)
+        return {"ahead_slots": res.slots, "ahead_grant": grant_id, "ahead_ms": int(lease * 1000)}

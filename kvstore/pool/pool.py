@@ -61,6 +61,7 @@ class Reservation:
     slots: list[int]
     evicted: list[bytes] = field(default_factory=list)
     done: bool = False
+    ahead: bool = False  # free slots lent ahead of a Put (reserve_free): not counted as used
 
 
 @dataclass(slots=True)
@@ -98,6 +99,7 @@ class PagePool:
         else:
             self.buffer = ops.empty_pool(num_slots, page_bytes)
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._lent = 0  # slots of live ahead reservations (reserve_free)
         self._table: dict[bytes, Entry] = {}
         # Eviction queues hold only pages that are neither pinned nor read.
         self._spec: OrderedDict[bytes, Entry] = OrderedDict()
@@ -124,7 +126,9 @@ class PagePool:
     # ---- queries -------------------------------------------------------
     @property
     def used_slots(self) -> int:
-        return self.num_slots - len(self._free)
+        """Slots holding pages or reserved for a Put under way; free slots
+        lent ahead of a Put (:meth:`reserve_free`) are not counted."""
+        return self.num_slots - len(self._free) - self._lent
 
     @property
     def speculative_slots(self) -> int:
@@ -187,6 +191,16 @@ class PagePool:
             self._on_change([], evicted)
         return Reservation(slots, evicted)
 
+    def reserve_free(self, n: int) -> Reservation | None:
+        """Up to ``n`` slots from the free list, never evicting: slots held
+        before any Put asked for room (the shared-memory path's write-ahead
+        slots) must not cost a stored page. None when no slot is free."""
+        k = min(n, len(self._free))
+        if k <= 0:
+            return None
+        self._lent += k
+        return Reservation(sorted(self._free.pop() for _ in range(k)), ahead=True)
+
     def commit(self, res: Reservation, keys: Sequence[bytes], kind: PageKind = PageKind.PRIMARY,
                checksums: Sequence[int] | None = None, expires_at: float = 0.0) -> int:
         """Publish ``keys[i]`` at ``res.slots[i]``; returns how many were new.
@@ -199,6 +213,8 @@ class PagePool:
         if len(keys) != len(res.slots):
             raise ValueError(f"{len(keys)} keys for {len(res.slots)} reserved slots")
         res.done = True
+        if res.ahead:
+            self._lent -= len(res.slots)
         added = []
         for i, (key, slot) in enumerate(zip(keys, res.slots)):
             if key in self._table:
@@ -219,13 +235,18 @@ class PagePool:
         if res.done:
             raise RuntimeError("reservation already committed or aborted")
         gone = set(slots)
+        before = len(res.slots)
         res.slots = [s for s in res.slots if s not in gone]
+        if res.ahead:
+            self._lent -= before - len(res.slots)
         self._free.extend(gone)
 
     def abort(self, res: Reservation) -> None:
         """Return reserved slots unused (safe to call twice)."""
         if not res.done:
             res.done = True
+            if res.ahead:
+                self._lent -= len(res.slots)
             self._free.extend(res.slots)
 
     def delete(self, keys: Iterable[bytes]) -> tuple[int, list[bytes], list[bytes]]:
@@ -405,6 +426,7 @@ class PagePool:
         assert len(set(live)) == len(live), "two keys share a slot"
         assert not set(live) & set(self._free), "a live slot is on the free list"
         assert len(set(self._free)) == len(self._free), "free list repeats a slot"
+        assert 0 <= self._lent <= self.num_slots - len(self._free), "lent-ahead count"
         queued = set(self._spec) | set(self._lru)
         for key, entry in self._table.items():
             held = bool(entry.pins or entry.readers)
