@@ -115,6 +115,9 @@ def replay_parser() -> argparse.ArgumentParser:
     c.add_argument("--link-latency-us", type=float, default=None, help="one-way link latency, us (default: preset)")
 
     c.add_argument("--heartbeat", type=float, default=0.2, help="kvstored --heartbeat-interval (real s)")
+    c.add_argument("--heartbeat-timeout", type=float, default=3.0, help="kvstored --heartbeat-timeout in trace s "
+                   "(a fleet's membership timeout): the daemons get it divided by --speedup, as every other time of "
+                   "the replay, but at least 4 real heartbeats")
     c.add_argument("--planner-tick", type=float, default=0.2, help="kvstored --planner-tick for predictive (real s)")
     c.add_argument("--spec-ttl", type=float, default=60.0, help="speculative replica TTL (real s), also the oracle's")
     c.add_argument("--oracle-lead", type=float, default=4.0, help="the oracle copies a prefix to a request's node "
@@ -210,7 +213,8 @@ def cluster_and_router(a: argparse.Namespace, policy: str, router_cfg: tuple[str
     spec = ClusterSpec(nodes=a.nodes, policy="reactive" if base == "oracle" else base, namespace=a.preset,
                        page_bytes=cost.scaled_page_bytes, capacity=a.capacity, device=a.device,
                        transport=a.transport, heartbeat_interval=a.heartbeat,
-                       heartbeat_timeout=max(3.0, 10 * a.heartbeat), planner_tick=a.planner_tick,
+                       heartbeat_timeout=max(a.heartbeat_timeout / a.speedup, 4 * a.heartbeat),
+                       planner_tick=a.planner_tick,
                        spec_ttl=a.spec_ttl, predictor_depths=a.predictor_depths, extra=list(a.kvstored_arg),
                        network=a.network, link_rate=rate * a.speedup / cost.byte_scale,
                        link_latency=latency / a.speedup)
