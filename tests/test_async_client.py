@@ -28,12 +28,10 @@ def test_async_round_trip(node, path: str) -> None:  # type: ignore[no-untyped-d
             res = await kv.put("a", keys_for(20), pages)
             assert res.stored == 20
             assert (kv._shm is not None) == (path == "shm")  # the pages went the path asked for (auto: tcp)
-            # concurrent gets run side by side on the data channel's connections without mixing frames
+            # concurrent gets share one data connection without mixing frames
             results = await asyncio.gather(*(kv.get("a", keys_for(20)[i::4]) for i in range(4)))
             for i, got in enumerate(results):
                 assert got.found.all() and np.array_equal(got.pages, pages[i::4])
-            if path == "tcp":  # each concurrent request had a connection of its own, and they are kept
-                assert kv._data is not None and len(kv._data._all) == 4 == len(kv._data._idle)
             assert await kv.lookup("a", keys_for(20) + [b"x"]) == 20
             assert await kv.exists("a", [b"x", keys_for(1)[0]]) == [False, True]
             lease = await kv.pin("a", keys_for(2), ttl=5)
