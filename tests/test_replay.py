@@ -21,7 +21,7 @@ from bench.replay.costmodel import CostModel  # noqa: E402
 from bench.replay.engine import bad_pages, make_pages, page_words  # noqa: E402
 from bench.replay.metrics import RequestRecord, aggregate, check, cluster_summary, metric_sum  # noqa: E402
 from bench.replay.oracle import RULES, Sim, percentile, plan, simulate  # noqa: E402
-from bench.replay.routers import CacheAware, LeastLoad, NodeView, RoundRobin, views_from_lookup  # noqa: E402
+from bench.replay.routers import CacheAware, Eta, LeastLoad, NodeView, RoundRobin, make_router, views_from_lookup  # noqa: E402
 from bench.replay.workload import (  # noqa: E402
     SynthSpec, cut_window, reusable_blocks, synth_requests, write_mooncake,
 )
@@ -80,6 +80,32 @@ def test_round_robin_and_least_load() -> None:
     assert ll.choose(_views([3, 1, 2], [0, 0, 0]), 4)[0] == 1
     # ties rotate so equal nodes share work
     assert {ll.choose(_views([0, 0, 0], [0, 0, 0]), 4)[0] for _ in range(3)} == {0, 1, 2}
+
+
+def _eta(pulls: bool = True) -> Eta:
+    # 1 s per uncached block of prefill, 0.1 s per block pulled
+    return Eta(lambda blocks, cached: float(blocks - cached), (lambda n: 0.1 * n) if pulls else None)
+
+
+def test_eta_weighs_queued_work_not_request_counts() -> None:
+    # node 0 holds the prefix but has 5 s of recomputes queued; node 1 has more requests, all cheap
+    views = [NodeView("a", load=2, prefix=10, work_s=5.0), NodeView("b", load=6, work_s=0.5), NodeView("c", load=6)]
+    i, reason = _eta().choose(views, 10)
+    assert (i, reason) == (2, "eta")  # pull 10 blocks (1 s) beats 5 s of queued work; c is idle
+    assert CacheAware(abs_threshold=2).choose(views, 10)[0] == 0  # by request count the holder looks best
+    # without pulls (policy none) a non-holder recomputes all 10 blocks: the holder's queue is cheaper
+    assert _eta(pulls=False).choose(views, 10)[0] == 0
+
+
+def test_eta_credits_hints_skips_dead_stores_and_ties_on_load() -> None:
+    views = [NodeView("a", load=1, hinted=8), NodeView("b", load=0), NodeView("c", load=0, prefix=8, down=True)]
+    assert _eta().choose(views, 8)[0] == 0  # the pending copy counts as held; c's store is down
+    even = [NodeView("a", load=3), NodeView("b", load=1), NodeView("c", load=2)]
+    assert _eta().choose(even, 4)[0] == 1  # nothing held, no work: the least-loaded
+    with pytest.raises(ValueError, match="prefill_s"):
+        make_router("eta")
+    views = views_from_lookup(["a", "b"], [0, 0], [], work=[1.5, 0.0])
+    assert [v.work_s for v in views] == [1.5, 0.0]
 
 
 def test_routers_skip_a_node_whose_store_is_down() -> None:

@@ -219,7 +219,11 @@ def cluster_and_router(a: argparse.Namespace, policy: str, router_cfg: tuple[str
                        network=a.network, link_rate=rate * a.speedup / cost.byte_scale,
                        link_latency=latency / a.speedup)
     _, router_name, balance_abs = router_cfg
-    router = make_router(router_name, balance_abs, a.balance_rel, not a.no_hints, a.match_threshold, a.hint_cover)
+    pull = None if base == "none" else cost.link_s  # under none a node recomputes what it lacks
+    router = make_router(router_name, balance_abs, a.balance_rel, not a.no_hints, a.match_threshold, a.hint_cover,
+                         prefill_s=lambda blocks, cached: cost.prefill_s(
+                             cost.uncached_tokens(blocks * cost.block_tokens, cached)),
+                         pull_s=pull)
     return spec, router
 
 

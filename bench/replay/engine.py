@@ -332,6 +332,8 @@ class Driver:
                     continue
         for i in self.store_down:
             views[i].down = True
+        for view, engine in zip(views, self.engines):
+            view.work_s = engine.backlog_s
         return views
 
     async def _watch_members(self) -> None:

@@ -1,4 +1,4 @@
-"""Request routers: round-robin, least-load and cache-aware (SGLang style).
+"""Request routers: round-robin, least-load, cache-aware (SGLang style) and eta.
 
 A router sees one :class:`NodeView` per node: its load (requests queued or
 running on its engine, plus requests the oracle has already promised to it)
@@ -25,6 +25,13 @@ Cache-aware, as SGLang's router does it:
 Ties always go to the lower load, then the longer real (non-hinted) prefix,
 then a rotating index, so equal nodes share work.
 
+Eta balances by work, not by request count: per node, the prefill already
+queued on its engine (``NodeView.work_s``) plus this request's own cost
+there -- the pull of the cluster-held prefix it lacks (where the policy
+pulls) and the prefill of the rest -- and the smallest wins. A queue of
+recomputes then weighs what it costs, as a KV router that weighs a node's
+active prefill against its cache overlap (Dynamo's) does.
+
 Every router skips a node whose store is down (``NodeView.down``: its
 kvstored left the cluster's membership, as a fleet router watching the
 cluster's Status sees it), unless every node's is.
@@ -32,11 +39,11 @@ cluster's Status sees it), unless every node's is.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-ROUTERS = ("round-robin", "least-load", "cache-aware")
+ROUTERS = ("round-robin", "least-load", "cache-aware", "eta")
 
 
 @dataclass(slots=True)
@@ -48,6 +55,7 @@ class NodeView:
     prefix: int = 0        # leading blocks the node holds (directory answer)
     hinted: int = 0        # leading blocks a pending or live speculative copy gives it
     down: bool = False     # its kvstored is not a live member: route elsewhere
+    work_s: float = 0.0    # prefill (trace s) queued or running on its engine
 
 
 def up(views: Sequence[NodeView]) -> list[int]:
@@ -154,18 +162,53 @@ class CacheAware:
         return i, "affinity-hint" if credited else "affinity"
 
 
+class Eta:
+    """Earliest estimated first token (see the module's text). ``prefill_s(blocks, cached)``: the
+    prefill of a request of ``blocks`` blocks with ``cached`` of them at hand; ``pull_s(blocks)``: pulling
+    that many from a peer, or None where the policy does not pull (the node recomputes what it lacks)."""
+
+    name = "eta"
+    needs_prefix = True
+
+    def __init__(self, prefill_s: Callable[[int, int], float], pull_s: Callable[[int], float] | None,
+                 use_hints: bool = True, hint_cover: float = 0.5) -> None:
+        self._prefill_s, self._pull_s = prefill_s, pull_s
+        self._credit = CacheAware(use_hints=use_hints, hint_cover=hint_cover)
+        self._rot = _Rotation()
+
+    def estimate(self, views: Sequence[NodeView], blocks: int) -> list[float]:
+        eff = [min(blocks, e) for e in self._credit.effective(views)]
+        held = max(eff)
+        if self._pull_s is None:
+            return [v.work_s + self._prefill_s(blocks, e) for v, e in zip(views, eff)]
+        return [v.work_s + self._pull_s(held - e) + self._prefill_s(blocks, held) for v, e in zip(views, eff)]
+
+    def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
+        live = up(views)
+        est = self.estimate(views, blocks)
+        low = min(est[i] for i in live)
+        return least_loaded(views, self._rot, [i for i in live if est[i] <= low + 1e-9]), "eta"
+
+
 def make_router(name: str, abs_threshold: float = 32.0, rel_threshold: float = 1.5, use_hints: bool = True,
-                match_threshold: float = 0.0, hint_cover: float = 0.5) -> Router:
+                match_threshold: float = 0.0, hint_cover: float = 0.5,
+                prefill_s: Callable[[int, int], float] | None = None,
+                pull_s: Callable[[int], float] | None = None) -> Router:
     if name == "round-robin":
         return RoundRobin()
     if name == "least-load":
         return LeastLoad()
     if name == "cache-aware":
         return CacheAware(abs_threshold, rel_threshold, use_hints, match_threshold, hint_cover)
+    if name == "eta":
+        if prefill_s is None:
+            raise ValueError("the eta router needs the cost model's prefill_s")
+        return Eta(prefill_s, pull_s, use_hints, hint_cover)
     raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)}")
 
 
-def views_from_lookup(node_ids: Sequence[str], loads: Sequence[float], entries: Iterable[Any]) -> list[NodeView]:
+def views_from_lookup(node_ids: Sequence[str], loads: Sequence[float], entries: Iterable[Any],
+                      work: Sequence[float] | None = None) -> list[NodeView]:
     """Views from ``LookupResponse.nodes`` (``NodePrefix``-like objects).
 
     An entry with ``pending`` is a copy in flight: it sets ``hinted`` only.
@@ -177,6 +220,8 @@ def views_from_lookup(node_ids: Sequence[str], loads: Sequence[float], entries: 
     ``hinted`` as well, so hint-aware routing can tell it apart.
     """
     views = [NodeView(n, float(load)) for n, load in zip(node_ids, loads)]
+    for v, w in zip(views, work or ()):
+        v.work_s = float(w)
     index = {n: i for i, n in enumerate(node_ids)}
     for e in entries:
         i = index.get(e.node_id)

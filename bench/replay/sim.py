@@ -154,6 +154,7 @@ class SimDriver:
             views, route_s = views_from_lookup(ids, loads, self.cluster.prefixes(keys)), self.cfg.rpc_ms / 1e3
         for i, v in enumerate(views):  # a fleet router watching Status: down a heartbeat timeout after a kill
             v.down = not self.cluster.known_alive(i)
+            v.work_s = self.engines[i].backlog_s
         return views, route_s
 
     def _arrive(self, i: int, keys: list[bytes], step: Step | None) -> None:
