@@ -64,11 +64,11 @@ class ShmConn(BlockingFrames):
         return bool(path) and os.access(path, os.R_OK | os.W_OK)
 
     def close(self) -> None:
-        if self._sock is not None:  # give write-ahead slots back now, not at the end of their lease
-            for spare in list(self._ahead.values()):
+        if self._sock is not None:
+            for spare in list(self._ahead.values()):  # give write-ahead slots back now, not at lease end
                 self._release(spare.grant)
         self._ahead.clear()
-        if self._sock is not None:
+        if self._sock is not None:  # (a failed release dropped it)
             self._sock.close()
             self._sock = None
         self._pools.clear()  # the mappings go with the last array that views them

@@ -316,15 +316,19 @@ class ShmServer:
         self._metrics.count_get("shm", hits, len(handle.found) - hits, ns.layout.page_bytes,
                                 time.perf_counter() - start)
 
-    async def _put(self, loop: asyncio.AbstractEventLoop, conn: _Conn, h: Any) -> None:
-        ns = self._namespace(qualify(conn.principal, h.namespace))
+    def _begin_put(self, ns: Namespace, h: Any) -> PutBatch:
+        """The batch of a PUT (or a write-ahead COMMIT) into ``ns``, once its page size and kind check."""
         if h.page_bytes != ns.layout.page_bytes:
             raise InvalidArgument(f"pages of {h.page_bytes} bytes; namespace {ns.name[:100]!r} pages are "
                                   f"{ns.layout.page_bytes} bytes")
         if h.kind not in (0, PageKind.PRIMARY, PageKind.REPLICA, PageKind.SPECULATIVE):
             raise InvalidArgument(f"unknown page kind {int(h.kind)}")
-        batch = self._node.begin_put(ns.name, PageKind(h.kind or PageKind.PRIMARY),
-                                     timeout=self._node.config.shm_hold_timeout)
+        return self._node.begin_put(ns.name, PageKind(h.kind or PageKind.PRIMARY),
+                                    timeout=self._node.config.shm_hold_timeout)
+
+    async def _put(self, loop: asyncio.AbstractEventLoop, conn: _Conn, h: Any) -> None:
+        ns = self._namespace(qualify(conn.principal, h.namespace))
+        batch = self._begin_put(ns, h)
         try:
             landing = batch.write_in(list(h.keys), SOCKET)
         except BaseException:
@@ -364,13 +368,7 @@ class ShmServer:
         try:
             if self._namespace(qualify(conn.principal, h.namespace)) is not ns:
                 raise InvalidArgument("these write-ahead slots belong to another namespace (or one deleted since)")
-            if h.page_bytes != ns.layout.page_bytes:
-                raise InvalidArgument(f"pages of {h.page_bytes} bytes; namespace {ns.name[:100]!r} pages are "
-                                      f"{ns.layout.page_bytes} bytes")
-            if h.kind not in (0, PageKind.PRIMARY, PageKind.REPLICA, PageKind.SPECULATIVE):
-                raise InvalidArgument(f"unknown page kind {int(h.kind)}")
-            batch = self._node.begin_put(ns.name, PageKind(h.kind or PageKind.PRIMARY),
-                                         timeout=self._node.config.shm_hold_timeout)
+            batch = self._begin_put(ns, h)
             try:
                 return batch, batch.write_ahead(list(h.keys), res)
             except BaseException:
