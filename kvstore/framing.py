@@ -28,6 +28,7 @@ Version history:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 import ssl
@@ -118,47 +119,34 @@ def decode_header(body: bytes | memoryview) -> pb.DataHeader:
 
 
 
-_LOWAT_MIN = 256 << 10  # a receive at least this large wakes only once this much is queued
+_LOWAT_MIN = 256 << 10  # a wait for at least this much wakes only once this much is queued
 _LOWAT_MAX = 1 << 20
-
-
-async def _recv_large(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview,
-                      timeout: float | None) -> int:
-    """A large receive on a TCP socket with nothing queued yet: ask the
-    kernel (``SO_RCVLOWAT``) to report the socket readable only once up to
-    1 MiB is queued, so a 4 MiB page wakes the loop a handful of times rather
-    than once per 64 KiB segment (measured: ~23 wake-ups per 4 MiB PUT). The
-    mark is set back to 1 before returning, so small reads are not held."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(view.nbytes, _LOWAT_MAX))
-    try:
-        recv = loop.sock_recv_into(sock, view)
-        if timeout is None:
-            return await recv
-        async with asyncio.timeout(timeout):
-            return await recv
-    finally:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
 
 async def _recv_into(loop: asyncio.AbstractEventLoop, sock: Conn, view: memoryview,
                      timeout: float | None) -> int:
     """One receive into ``view``: ``TimeoutError`` after ``timeout`` seconds
-    without a byte (None: no limit); any other socket error is :class:`ChannelClosed`."""
+    without a byte (None: no limit); any other socket error is :class:`ChannelClosed`.
+
+    On a plain socket, bytes already queued are taken at once: no timer, no
+    loop turn (profiled: ``asyncio.timeout``'s ``get_running_loop`` calls
+    ``getpid()``, a syscall, several times per receive). A TCP wait for 256 KiB
+    or more sets ``SO_RCVLOWAT`` (up to 1 MiB) so the loop wakes once that much
+    is queued, not per 64 KiB segment (measured: ~23 wake-ups per 4 MiB PUT);
+    the mark goes back to 1 afterwards, so small reads are not held."""
+    lowat = False
     try:
         if sock.__class__ is TlsStream:
             recv = sock.recv_into(loop, view)
         else:
-            # Bytes already queued are taken at once: no timer, no loop turn.
-            # (Profiled: asyncio.timeout's get_running_loop calls getpid(), a
-            # syscall, several times per receive; on a 4 MiB page that is
-            # dozens of receives.)
             try:
                 return sock.recv_into(view)  # type: ignore[union-attr]
             except (BlockingIOError, InterruptedError):
                 pass
-            if view.nbytes >= _LOWAT_MIN and sock.type == socket.SOCK_STREAM and sock.family != socket.AF_UNIX:
-                return await _recv_large(loop, sock, view, timeout)  # type: ignore[arg-type]
-            recv = loop.sock_recv_into(sock, view)
+            lowat = view.nbytes >= _LOWAT_MIN and sock.family != socket.AF_UNIX  # type: ignore[union-attr]
+            if lowat:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(view.nbytes, _LOWAT_MAX))  # type: ignore[union-attr]
+            recv = loop.sock_recv_into(sock, view)  # type: ignore[arg-type]
         if timeout is None:
             return await recv
         async with asyncio.timeout(timeout):
@@ -167,6 +155,10 @@ async def _recv_into(loop: asyncio.AbstractEventLoop, sock: Conn, view: memoryvi
         raise
     except OSError as exc:  # TimeoutError is an OSError: it is passed on above (ssl.SSLError is one too)
         raise ChannelClosed(str(exc)) from None
+    finally:
+        if lowat:
+            with contextlib.suppress(OSError):  # a socket that broke meanwhile fails its next use
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)  # type: ignore[union-attr]
 
 
 async def sendall(loop: asyncio.AbstractEventLoop, sock: Conn, data: bytes | bytearray | memoryview) -> None:
