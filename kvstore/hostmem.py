@@ -49,15 +49,6 @@ def shared_empty(count: int, page_bytes: int, name: str = "kvstore-pool") -> tup
     fd = create(name, getattr(os, "MFD_CLOEXEC", 0))
     try:
         os.ftruncate(fd, max(nbytes, 1))
-        # Allocate the file's pages now: MAP_POPULATE on a shared mapping only
-        # read-faults them in, and the first write to each page (a client's
-        # first Put into a slot) then faulted again; measured 1.3-1.7 ms
-        # against 0.8-1.0 ms per 4 MiB Put before this.
-        if hasattr(os, "posix_fallocate"):
-            try:
-                os.posix_fallocate(fd, 0, max(nbytes, 1))
-            except OSError:  # not enough shared memory: fault pages in as they are written
-                pass
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         region = mmap.mmap(fd, max(nbytes, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
