@@ -65,22 +65,6 @@ def kv_clients(address: str, path: str, clients: int, page_bytes: int, count: in
     return {"put_gbps": total / put_s / 1e9, "get_gbps": total / get_s / 1e9}
 
 
-def _receiver(port_q: Any, total: int, chunk: int) -> None:
-    srv = socket.create_server(("127.0.0.1", 0))
-    port_q.put(srv.getsockname()[1])
-    conn, _ = srv.accept()
-    view = memoryview(bytearray(chunk))
-    left = total
-    while left:
-        n = conn.recv_into(view[: min(chunk, left)])
-        if n == 0:
-            break
-        left -= n
-    conn.sendall(b"k")
-    conn.close()
-    srv.close()
-
-
 def _sender(port: int, total: int, chunk: int, barrier: Any, results: Any) -> None:
     payload = memoryview(np.random.randint(0, 255, chunk, dtype=np.uint8))
     sock = socket.create_connection(("127.0.0.1", port))
@@ -95,12 +79,14 @@ def _sender(port: int, total: int, chunk: int, barrier: Any, results: Any) -> No
 
 def raw_streams(streams: int, total: int = 256 << 20, chunk: int = 4 << 20) -> float:
     """Aggregate GB/s of ``streams`` concurrent raw TCP streams (blocking sockets)."""
+    from bench.micro import _tcp_receiver  # the receiver of micro's own raw TCP baseline
+
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(streams), ctx.Queue()
     receivers, senders = [], []
     for _ in range(streams):
         q = ctx.Queue()
-        recv = ctx.Process(target=_receiver, args=(q, total, chunk))
+        recv = ctx.Process(target=_tcp_receiver, args=(q, total, chunk))
         recv.start()
         receivers.append(recv)
         send = ctx.Process(target=_sender, args=(q.get(timeout=30), total, chunk, barrier, results))
