@@ -320,20 +320,21 @@ class Driver:
     def _loads(self) -> list[float]:
         return [float(e.load) for e in self.engines]
 
+    def _work(self) -> list[float]:
+        return [e.backlog_s for e in self.engines]
+
     async def _views(self, keys: list[bytes]) -> list[NodeView]:
-        views = [NodeView(n, load) for n, load in zip(self.node_ids, self._loads())]
+        views = views_from_lookup(self.node_ids, self._loads(), (), self._work())
         if self.cfg.router.needs_prefix:
             for i in self._alive():  # the coordinator first; another node if it was killed
                 try:
                     lk = await self.kvs[i].lookup_nodes(self.cfg.namespace, keys)
-                    views = views_from_lookup(self.node_ids, self._loads(), lk.nodes)
+                    views = views_from_lookup(self.node_ids, self._loads(), lk.nodes, self._work())
                     break
                 except (KvError, grpc.RpcError, OSError):
                     continue
         for i in self.store_down:
             views[i].down = True
-        for view, engine in zip(views, self.engines):
-            view.work_s = engine.backlog_s
         return views
 
     async def _watch_members(self) -> None:

@@ -147,15 +147,13 @@ class SimDriver:
     # ---- requests ----------------------------------------------------------------
     def _views(self, keys: list[bytes]) -> tuple[list[NodeView], float]:
         loads = [float(e.load) for e in self.engines]
-        ids = self.cluster.ids
-        if not self.cfg.router.needs_prefix or not self.cluster.alive(0):
-            views, route_s = [NodeView(n, load) for n, load in zip(ids, loads)], 0.0
-        else:
-            views, route_s = views_from_lookup(ids, loads, self.cluster.prefixes(keys)), self.cfg.rpc_ms / 1e3
+        work = [e.backlog_s for e in self.engines]
+        asks = self.cfg.router.needs_prefix and self.cluster.alive(0)
+        entries = self.cluster.prefixes(keys) if asks else ()
+        views = views_from_lookup(self.cluster.ids, loads, entries, work)
         for i, v in enumerate(views):  # a fleet router watching Status: down a heartbeat timeout after a kill
             v.down = not self.cluster.known_alive(i)
-            v.work_s = self.engines[i].backlog_s
-        return views, route_s
+        return views, self.cfg.rpc_ms / 1e3 if asks else 0.0
 
     def _arrive(self, i: int, keys: list[bytes], step: Step | None) -> None:
         rec = self.records[i]
