@@ -44,6 +44,7 @@ PAGES_PER_GIB = GiB // BYTE_SCALE // PAGE  # 16
 RATE = 12.5e9 / BYTE_SCALE                # eth-100g at speedup 1
 MODELLED_1GIB_S = GiB / 12.5e9            # 85.9 ms
 NS = "phys"
+TRIES = 3  # fresh pages per timed check: a busy machine only adds time (see each test)
 
 
 @pytest.fixture(scope="module", params=["shaped", "netns"])
@@ -95,45 +96,76 @@ def _peer_bytes(c: LocalCluster, i: int, direction: str) -> float:
 
 
 def _run(coro):  # type: ignore[no-untyped-def]
-    return asyncio.run(asyncio.wait_for(coro, 60))
+    return asyncio.run(asyncio.wait_for(coro, 120))
 
 
 def test_one_modelled_gib_at_12_5_gbs_takes_86_ms(cluster: LocalCluster) -> None:
     """The copy = a Get that pulls the pages minus the same Get served locally (the per-Get overhead,
-    no link in it: measured on the holder right before)."""
-    async def body() -> list[tuple[float, float]]:
-        await _put_on_n0(cluster, "warm1", "one-a", "one-b")
+    no link in it: measured on the holder right before).
+
+    A shaper may never be faster than its link, so every try must take at least 80 % of the
+    modelled time. A busy machine (CI shares its two cores) only adds time, so each node gets up
+    to ``TRIES`` fresh pages and passes on the first copy within 20 % of the model: a shaper that
+    overcharges fails all of them."""
+    async def one_try(node: int, tag: str) -> tuple[float, float]:
+        await _put_on_n0(cluster, tag)
+        local = min([await _timed_get(cluster.nodes[0].address, tag) for _ in range(3)])
+        return await _timed_get(cluster.nodes[node].address, tag), local
+
+    async def body() -> dict[int, list[tuple[float, float]]]:
+        await _put_on_n0(cluster, "warm1")
         await _timed_get(cluster.nodes[1].address, "warm1")  # first pull opens the peer connections
-        out = []
-        for node, tag in ((1, "one-a"), (2, "one-b")):
-            local = min([await _timed_get(cluster.nodes[0].address, tag) for _ in range(3)])
-            out.append((await _timed_get(cluster.nodes[node].address, tag), local))
+        out: dict[int, list[tuple[float, float]]] = {}
+        for node in (1, 2):
+            out[node] = []
+            for k in range(TRIES):
+                pulled, local = await one_try(node, f"one-{node}-{k}")
+                out[node].append((pulled, local))
+                assert pulled - local >= MODELLED_1GIB_S * 0.8, \
+                    f"{cluster.spec.network}: 1 GiB (scaled) copy took {(pulled - local) * 1e3:.1f} ms, " \
+                    f"faster than the modelled {MODELLED_1GIB_S * 1e3:.1f} ms link allows"
+                if pulled - local <= MODELLED_1GIB_S * 1.2:
+                    break
         return out
 
-    times = _run(body())
-    print(f"[{cluster.spec.network}] 1 GiB scaled, Get that pulls / same Get local (ms): "
-          f"{[(round(p * 1e3, 1), round(q * 1e3, 1)) for p, q in times]}; modelled {MODELLED_1GIB_S * 1e3:.1f}")
-    for pulled, local in times:
-        copy = pulled - local
-        assert MODELLED_1GIB_S * 0.8 <= copy <= MODELLED_1GIB_S * 1.2, \
-            f"{cluster.spec.network}: 1 GiB (scaled) copy took {copy * 1e3:.1f} ms " \
-            f"(Get {pulled * 1e3:.1f} ms - local Get {local * 1e3:.1f} ms), modelled {MODELLED_1GIB_S * 1e3:.1f} ms"
+    tries = _run(body())
+    for node, times in tries.items():
+        print(f"[{cluster.spec.network}] n{node}: 1 GiB scaled, Get that pulls / same Get local (ms): "
+              f"{[(round(p * 1e3, 1), round(q * 1e3, 1)) for p, q in times]}; modelled {MODELLED_1GIB_S * 1e3:.1f}")
+        best = min(p - q for p, q in times)
+        assert best <= MODELLED_1GIB_S * 1.2, \
+            f"{cluster.spec.network}: the fastest of {len(times)} 1 GiB (scaled) copies into n{node} took " \
+            f"{best * 1e3:.1f} ms, modelled {MODELLED_1GIB_S * 1e3:.1f} ms"
 
 
 def test_two_concurrent_pulls_from_one_holder_share_its_link(cluster: LocalCluster) -> None:
-    async def body() -> tuple[float, float]:
-        await _put_on_n0(cluster, "warm2a", "warm2b", "solo", "pair-a", "pair-b")
-        await asyncio.gather(_timed_get(cluster.nodes[1].address, "warm2a"),
-                             _timed_get(cluster.nodes[2].address, "warm2b"))
-        one = await _timed_get(cluster.nodes[1].address, "solo")
+    """Up to ``TRIES`` tries on fresh pages, passing on the first in the band (noise moves a ratio
+    either way; a link that is not shared, at about 1x, or shared unfairly fails every try)."""
+    async def one_try(k: int) -> tuple[float, float]:
+        solo, a, b = f"solo-{k}", f"pair-a-{k}", f"pair-b-{k}"
+        await _put_on_n0(cluster, solo, a, b)
+        one = await _timed_get(cluster.nodes[1].address, solo)
         t0 = time.perf_counter()
-        await asyncio.gather(_timed_get(cluster.nodes[1].address, "pair-a"),
-                             _timed_get(cluster.nodes[2].address, "pair-b"))
+        await asyncio.gather(_timed_get(cluster.nodes[1].address, a), _timed_get(cluster.nodes[2].address, b))
         return one, time.perf_counter() - t0
 
-    one, two = _run(body())
-    print(f"[{cluster.spec.network}] one pull {one * 1e3:.1f} ms, two concurrent {two * 1e3:.1f} ms: {two / one:.2f}x")
-    assert 1.7 <= two / one <= 2.3, f"{cluster.spec.network}: one pull {one * 1e3:.1f} ms, two {two * 1e3:.1f} ms"
+    async def body() -> list[tuple[float, float]]:
+        await _put_on_n0(cluster, "warm2a", "warm2b")
+        await asyncio.gather(_timed_get(cluster.nodes[1].address, "warm2a"),
+                             _timed_get(cluster.nodes[2].address, "warm2b"))
+        out = []
+        for k in range(TRIES):
+            out.append(await one_try(k))
+            if 1.7 <= out[-1][1] / out[-1][0] <= 2.3:
+                break
+        return out
+
+    tries = _run(body())
+    print(f"[{cluster.spec.network}] one pull / two concurrent (ms): "
+          f"{[(round(o * 1e3, 1), round(t * 1e3, 1), round(t / o, 2)) for o, t in tries]}")
+    one, two = tries[-1]
+    assert 1.7 <= two / one <= 2.3, f"{cluster.spec.network}: in {len(tries)} tries, the last: " \
+                                    f"one pull {one * 1e3:.1f} ms, two {two * 1e3:.1f} ms"
 
 
 def test_two_concurrent_pulls_of_the_same_pages_move_them_once(cluster: LocalCluster) -> None:
