@@ -308,8 +308,10 @@ def test_replay_smoke_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-d
                       "--synth-duration", "10", "--synth-output-tokens", "64", "--nodes", "2",
                       "--policies", "none,predictive,oracle", "--routers", "cache-aware,least-load",
                       "--speedup", "8", "--byte-scale", "16384", "--network", "shaped",
-                      "--capacity", "16MiB", "--heartbeat", "0.1", "--planner-tick", "0.1", "--oracle-lead", "2",
-                      "--drain-timeout", "30", "--no-progress", "--out", str(out)])
+                      "--capacity", "16MiB", "--heartbeat", "0.1", "--heartbeat-timeout", "24", "--planner-tick", "0.1",
+                      "--oracle-lead", "2", "--drain-timeout", "30", "--no-progress", "--out", str(out)])
+    # --heartbeat-timeout 24 trace s = 3 real s: nobody dies here, and at the 4-heartbeat floor (0.4 real s)
+    # a busy CI core can make a live node miss enough beats to be dropped from the directory mid-run
     assert rc == 0
     assert not _kvstored_children(), "daemons left behind"
     results = json.loads((out / "results.json").read_text())
@@ -355,7 +357,7 @@ def test_replay_smoke_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-d
     # configuration's
     oracle_p99 = w["policies"]["oracle"]["ttft_p99_s"]
     none_p99 = min(r[0]["ttft_p99_s"] for k, r in w["runs"].items() if k.startswith("none|"))
-    assert oracle_p99 < none_p99, (oracle_p99, w["oracle_bound"])
+    assert oracle_p99 < none_p99, (oracle_p99, w["oracle_bound"], w["policies"]["oracle"]["oracle"])
     assert all(v["at_or_below"] for v in w["oracle_bound"].values()), w["oracle_bound"]
 
 

@@ -159,8 +159,8 @@ SMOKE = ["--trace", "synth", "--synth-bursts", "2", "--synth-requests", "8", "--
          "--synth-window", "0.5", "--synth-decoys", "1", "--synth-background", "0.5", "--synth-duration", "10",
          "--synth-output-tokens", "64", "--nodes", "2", "--policies", "none,predictive,oracle",
          "--routers", "cache-aware,least-load", "--speedup", "8", "--byte-scale", "16384", "--network", "shaped",
-         "--capacity", "16MiB", "--heartbeat", "0.1", "--planner-tick", "0.1", "--oracle-lead", "2",
-         "--drain-timeout", "30", "--no-progress"]  # tests/test_replay.py's smoke workload
+         "--capacity", "16MiB", "--heartbeat", "0.1", "--heartbeat-timeout", "24", "--planner-tick", "0.1",
+         "--oracle-lead", "2", "--drain-timeout", "30", "--no-progress"]  # tests/test_replay.py's smoke workload
 
 # sim/real of a configuration's TTFT p50 and p99 on the smoke workload. Measured on the 2-core dev machine
 # (commit of this test): none, reactive, full, predictive 0.93-0.99x, oracle 0.87-0.89x (the real oracle pays a

@@ -216,8 +216,10 @@ class Engine:
             # oracle: the plan has this request wait for its prefix (being computed, or copied here); never
             # longer than the plan's time plus recomputing it
             late = self.clock_start + step.kv_at / S - time.perf_counter()
-            await self.held.wait(self.index, keys[:step.depth],
-                                 max(0.0, late) + cost.prefill_s(step.depth * cost.block_tokens) / S)
+            if not await self.held.wait(self.index, keys[:step.depth],
+                                        max(0.0, late) + cost.prefill_s(step.depth * cost.block_tokens) / S):
+                stats = self._result.oracle  # the plan's prefix never came: this request computes what it lacks
+                stats["late_waits"] = stats.get("late_waits", 0) + 1
         local = cluster_max = cached = 0
         try:
             claim = claiming.claim_seconds(cost, rec.input_tokens, 0, self.backlog_s, S) if cfg.claims else 0.0
@@ -436,6 +438,8 @@ class Driver:
         stats["copied_pages"] = stats.get("copied_pages", 0) + int(reply.copied)
         if reply.copied + reply.already_present >= len(need):
             held.mark(step.node, need)
+        else:  # the source lacked some (evicted, or dropped from view): the request will not wait past its plan
+            stats["short_copies"] = stats.get("short_copies", 0) + 1
 
     # ---- timeline --------------------------------------------------------------
     async def _sample(self) -> None:
