@@ -101,6 +101,23 @@ def test_incoming_copy_and_landed() -> None:
     assert claims.still_coming([entry("b", 9, computing=True)], "b", 8, "b")  # a claimant on this node
 
 
+def test_read_after_a_spent_wait_pulls_what_landed_when_that_beats_computing_it() -> None:
+    def after(nodes: list[pb.NodePrefix], local: int = 0, base: int = 0, link: float = LINK) -> int:
+        return claims.read_after_wait(nodes, local, base, page_bytes=PAGE, link_bytes_per_s=link,
+                                      prefill_blocks_s=lambda b: claims.prefill_s(b * BS, TPS))
+    # the claimant's Put landed while a tree copy to this node is still on its way: 8 blocks cost 8 ms
+    # to pull and 256 ms to compute, so read them
+    assert after([entry("a", 8), entry("b", 8, pending=True)]) == 8
+    assert after([entry("a", 8)], local=2, base=3) == 8
+    # nothing landed yet (the claimant still computes, or its Put is in flight): compute after base
+    assert after([entry("a", 8, computing=True)], base=3) == 3
+    assert after([entry("a", 8, pending=True)], local=1, base=1) == 1
+    assert after([], local=4, base=4) == 4
+    # a link too slow for the pull to beat the prefill: compute (1 MB/s: 8 s against 256 ms)
+    assert after([entry("a", 8)], base=0, link=1e6) == 0
+    assert after([entry("a", 8)], base=0, link=0.0) == 0
+
+
 # ---- the vLLM connector's decision ----------------------------------------------------------
 def cfg(**kw) -> ConnectorConfig:  # type: ignore[no-untyped-def]
     base = dict(address="h:1", claims=True, prefill_tokens_per_s=TPS, link_bytes_per_s=LINK,
@@ -244,14 +261,16 @@ def test_follower_gives_up_at_the_budget_or_when_the_claim_vanishes() -> None:
     assert sched.matched_tokens("t", PROMPT, b"", 0) == 0                         # computes it itself
     assert (sched.stats.claim_waits, sched.stats.claim_waits_landed) == (1, 0)
 
-    # a wait that overran computes: it loads only what was held before, though a holder is known now
+    # a wait that overran, with a holder known now (its copy here still on the way): pulling the 7
+    # blocks (7 ms) beats computing them (224 ms), so it loads them (the rule, slow links included:
+    # test_read_after_a_spent_wait_pulls_what_landed_when_that_beats_computing_it)
     late = iter([computing, reply(entry("a", 8), entry("b", 8, pending=True), local=1)])
     client = ScriptedClient(lambda call: next(late, None))
     sched = core(client, claim_max_wait_s=0.05)
     assert sched.matched_tokens("u", PROMPT, b"", 0) is None
     assert sched.matched_tokens("u", PROMPT, b"", 0) is None                      # not landed: a copy comes
     time.sleep(0.06)
-    assert sched.matched_tokens("u", PROMPT, b"", 0) == BS                        # the block held here
+    assert sched.matched_tokens("u", PROMPT, b"", 0) == 8 * BS
 
     # then the claim expires; the follower's own claim of its suffix (its own entry) does not hold it
     answers = iter([computing, computing, reply(entry("b", 9, computing=True))])

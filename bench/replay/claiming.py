@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from bench.replay.costmodel import CostModel
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore_client.claims import Wait, decide, held, incoming_copy, landed, still_coming
+from kvstore_client.claims import Wait, decide, held, incoming_copy, landed, read_after_wait, still_coming
 
 __all__ = ["POLL_S", "Wait", "choose", "claim_seconds", "held", "incoming", "landed", "margin_for",
            "readable_after", "split_policy", "still_coming", "wait_for"]
@@ -84,10 +84,16 @@ def choose(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel,
             or incoming(nodes, me, local, cost, backlog_s))
 
 
-def readable_after(wait: Wait, came: bool, nodes: Sequence[pb.NodePrefix], local: int, held_before: int) -> int:
+def readable_after(wait: Wait, came: bool, nodes: Sequence[pb.NodePrefix], local: int, held_before: int,
+                   cost: CostModel, link_bytes_s: float) -> int:
     """Blocks to read once a wait ended. It came: what the cluster holds now. It did not (budget spent,
-    claim gone): compute it, reading only what was held before the claim -- and after a copy to this
-    node that did not come, only what is here (a Get would join that copy)."""
+    claim gone): what the cluster holds now if pulling it beats computing it
+    (:func:`kvstore_client.claims.read_after_wait`), else what was held before the claim -- and after
+    a copy to this node that did not come, only what is here (a Get would join that copy)."""
     if came:
         return held(nodes, local)
-    return max(local, held_before) if wait.computing else local
+    if not wait.computing:
+        return local
+    return read_after_wait(nodes, local, max(local, held_before), page_bytes=cost.page_bytes,
+                           link_bytes_per_s=link_bytes_s,
+                           prefill_blocks_s=lambda blocks: cost.prefill_s(blocks * cost.block_tokens))

@@ -241,7 +241,8 @@ class Engine:
                             or not claiming.still_coming(lk.nodes, self.node_id, wait.length, wait.node)):
                         break
                     await asyncio.sleep(poll)
-                cluster_max = claiming.readable_after(wait, came, lk.nodes, local, held_before)
+                cluster_max = claiming.readable_after(wait, came, lk.nodes, local, held_before, cost,
+                                                      cfg.link_bytes_s)
             fetch = cluster_max if step is None else max(local, step.depth)  # the oracle gets what its plan says
             if fetch > 0:
                 got = await self.kv.get(cfg.namespace, keys[:fetch], timeout=cfg.fetch_timeout_s)

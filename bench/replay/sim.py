@@ -204,7 +204,7 @@ class SimDriver:
                         break
                     if not came:
                         yield sim.timeout(poll)
-                cluster_max = claiming.readable_after(wait, came, nodes, local, held_before)
+                cluster_max = claiming.readable_after(wait, came, nodes, local, held_before, cost, cfg.link_rate)
             fetch = cluster_max if step is None else max(local, step.depth)
             if fetch > 0:
                 yield cl.fetch_missing(n, keys[:fetch])

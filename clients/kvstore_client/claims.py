@@ -108,6 +108,19 @@ def decide(nodes: Sequence[Any], me: str, local: int, *, page_bytes: int, link_b
     return best
 
 
+def read_after_wait(nodes: Sequence[Any], local: int, base: int, *, page_bytes: int, link_bytes_per_s: float,
+                    prefill_blocks_s: Callable[[int], float]) -> int:
+    """Blocks to read when a wait for another's prefill ended without the prefix landing here (its
+    budget spent, typically while the claimant's Put was still on its way): what the cluster holds
+    now, when pulling the blocks beyond ``base`` (what was readable before the wait) costs less than
+    computing them, else ``base``. The wait is spent either way; this only picks the cheaper way on."""
+    now = held(nodes, local)
+    if now <= base:
+        return base
+    pull = (now - base) * page_bytes / link_bytes_per_s if link_bytes_per_s > 0 else math.inf
+    return now if pull < prefill_blocks_s(now - base) else base
+
+
 def scaled_margin(margin: float, backlog_s: float, mine_s: float) -> float:
     """A margin above 1 accepts a longer wait to spare the GPU for the requests queued behind this
     one: in full once a prefill's worth is queued, not at all with nothing queued (the replay's rule)."""

@@ -287,12 +287,24 @@ class SchedulerCore:
             req.poll.cancel()
             req.poll = None
         self.stats.add(claim_waits_landed=int(landed), claim_wait_seconds=time.monotonic() - req.wait_started)
-        reply, req.wait, req.waited, req.last_reply = req.last_reply, None, True, None
-        assert reply is not None
-        # it came: load what is held; it did not (budget spent, claim gone): compute it, loading only what
-        # was held before the wait (a late landing would be fetched on top of the wait)
-        self._settle(req, reply, None if landed else max(req.held_before, int(reply.prefix_length)))
+        wait, reply, req.wait, req.waited, req.last_reply = req.wait, req.last_reply, None, True, None
+        assert reply is not None and wait is not None
+        # it came: load what is held; it did not (budget spent, claim gone): compute it, loading what was
+        # held before the wait -- or what landed meanwhile, when pulling that beats computing it
+        # (kvstore_client.claims.read_after_wait); after a copy to this node that did not come, only
+        # what is here
+        self._settle(req, reply, None if landed else self._after_wait(req, wait, reply))
         return True
+
+    def _after_wait(self, req: _Request, wait: claiming.Wait, reply: pb.LookupResponse) -> int:
+        local = int(reply.prefix_length)
+        base = max(req.held_before, local)
+        if not wait.computing or self._claim_ctx is None:
+            return base
+        tps = self.config.prefill_tokens_per_s
+        return claiming.read_after_wait(reply.nodes, local, base, page_bytes=self._claim_ctx[1],
+                                        link_bytes_per_s=self.config.link_bytes_per_s,
+                                        prefill_blocks_s=lambda b: claiming.prefill_s(b * self.block_size, tps))
 
     def _lookup_failed(self, req: _Request, exc: KvError) -> bool:
         log.warning("kvstore lookup failed, computing the prompt instead: %s", exc)
