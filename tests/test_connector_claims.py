@@ -113,6 +113,10 @@ def test_read_after_a_spent_wait_pulls_what_landed_when_that_beats_computing_it(
     assert after([entry("a", 8, computing=True)], base=3) == 3
     assert after([entry("a", 8, pending=True)], local=1, base=1) == 1
     assert after([], local=4, base=4) == 4
+    # the pull shares its source with the copies in flight: 40 of them (8 blocks each, 40 x 8 ms) take
+    # longer than computing the 8 blocks (256 ms), 20 do not
+    tree = [entry(f"t{i}", 8, pending=True) for i in range(40)]
+    assert after([entry("a", 8), *tree]) == 0 and after([entry("a", 8), *tree[:20]]) == 8
     # a link too slow for the pull to beat the prefill: compute (1 MB/s: 8 s against 256 ms)
     assert after([entry("a", 8)], base=0, link=1e6) == 0
     assert after([entry("a", 8)], base=0, link=0.0) == 0

@@ -111,13 +111,17 @@ def decide(nodes: Sequence[Any], me: str, local: int, *, page_bytes: int, link_b
 def read_after_wait(nodes: Sequence[Any], local: int, base: int, *, page_bytes: int, link_bytes_per_s: float,
                     prefill_blocks_s: Callable[[int], float]) -> int:
     """Blocks to read when a wait for another's prefill ended without the prefix landing here (its
-    budget spent, typically while the claimant's Put was still on its way): what the cluster holds
-    now, when pulling the blocks beyond ``base`` (what was readable before the wait) costs less than
-    computing them, else ``base``. The wait is spent either way; this only picks the cheaper way on."""
+    budget spent, typically just after the claimant's Put landed, with a copy tree still on its way):
+    what the cluster holds now, when pulling the blocks beyond ``base`` (what was readable before the
+    wait) costs less than computing them, else ``base``. The pull is priced as sharing its source's
+    link with every copy the answer shows in flight (``pending`` entries that are not computing): on a
+    slow link a late pull would queue behind the tree and slow it. The wait is spent either way; this
+    only picks the cheaper way on."""
     now = held(nodes, local)
     if now <= base:
         return base
-    pull = (now - base) * page_bytes / link_bytes_per_s if link_bytes_per_s > 0 else math.inf
+    sharing = 1 + sum(1 for e in nodes if e.pending and not e.computing)
+    pull = sharing * (now - base) * page_bytes / link_bytes_per_s if link_bytes_per_s > 0 else math.inf
     return now if pull < prefill_blocks_s(now - base) else base
 
 
