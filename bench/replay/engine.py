@@ -26,6 +26,7 @@ the cluster and stops it in a ``finally``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -503,6 +504,11 @@ class Driver:
             for kv in self.kvs:  # connect (and learn page sizes) before the clock starts
                 await kv.page_bytes(cfg.namespace)
                 await kv.lookup(cfg.namespace, [b"warmup"])
+            # a full collection walks every object of the process: inside a long-lived one (a test
+            # session, many runs) that paused the engines for 100-200 ms mid-run; frozen objects are
+            # not walked again, so the run's own garbage is all a collection visits
+            gc.collect()
+            gc.freeze()
             self._start = loop.time() + 0.2
             for engine in self.engines:
                 engine.clock_start = time.perf_counter() + (self._start - loop.time())
@@ -521,6 +527,7 @@ class Driver:
             self.result.node_stats = [self.kvs[i].stats(cfg.namespace) for i in self._alive()]
             self.result.node_stats = list(await asyncio.gather(*self.result.node_stats))
         finally:
+            gc.unfreeze()
             for task in [*background, *tasks]:
                 task.cancel()
             await asyncio.gather(*background, *tasks, return_exceptions=True)
