@@ -188,3 +188,27 @@ def test_two_concurrent_pulls_of_the_same_pages_move_them_once(cluster: LocalClu
     assert moved_in == moved_out == 3 * PAGES_PER_GIB * PAGE, (moved_in, moved_out)
     assert both / one < 1.4, f"{cluster.spec.network}: one pull {one * 1e3:.1f} ms, the same pages twice " \
                              f"at once {both * 1e3:.1f} ms"
+
+
+def test_a_local_read_does_not_wait_behind_a_remote_pull_on_the_same_client(cluster: LocalCluster) -> None:
+    """One client with two data connections, two calls at once: a Get that pulls a modelled GiB from
+    n0 (86 ms at least, the shaper's floor) and a Get of a page n1 holds itself. The local read ends
+    first: the calls run side by side, not in turns on one connection (the default, one connection,
+    fails this test: the read waits for the pull)."""
+    async def body() -> list[str]:
+        await _put_on_n0(cluster, "far")
+        order: list[str] = []
+        async with AsyncKvClient(cluster.nodes[1].address, data_connections=2) as kv:
+            here = [b"here-0"]
+            await kv.put(NS, here, np.ones((1, PAGE), dtype=np.uint8))
+
+            async def get(tag: str, keys: list[bytes]) -> None:
+                got = await kv.get(NS, keys, timeout=30)
+                assert got.found.all(), tag
+                order.append(tag)
+
+            await asyncio.gather(get("remote", _keys("far")), get("local", here))
+        return order
+
+    order = _run(body())
+    assert order == ["local", "remote"], order

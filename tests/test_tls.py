@@ -88,7 +88,7 @@ def test_async_client_over_tls_data_channel(make_server, tls_certs: Certs) -> No
             assert (await kv.put("m", keys_for(8), pages)).stored == 8
             got = await kv.get("m", keys_for(8))
             assert np.array_equal(got.pages, pages)
-            assert type(kv._data._sock).__name__ == "TlsStream"
+            assert [type(c._sock).__name__ for c in kv._data._conns] == ["TlsStream"]
 
     asyncio.run(asyncio.wait_for(run(), 30))
     check_pools_sound(srv)

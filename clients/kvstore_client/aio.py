@@ -8,8 +8,9 @@ on every gRPC call and as the data channel's HELLO. With ``data_path="shm"``
 on the node's host pages move through shared memory: the blocking
 :class:`~kvstore_client.shm.ShmConn` (memcpy plus a unix-socket round trip)
 runs in a worker thread, one call at a time per client, so ``"auto"`` keeps
-to the data channel, where concurrent calls of one loop do not queue behind
-a thread.
+to the data channel: one connection by default, on which one loop's calls
+take turns; with ``data_connections=N`` they run side by side on up to N
+(a Get waiting on a remote pull then does not hold up a local read or a Put).
 """
 
 from __future__ import annotations
@@ -157,14 +158,48 @@ class _AsyncDataConn:
             raise AssertionError("unreachable")
 
 
+class _DataPool:
+    """Up to ``size`` data-channel connections to one node, one call on each at a time: concurrent
+    calls of one loop run side by side (the node serves each connection on its own), so a Get that
+    waits on a remote pull does not hold up a local read or a Put behind it. Connections open on
+    demand and are kept for reuse."""
+
+    def __init__(self, host: str, port: int, timeout: float | None, creds: Credentials, size: int) -> None:
+        self._args = (host, port, timeout, creds)
+        self._slots = asyncio.Semaphore(max(1, size))
+        self._conns: list[_AsyncDataConn] = []  # every one opened
+        self._idle: list[_AsyncDataConn] = []
+
+    async def request(self, frame: bytes, views: Sequence[memoryview], out: np.ndarray | None = None):  # type: ignore[no-untyped-def]
+        """:meth:`_AsyncDataConn.request` on an idle connection (a new one while fewer than ``size``
+        are open; else the next one freed)."""
+        async with self._slots:
+            if self._idle:
+                conn = self._idle.pop()
+            else:
+                conn = _AsyncDataConn(*self._args)
+                self._conns.append(conn)
+            try:
+                return await conn.request(frame, views, out)
+            finally:  # a connection that failed closed its socket and reconnects on its next call
+                self._idle.append(conn)
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.close()
+
+
 class AsyncKvClient:
     """asyncio kvstore client for one node."""
 
     def __init__(self, address: str, *, data_path: str = "auto", timeout: float | None = 60.0,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 token: str | None = None, server_name: str | None = None) -> None:
+                 token: str | None = None, server_name: str | None = None, data_connections: int = 1) -> None:
         if data_path not in ("auto", "grpc", "tcp", "shm"):
             raise ValueError("data_path must be auto, shm, tcp or grpc")
+        if data_connections < 1:
+            raise ValueError("data_connections must be >= 1")
+        self._data_connections = data_connections
         self.address = address
         self.timeout = timeout
         self._data_path = data_path
@@ -179,7 +214,7 @@ class AsyncKvClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._info: pb.NodeInfoResponse | None = None
         self._page_bytes: dict[str, int] = {}
-        self._data: _AsyncDataConn | None = None
+        self._data: _DataPool | None = None
         self._shm: ShmConn | None = None
         self._shm_lock = asyncio.Lock()  # a ShmConn is one socket: one call at a time
         self._data_checked = False
@@ -231,7 +266,7 @@ class AsyncKvClient:
             self._page_bytes[namespace] = info.layout.page_bytes
         return self._page_bytes[namespace]
 
-    async def _data_conn(self) -> _AsyncDataConn | None:
+    async def _data_conn(self) -> _DataPool | None:
         if self._data_path == "grpc":
             return None
         if not self._data_checked:
@@ -245,7 +280,7 @@ class AsyncKvClient:
             endpoint = data_endpoint(info, self._creds, self.address)
             if endpoint is not None:
                 host = self.address.rpartition(":")[0].strip("[]") or endpoint.host
-                self._data = _AsyncDataConn(host, endpoint.port, self.timeout, self._creds)
+                self._data = _DataPool(host, endpoint.port, self.timeout, self._creds, self._data_connections)
             elif self._data_path == "tcp":
                 raise Unavailable(f"node {self.address} offers no data channel")
             self._data_checked = True
