@@ -170,6 +170,15 @@ SMOKE = ["--trace", "synth", "--synth-bursts", "2", "--synth-requests", "8", "--
 TOLERANCE = (0.75, 1.25)
 
 
+def test_replay_refuses_a_non_positive_setting_before_starting_anything(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from bench.replay.cli import replay_main
+
+    for flag in ("--data-connections", "--concurrency", "--repeats"):
+        assert replay_main([*SMOKE, "--sim", flag, "0", "--no-plots", "--out", str(tmp_path / flag)]) == 2
+        assert "must be positive" in capsys.readouterr().err
+        assert not (tmp_path / flag).exists()
+
+
 def test_sim_cli_writes_the_same_results_marked_simulated(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from bench.replay.cli import replay_main
 
@@ -193,7 +202,8 @@ def test_sim_cli_writes_the_same_results_marked_simulated(tmp_path) -> None:  # 
 
 def test_sim_agrees_with_the_real_replay_on_the_smoke_workload(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """--sim-compare runs the smoke workload on real kvstored nodes and simulated: every configuration's
-    TTFT p50 and p99 agree within TOLERANCE, the results carry the same keys, and in both the oracle's p99
+    TTFT p50 and p99 agree within TOLERANCE, the results carry the same keys (the real ones, the daemons'
+    CPU besides), and in both the oracle's p99
     is at or below every other configuration's."""
     from bench.replay.cli import replay_main
 
@@ -206,7 +216,9 @@ def test_sim_agrees_with_the_real_replay_on_the_smoke_workload(tmp_path) -> None
     lo, hi = TOLERANCE
     for label, runs in w["runs"].items():
         real, sim = runs[0], twins[label][0]
-        assert set(real) == set(sim) - {"simulated", "sim"}, label
+        # the daemons' CPU seconds exist only where daemons ran
+        assert set(real) - {"daemon_cpu_s", "coordinator_cpu_s"} == set(sim) - {"simulated", "sim"}, label
+        assert real["daemon_cpu_s"] > 0, label
         for k in ("ttft_p50_s", "ttft_p99_s"):
             assert lo <= sim[k] / real[k] <= hi, (label, k, sim[k], real[k])
     for side in (lambda k: w["runs"][k][0], lambda k: twins[k][0]):

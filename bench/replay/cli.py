@@ -139,6 +139,9 @@ def replay_parser() -> argparse.ArgumentParser:
                    "cold prefill")
     e.add_argument("--concurrency", type=int, default=8, help="slots (batch) per engine")
     e.add_argument("--fetch-timeout", type=float, default=5.0, help="Get deadline (real s)")
+    e.add_argument("--data-connections", type=int, default=1,
+                   help="data-channel connections per engine's client (AsyncKvClient data_connections): 1 runs "
+                        "its Gets and Puts in turn, more side by side")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "replay")
     o.add_argument("--seed", type=int, default=0)
@@ -238,7 +241,8 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
                     link_bytes_s=link_of(a)[0],
                     router=router, cost=cost, namespace=a.preset, speedup=a.speedup,
                     concurrency=a.concurrency, oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl,
-                    fetch_timeout_s=a.fetch_timeout, drain_timeout_s=a.drain_timeout, kills=parse_kills(a.kill, a.nodes))
+                    fetch_timeout_s=a.fetch_timeout, data_connections=a.data_connections,
+                    drain_timeout_s=a.drain_timeout, kills=parse_kills(a.kill, a.nodes))
     with LocalCluster(spec, a.out / "logs" / log_name) as cluster:  # stops the daemons on any exit
         cfg.kill = cluster.kill
         ids = [n.node_id for n in cluster.nodes]
@@ -246,8 +250,10 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
         def ingress(i: int) -> float:  # a node's peer ingress so far, scaled bytes
             return metric_sum(cluster.scrape(i), "kvstore_peer_bytes_total", {"direction": "in"})
         driver = Driver(wl, ids, [n.address for n in cluster.nodes], cfg, progress, ingress)
+        cpu_before = cluster.cpu_seconds()
         with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
             result = runner.run(driver.run())
+        cpu = [max(0.0, b - a) for a, b in zip(cpu_before, cluster.cpu_seconds())]
         coordinator_metrics = cluster.scrape(0)
         link_bytes = sum(metric_sum(cluster.scrape(i), "kvstore_peer_bytes_total", {"direction": "in"})
                          for i in range(len(ids)) if i not in result.killed)
@@ -258,7 +264,10 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
     held = replica_gib_s(result.timeline, cost.page_bytes)
     summary.update(replica_gib_s_speculative=round(held["speculative"], 3), replica_gib_s=round(held["replica"], 3))
     summary.update(put_errors=result.put_errors, wall_s=round(result.wall_s, 2), oracle=result.oracle,
-                   daemon_args=spec.args("nX"), router=router_cfg[0], network=network)
+                   daemon_args=spec.args("nX"), router=router_cfg[0], network=network,
+                   # the daemons' CPU over the replay (real s; n0 is the coordinator): a cost the simulator
+                   # does not see, and on this machine all daemons share its cores
+                   daemon_cpu_s=round(sum(cpu), 2), coordinator_cpu_s=round(cpu[0], 2) if cpu else 0.0)
     if cfg.kills:
         summary["failover"] = [after_kill(result.records, ids[i], t) for i, t in cfg.kills]
     return {"summary": summary, "records": result.records, "timeline": result.timeline, "node_ids": ids}
@@ -306,8 +315,9 @@ def _replay(a: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvctl replay: {exc}", file=sys.stderr)
         return 2
-    if a.nodes < 1 or a.speedup <= 0 or a.concurrency < 1 or a.repeats < 1:
-        print("kvctl replay: --nodes, --speedup, --concurrency and --repeats must be positive", file=sys.stderr)
+    if a.nodes < 1 or a.speedup <= 0 or a.concurrency < 1 or a.repeats < 1 or a.data_connections < 1:
+        print("kvctl replay: --nodes, --speedup, --concurrency, --repeats and --data-connections must be positive",
+              file=sys.stderr)
         return 2
     routers = [r.strip() for r in (a.routers or a.router).split(",") if r.strip()]
     try:

@@ -29,6 +29,8 @@ from bench.replay.netns import NetnsLinks
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
 
 def _die_with_parent() -> None:
     """In the child before exec (Linux): SIGTERM this process when the harness dies."""
@@ -189,6 +191,18 @@ class LocalCluster:
         proc = self.nodes[index].proc
         if proc.poll() is None:
             proc.kill()
+
+    def cpu_seconds(self) -> list[float]:
+        """CPU seconds (user + system) each node's process has used so far, from ``/proc`` (0.0 where it
+        cannot be read: not Linux, or the node is gone). ``ip netns exec`` execs, so the pid is the daemon."""
+        out = []
+        for node in self.nodes:
+            try:
+                fields = Path(f"/proc/{node.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                out.append((int(fields[11]) + int(fields[12])) / _CLK_TCK)  # utime, stime (fields 14, 15)
+            except (OSError, IndexError, ValueError):
+                out.append(0.0)
+        return out
 
     # ---- stop --------------------------------------------------------------
     def stop(self, grace: float = 5.0) -> None:

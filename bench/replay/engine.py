@@ -81,6 +81,7 @@ class RunConfig:
     spec_ttl_s: float = 60.0          # real seconds (oracle copies)
     fetch_timeout_s: float = 5.0      # real seconds, the Get deadline
     rpc_timeout_s: float = 30.0
+    data_connections: int = 1         # each engine's client: calls side by side on this many data channels
     sample_s: float = 0.25            # real seconds between timeline samples
     drain_timeout_s: float = 120.0    # real seconds to finish after the last arrival
     verify: bool = True
@@ -491,7 +492,8 @@ class Driver:
             if self.oracle_plan is not None:
                 items[-1].step = self.oracle_plan.steps[i]
         self._outstanding = len(items)
-        self.kvs = [AsyncKvClient(a, timeout=cfg.rpc_timeout_s) for a in self.addresses]
+        self.kvs = [AsyncKvClient(a, timeout=cfg.rpc_timeout_s, data_connections=cfg.data_connections)
+                    for a in self.addresses]
         channels = [grpc.aio.insecure_channel(a) for a in self.addresses]
         self.cluster_stubs = [pb_grpc.ClusterStub(c) for c in channels]
         self.engines = [Engine(i, n, kv, cfg, self._done, self.result, self.held)
