@@ -163,11 +163,15 @@ SMOKE = ["--trace", "synth", "--synth-bursts", "2", "--synth-requests", "8", "--
          "--oracle-lead", "2", "--drain-timeout", "30", "--no-progress"]  # tests/test_replay.py's smoke workload
 
 # sim/real of a configuration's TTFT p50 and p99 on the smoke workload. Measured on the 2-core dev machine
-# (commit of this test): none, reactive, full, predictive 0.93-0.99x, oracle 0.87-0.89x (the real oracle pays a
-# Replicate round trip and dispatch lag per copy that the model charges at a fixed 1.5 ms). Real runs of one
-# configuration vary by about +-5 % on that machine, so 0.75-1.25 is a band a sound model stays inside
-# and a broken one (a lost wait, a link at the wrong rate: 2x and more) leaves.
+# at the smoke's --speedup 8: none, reactive, full, predictive 0.93-0.99x, oracle 0.87-0.89x (the real oracle pays
+# a Replicate round trip and dispatch lag per copy that the model charges at a fixed 1.5 ms). That real cost is
+# ~10 ms of wall time whatever the speedup, and the speedup multiplies it into trace seconds: a CI run on a
+# busier machine saw the oracle's p50 at 0.73x, and one busy core beside the dev machine's run gave 0.82x. The
+# agreement test therefore replays at --speedup 4 (7 s more): none and predictive 0.98-1.00x, the oracle
+# 0.92x alone and 0.94x beside a busy core (3 runs). 0.75-1.25 is a band a sound model stays inside and a
+# broken one (a lost wait, a link at the wrong rate: 2x and more) leaves.
 TOLERANCE = (0.75, 1.25)
+CALIBRATION_SPEEDUP = ["--speedup", "4"]
 
 
 def test_replay_refuses_a_non_positive_setting_before_starting_anything(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -208,7 +212,7 @@ def test_sim_agrees_with_the_real_replay_on_the_smoke_workload(tmp_path) -> None
     from bench.replay.cli import replay_main
 
     out = tmp_path / "both"
-    assert replay_main([*SMOKE, "--sim-compare", "--no-plots", "--out", str(out)]) == 0
+    assert replay_main([*SMOKE, *CALIBRATION_SPEEDUP, "--sim-compare", "--no-plots", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     (w,) = results["workloads"].values()
     twins = w["sim_compare"]
