@@ -134,6 +134,8 @@ class NodeConfig:
     spec_ttl: float = 120.0
     node_rate: float = 0.0
     copy_fanout: int = 2
+    copy_chunks: int = 1
+    copy_part_min: float = 0.02
     keep_fetched: bool = True
     fetch_timeout: float = 5.0
     max_pull_bytes: int = 64 << 20
@@ -199,6 +201,10 @@ class NodeConfig:
             raise ValueError("node_rate must be >= 0")
         if not 1 <= self.copy_fanout <= 64:
             raise ValueError("copy_fanout must be in [1, 64]")
+        if not 1 <= self.copy_chunks <= 256:
+            raise ValueError("copy_chunks must be in [1, 256]")
+        if not self.copy_part_min > 0:
+            raise ValueError("copy_part_min must be > 0")
         if not 0 <= self.spec_threshold <= 1 or not 0 <= self.spec_budget <= 1:
             raise ValueError("spec_threshold and spec_budget must be in [0, 1]")
         if self.spec_bandwidth <= 0:
@@ -320,6 +326,12 @@ SETTINGS: tuple[Setting, ...] = (
             "forecast demand, copied as a tree (0: unknown; at most 2 new copies per prefix per tick)", "RPS"),
     Setting("copy_fanout", int, "copies one node sends at once in a copy tree (each wave's copies share its "
             "egress): 1 doubles the holders every single-copy time", "N"),
+    Setting("copy_chunks", int, "> 1: a copy tree relays instead, each source heading a chain of its targets "
+            "and every target forwarding each of this many parts of the copy once it landed (the last of L "
+            "targets holds it after 1 + (L - 1) / N copy times); 1: store and forward in waves", "N"),
+    Setting("copy_part_min", float, "a relayed copy is cut only into parts that take at least this long at the "
+            "measured copy bandwidth (each part costs a Replicate round trip per hop), so a copy short next to "
+            "its round trips is not relayed", "SECONDS"),
     Setting("keep_fetched", parse_bool, "keep pages a Get pulled from a peer as local replicas", "BOOL"),
     Setting("fetch_timeout", float, "longest a Get waits for remote pages when the client gives no deadline; "
             "what has not arrived by then is reported missing", "SECONDS"),

@@ -242,6 +242,7 @@ class _RecordingPeers:
         self.in_flight: dict[str, int] = {}
         self.most: dict[str, int] = {}
         self.sent: list[tuple[str, str]] = []
+        self.parts: list[tuple[str, str, tuple[bytes, ...]]] = []  # (source, target, keys), in landing order
         self.fail = fail
 
     async def replicate(self, target: str, request, timeout: float):  # type: ignore[no-untyped-def]
@@ -253,6 +254,7 @@ class _RecordingPeers:
         await asyncio.sleep(0.01)
         self.in_flight[src] -= 1
         self.sent.append((src, target))
+        self.parts.append((src, target, tuple(request.keys)))
         ok = target not in self.fail
         return pb.ReplicateResponse(copied=len(request.keys) if ok else 0)
 
@@ -291,3 +293,73 @@ def test_a_copy_tree_sends_one_wave_at_a_time_from_each_holder(fail: set[str]) -
         by = dict((dst, src) for src, dst in peers.sent)
         orphans = [dst for src, dst in edges if src == "b"]
         assert orphans and all(by[o] == "a" for o in orphans)  # b failed: a served b's subtree
+
+
+@pytest.mark.parametrize("fail", [set(), {"d"}])
+def test_a_relayed_copy_tree_forwards_each_part_as_it_lands(fail: set[str]) -> None:
+    """--copy-chunks 4 over a chain of 7 targets: every target gets every part once, each from the node
+    before it in the chain, and a target sends part 0 on before its own last part came (relay, not store
+    and forward). A failed target sends nothing; the one after it gets its parts from the node before."""
+    import asyncio
+
+    from kvstore.cluster.coordinator import Coordinator
+    from kvstore.cluster.directory import Directory
+    from kvstore.metrics import NodeMetrics
+    from kvstore.predict.planner import copy_tree
+    from kvstore.predict.planner_types import Decision
+
+    class NoNamespaces:
+        namespaces: dict[str, object] = {}
+
+    members = Membership(pb.MemberInfo(node_id="a", address="127.0.0.1:1", incarnation="1"), 2.0)
+    config = NodeConfig(listen="127.0.0.1:0", replication="predictive", node_rate=1.0, copy_chunks=4)
+    peers = _RecordingPeers(fail)
+    coordinator = Coordinator(config, Directory(), members, peers, NodeMetrics(NoNamespaces()),  # type: ignore[arg-type]
+                              page_bytes=lambda ns: 4096)
+    targets, keys = list("bcdefgh"), tuple(bytes([i]) * 16 for i in range(8))
+    edges, waves = copy_tree(["a"], targets, coordinator.plan_cfg.fanout, coordinator.plan_cfg.chunks)
+    decision = Decision(namespace="m", keys=keys, depth=len(keys), source="a", targets=tuple(targets), prob=1.0,
+                        ttl_s=30.0, reason="test", bytes=7 * 8 * 4096, tree=tuple(edges), waves=waves, parts=4)
+    asyncio.run(coordinator._copy_tree(decision, 8 * 4096))
+    chain = ["a", *targets]
+    for i, dst in enumerate(targets):
+        got = [(src, part) for src, t, part in peers.parts if t == dst]
+        if dst in fail:
+            assert len(got) == 1  # its first part failed: nothing more is sent to it
+            continue
+        assert [k for _, part in got for k in part] == list(keys)  # four parts, in order, once each
+        before = chain[i] if chain[i] not in fail else chain[i - 1]
+        assert {src for src, _ in got} == {before}
+    assert not coordinator.pending  # every target's pending entry ended with its copy
+    if not fail:
+        order = [(src, t, part[0]) for src, t, part in peers.parts]
+        assert order.index(("b", "c", keys[0])) < order.index(("a", "b", keys[6]))  # b relayed part 0 early
+
+
+
+def test_a_copy_in_flight_is_pending_under_every_prefix_of_its_chain() -> None:
+    """The planner sees a copy on its way under each prefix of the copied chain, so a shorter
+    candidate of the same chain (the predictor scores depths 1, 2, 4, ...) plans no second copy to that
+    node while it is coming (seen as duplicate pages in a relayed copy, whose first parts land early);
+    the entries go when the copy ended."""
+    from kvstore.cluster.coordinator import Coordinator
+    from kvstore.cluster.directory import Directory
+    from kvstore.metrics import NodeMetrics
+
+    class NoNamespaces:
+        namespaces: dict[str, object] = {}
+
+    members = Membership(pb.MemberInfo(node_id="a", address="127.0.0.1:1", incarnation="1"), 2.0)
+    config = NodeConfig(listen="127.0.0.1:0", replication="predictive")
+    coordinator = Coordinator(config, Directory(), members, _RecordingPeers(),  # type: ignore[arg-type]
+                              NodeMetrics(NoNamespaces()), page_bytes=lambda ns: 4096)  # type: ignore[arg-type]
+    keys = tuple(bytes([i]) * 16 for i in range(8))
+    coordinator.note_pending(("m", keys[-1]), keys, "e", 1.0)
+    coordinator.note_pending(("m", keys[3]), keys[:4], "f", 1.0)
+    pending = coordinator.planner_pending()
+    assert set(pending) == {("m", k) for k in keys}
+    assert all(pending[("m", k)] == {"e", "f"} for k in keys[:4]) and pending[("m", keys[5])] == {"e"}
+    coordinator._landed(("m", keys[-1]), "e")
+    assert set(coordinator.planner_pending()) == {("m", k) for k in keys[:4]}
+    coordinator._landed(("m", keys[3]), "f")
+    assert coordinator.planner_pending() == {} and not coordinator._pending_chain

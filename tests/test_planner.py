@@ -505,6 +505,32 @@ def test_copy_tree_waves_and_fanout() -> None:
     assert star == [("a", "c")] and one == 1
 
 
+def test_a_relayed_copy_tree_is_chains_and_lands_in_about_one_copy_time() -> None:
+    """With the copy in parts each target forwards as they land, the tree is one chain per source (every
+    node sends once: no egress shared), and L targets take 1 + (L - 1) / parts copy times."""
+    from kvstore.predict.planner import chunk_bounds, copy_times, relay_parts
+
+    edges, waves = copy_tree(["a"], list("bcdefgh"), fanout=2, chunks=8)
+    assert edges == list(zip("abcdefg", "bcdefgh")) and waves == 2
+    assert copy_times(1, 7, 2, chunks=8) == pytest.approx(1.75)
+    two, waves2 = copy_tree(["a", "b"], list("cdefg"), fanout=1, chunks=4)
+    assert sorted(two) == sorted([("a", "c"), ("c", "e"), ("e", "g"), ("b", "d"), ("d", "f")]) and waves2 == 2
+    assert two[:2] == [("a", "c"), ("b", "d")]  # in hop order, as store and forward lists its waves
+    assert copy_times(2, 5, 1, chunks=4) == pytest.approx(1.5)
+    # store and forward: waves x fanout copy times (each wave's copies share their sender's egress)
+    assert copy_times(1, 7, 2) == copy_tree(["a"], list("bcdefgh"), 2)[1] * 2 == 4.0
+    assert copy_times(1, 0, 2, chunks=8) == 0.0
+    # a copy is cut only into parts that take min_part_s or more: none on a link fast next to it
+    assert relay_parts(1.0, 8, 0.02) == 8 and relay_parts(0.05, 8, 0.02) == 2
+    assert relay_parts(0.01, 8, 0.02) == relay_parts(1.0, 1, 0.02) == relay_parts(0.0, 8, 0.02) == 1
+    for n, parts in ((10, 4), (3, 8), (5, 1), (99, 8)):
+        bounds = chunk_bounds(n, parts)
+        assert bounds[0][0] == 0 and bounds[-1][1] == n and len(bounds) == min(n, parts)
+        assert all(b1 == a2 for (_, b1), (a2, _) in zip(bounds, bounds[1:]))
+        sizes = [b - a for a, b in bounds]
+        assert max(sizes) - min(sizes) <= 1
+
+
 def test_demand_sizes_the_set_and_the_tree_spreads_the_holder_egress() -> None:
     c = replace(cand(need=60.0), demand=80.0)  # 80 requests in 10 s at 1 req/s per node: 8 nodes
     d = only(plan([c], nodes(*EIGHT), 10 * GB, SIZED, NOW))

@@ -121,9 +121,12 @@ def test_daemon_loads_a_trained_model_and_exposes_predictor_metrics(tmp_path, da
     assert "kvstore_planner_tick_seconds_count" in text
 
 
-def test_demand_sized_fanout_is_copied_as_a_tree(make_server) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_demand_sized_fanout_is_copied_as_a_tree(make_server, chunks) -> None:  # type: ignore[no-untyped-def]
     """With --node-rate the forecast demand asks for every node; the copies go
-    as a tree (landed targets serve later ones), not five out of a.
+    as a tree (landed targets serve later ones), not five out of a; with
+    --copy-chunks 4 as a relayed chain (each target forwards each quarter as
+    it lands; --copy-part-min is lowered so that this small copy relays).
 
     The planner's first tick sees the whole demand (it sits out the
     lookups): 5 targets as a tree, so some of the pages are sent by a node
@@ -132,7 +135,8 @@ def test_demand_sized_fanout_is_copied_as_a_tree(make_server) -> None:  # type: 
     12 lookups (7 req/10 s seen) asks for all five nodes at once, not three
     now and two a tick later."""
     common = dict(replication="predictive", transport="tcp", heartbeat_interval=0.05, heartbeat_timeout=2.0,
-                  planner_tick=0.1, spec_ttl=30.0, capacity=32 << 20, node_rate=0.05)
+                  planner_tick=0.1, spec_ttl=30.0, capacity=32 << 20, node_rate=0.05, copy_chunks=chunks,
+                  copy_part_min=1e-9)
     a = make_server(node_id="a", **common)
     others = [make_server(node_id=n, peers=(a.address,), **common) for n in "bcdef"]
     servers = [a, *others]
@@ -165,5 +169,7 @@ def test_demand_sized_fanout_is_copied_as_a_tree(make_server) -> None:  # type: 
     sent = sent_now()
     assert sum(sent.values()) == 5 * 8, sent
     assert sent.get("a", 0) < 5 * 8, f"every page went out of the primary: {sent}"
+    if chunks > 1:
+        assert sent.get("a") == 8, f"relayed: the primary heads one chain and sends one copy: {sent}"
     for srv in servers:
         check_pools_sound(srv)

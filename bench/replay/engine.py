@@ -245,9 +245,12 @@ class Engine:
                     await asyncio.sleep(poll)
                 cluster_max = claiming.readable_after(wait, came, lk.nodes, local, held_before, cost,
                                                       cfg.link_bytes_s)
+                rec.wait_real_s = time.perf_counter() - t_wait
             fetch = cluster_max if step is None else max(local, step.depth)  # the oracle gets what its plan says
             if fetch > 0:
+                t_get = time.perf_counter()
                 got = await self.kv.get(cfg.namespace, keys[:fetch], timeout=cfg.fetch_timeout_s)
+                rec.get_real_s = time.perf_counter() - t_get
                 found = got.found
                 cached = int(found.argmin()) if not found.all() else len(found)
                 if cfg.verify:

@@ -63,6 +63,8 @@ class RequestRecord:
     corrupt: int = 0          # fetched pages whose bytes were not the key's
     kv_error: str = ""        # the node's Lookup/Get failed (e.g. killed): the engine recomputed the prompt
     claim_wait: bool = False  # +claims: it waited for another request's in-flight prefill of its prefix
+    wait_real_s: float = 0.0  # measured, real: of fetch_real_s, the claim wait (its re-lookups included)
+    get_real_s: float = 0.0   # measured, real: of fetch_real_s, the Get (pulls included)
     done: bool = False
     error: str = ""
 

@@ -33,6 +33,7 @@ from bench.replay.sim_cluster import REPLICA, SPECULATIVE, SimCluster
 from bench.replay.sim_kernel import Event
 from kvstore.cluster.coordinator import _BANDWIDTH_ALPHA, Coordinator
 from kvstore.config import NodeConfig, add_arguments, build_config
+from kvstore.predict.planner import chunk_bounds
 from kvstore.predict.types import Access, Outcome
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -126,7 +127,7 @@ class SimCoordinator:
             self.predictor.wait_retrain()
         candidates = c._candidates(scores, speculative, now)
         nodes = c._node_states()
-        pending = {pid: set(n) for pid, n in c.pending.items()}
+        pending = c.planner_pending()
         result = plan(candidates, nodes, c.bandwidth, c.plan_cfg, now, speculative, c._in_flight_bytes,
                       pending=pending)
         for d in result.decisions:
@@ -167,12 +168,13 @@ class SimCoordinator:
         return self.cluster.pools[self.cluster.index[node]]
 
     # ---- carrying out ---------------------------------------------------------------
-    def copy(self, target: str, keys: list[bytes], source: str, kind: int, ttl: float, nbytes: int) -> Event:
+    def copy(self, target: str, keys: list[bytes], source: str, kind: int, ttl: float, nbytes: int,
+             part: bool = False) -> Event:
         """``Coordinator._copy``: one Replicate; fires with True when ``target`` now holds every key."""
         c, cl, done = self.coord, self.cluster, self.sim.event()
         key, now = (self.cluster.p.namespace, keys[-1]), cl.dnow()
-        if kind == SPECULATIVE:
-            c.pending.setdefault(key, {})[target] = now + (nbytes / c.bandwidth if c.bandwidth else 0.0)
+        if kind == SPECULATIVE and not part:
+            c.note_pending(key, keys, target, now + (nbytes / c.bandwidth if c.bandwidth else 0.0))
             c._placed[key] = now
         c._in_flight_bytes += nbytes
         ti, si = cl.index[target], cl.index[source]
@@ -194,11 +196,8 @@ class SimCoordinator:
 
         def finish(copied: list[bytes], present: int = 0) -> None:
             c._in_flight_bytes -= nbytes
-            pend = c.pending.get(key)
-            if pend is not None:
-                pend.pop(target, None)
-                if not pend:
-                    del c.pending[key]
+            if not part:
+                c._landed(key, target)
             took = cl.dnow() - now
             moved = len(copied) * (nbytes // max(1, len(keys)))
             if moved and took > 0:
@@ -221,7 +220,7 @@ class SimCoordinator:
 
     def _copy_tree(self, d: Any, nbytes: int) -> None:
         """``Coordinator._copy_tree``: every holder sends a wave of ``fanout`` copies at a time; each
-        target, once its copy landed, serves its own."""
+        target, once its copy landed, serves its own (or relays each part, :meth:`_relay`)."""
         c, now = self.coord, self.cluster.dnow()
         children: dict[str, list[str]] = {}
         for src, dst in d.tree:
@@ -229,9 +228,14 @@ class SimCoordinator:
         key = (d.namespace, d.keys[-1])
         per_wave = nbytes / c.bandwidth if c.bandwidth else 0.0
         for _, dst in d.tree:
-            c.pending.setdefault(key, {})[dst] = now + per_wave * d.waves
+            c.note_pending(key, d.keys, dst, now + per_wave * d.waves)
         roots = [(s, t) for s, t in d.tree if s not in set(d.targets)]
         c.egress_saved_s += (len(d.targets) - len(roots)) * per_wave
+        parts = chunk_bounds(len(d.keys), d.parts)
+        if len(parts) > 1:
+            c._placed[key] = now
+            self._relay(d, nbytes, children, parts)
+            return
 
         fanout = max(1, c.plan_cfg.fanout)
 
@@ -259,6 +263,66 @@ class SimCoordinator:
 
         for src in dict.fromkeys(s for s, _ in roots):
             serve(src)
+
+    def _relay(self, d: Any, nbytes: int, children: dict[str, list[str]], parts: list[tuple[int, int]]) -> None:
+        """``Coordinator._relay``: each part forwarded as soon as it landed."""
+        c = self.coord
+        parent = {dst: src for src, dst in d.tree}
+        key, keys = (d.namespace, d.keys[-1]), list(d.keys)
+        has = {dst: [self.sim.event() for _ in parts] for dst in parent}
+        fanout = max(1, c.plan_cfg.fanout)
+
+        def holder(node: str, j: int, then: Any) -> None:  # the nearest node from ``node`` up with part j
+            if node not in has:
+                then(node)
+            else:
+                has[node][j].then(lambda ok: then(node) if ok else holder(parent[node], j, then))
+
+        def send(src: str, dst: str, done: Any) -> None:
+            got = has[dst]
+
+            def end() -> None:
+                for e in got:
+                    e.succeed(False)  # no-op where it fired
+                c._landed(key, dst)
+                done()
+
+            def part(j: int) -> None:
+                if j == len(parts):
+                    end()
+                    return
+                a, b = parts[j]
+
+                def copied(ok: bool) -> None:
+                    got[j].succeed(ok)
+                    if ok:
+                        part(j + 1)
+                    else:
+                        end()
+                holder(src, j, lambda s: self.copy(dst, keys[a:b], s, SPECULATIVE, d.ttl_s,
+                                                   nbytes * (b - a) // len(keys), part=True).then(copied))
+            part(0)
+
+        def serve(node: str) -> None:
+            queue = list(children.get(node, []))
+
+            def next_wave() -> None:
+                if not queue:
+                    return
+                wave = queue[:fanout]
+                del queue[:fanout]
+                left = [len(wave)]
+
+                def one_done() -> None:
+                    left[0] -= 1
+                    if not left[0]:
+                        next_wave()
+                for dst in wave:
+                    send(node, dst, one_done)
+            next_wave()
+
+        for node in dict.fromkeys([s for s, _ in d.tree] + list(parent)):
+            serve(node)
 
     # ---- for results.json -------------------------------------------------------------
     def metrics_text(self) -> str:

@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.predict.planner import copy_tree
+from kvstore.predict.planner import copy_times, copy_tree
 from kvstore.predict.planner_types import Decision
 
 DEFAULT_MAX_KEYS = 200_000      # claimed keys kept at once (a claim that does not fit is not recorded)
@@ -79,9 +80,10 @@ class Claims:
     def __init__(self, max_keys: int = DEFAULT_MAX_KEYS, grace_s: float = DEFAULT_GRACE_S,
                  tree_fanout: int = 0) -> None:
         # tree_fanout: 0 = every waiter pulls from the claimant (one egress shared by all: copies_ahead is
-        # the other waiters); > 0 = the coordinator copies to the waiters as a tree of this fanout
-        # (copies_ahead + 1 = waves x fanout: each wave's copies share their sender's egress)
+        # the other waiters); > 0 = the coordinator copies to the waiters as a tree of this fanout, relayed
+        # in tree_parts(namespace, keys) parts when > 1 (copies_ahead + 1 = planner.copy_times, rounded up)
         self.max_keys, self.grace_s, self.tree_fanout = max_keys, grace_s, tree_fanout
+        self.tree_parts: Callable[[str, int], int] = lambda namespace, n: 1
         self._by_key: dict[tuple[str, bytes], Claim] = {}
         self._expiry: list[tuple[float, int, Claim]] = []   # heap: claims by expiry, for an O(log n) prune
         self._seq = itertools.count()
@@ -142,8 +144,9 @@ class Claims:
             others = len(c.waiters - {asker})
             if self.tree_fanout <= 0:
                 ahead = others  # every waiter pulls from the claimant at once: its egress shared by all
-            else:               # each wave's copies share their sender's egress: waves x fanout copy times
-                ahead = copy_tree(["s"], [""] * (others + 1), self.tree_fanout)[1] * self.tree_fanout - 1
+            else:               # the tree's copy times, this asker's copy among them
+                parts = self.tree_parts(namespace, j)
+                ahead = math.ceil(copy_times(1, others + 1, self.tree_fanout, parts) - 1e-9) - 1
             out.append(Seen(node=c.node, length=j, ready_in=max(0.0, c.ready_at - now), copies_ahead=ahead))
             i = j  # a deeper run claimed by another node needs this one's keys first: it waits for both
         return out
@@ -179,12 +182,13 @@ class Claims:
 
 
 def waiter_tree(claim: Claim, alive: Callable[[str], bool], fanout: int, ttl_s: float, page_bytes: int,
-                others: Sequence[str] = (), spread_at: int = SPREAD_AT_WAITERS) -> Decision | None:
+                others: Sequence[str] = (), spread_at: int = SPREAD_AT_WAITERS,
+                parts: int = 1) -> Decision | None:
     """The copy tree that brings a landed claim's shared prefix to the nodes that waited for it (the
     claimant first, then every landed copy serves more), instead of every waiter pulling from the
     claimant at once. When at least ``spread_at`` nodes waited, a burst is on and a router that
     spreads load will send its next followers anywhere: the tree then goes on to ``others`` (the live
-    nodes), after the waiters. None when nobody else waited."""
+    nodes), after the waiters; relayed in ``parts`` parts when > 1. None when nobody else waited."""
     waiters = sorted(n for n in claim.waiters if n != claim.node and alive(n))
     chain = claim.chain[:claim.needed]  # what the waiters share (the claimant's own suffix is its alone)
     if not waiters or not chain:
@@ -192,7 +196,7 @@ def waiter_tree(claim: Claim, alive: Callable[[str], bool], fanout: int, ttl_s: 
     extra = [n for n in others if n != claim.node and n not in claim.waiters and alive(n)] \
         if len(waiters) >= spread_at else []
     targets = tuple(waiters + sorted(extra))
-    edges, waves = copy_tree([claim.node], list(targets), fanout)
+    edges, waves = copy_tree([claim.node], list(targets), fanout, parts)
     return Decision(namespace=claim.namespace, keys=tuple(chain), depth=len(chain), source=claim.node,
                     targets=targets, prob=1.0, ttl_s=ttl_s, reason="claim-waiters",
-                    bytes=len(chain) * page_bytes * len(targets), tree=tuple(edges), waves=waves)
+                    bytes=len(chain) * page_bytes * len(targets), tree=tuple(edges), waves=waves, parts=parts)

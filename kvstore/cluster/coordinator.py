@@ -40,6 +40,7 @@ from kvstore.config import NodeConfig
 from kvstore.errors import KvError
 from kvstore.metrics import NodeMetrics
 from kvstore.pool.pool import PageKind
+from kvstore.predict.planner import chunk_bounds, relay_parts
 from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig
 from kvstore.predict.types import Access, Outcome, PredictorConfig
 from kvstore.v1 import kvstore_pb2 as pb
@@ -65,7 +66,8 @@ class Coordinator:
                                     momentum_window_s=config.predictor_momentum_window)
         self.plan_cfg = PlannerConfig(threshold=config.spec_threshold, spec_budget=config.spec_budget,
                                       spec_bandwidth=config.spec_bandwidth, tick_s=config.planner_tick,
-                                      ttl_s=config.spec_ttl, node_rate=config.node_rate, fanout=config.copy_fanout)
+                                      ttl_s=config.spec_ttl, node_rate=config.node_rate, fanout=config.copy_fanout,
+                                      chunks=config.copy_chunks, min_part_s=config.copy_part_min)
         self.predictor = None
         if self.policy == "predictive":
             from kvstore.predict.model import DEFAULT_MODEL_PATH
@@ -78,6 +80,7 @@ class Coordinator:
         self._placed: dict[tuple[str, bytes], float] = {}
         # (namespace, deepest key) -> {node: expected ready time}: copies in flight
         self.pending: dict[tuple[str, bytes], dict[str, float]] = {}
+        self._pending_chain: dict[tuple[str, bytes], tuple[bytes, ...]] = {}  # a pending prefix's keys
         self.bandwidth = float(config.spec_bandwidth)  # bytes/s per copy, refined by measurement
         self._in_flight_bytes = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -115,7 +118,14 @@ class Coordinator:
         if self.policy != "predictive":
             return None
         return waiter_tree(claim, alive, self.plan_cfg.fanout, self.plan_cfg.ttl_s,
-                           self._page_bytes(claim.namespace), others=self.membership.live_ids())
+                           self._page_bytes(claim.namespace), others=self.membership.live_ids(),
+                           parts=self.relay_parts(claim.namespace, min(claim.needed, len(claim.chain))))
+
+    def relay_parts(self, namespace: str, keys: int) -> int:
+        """Parts a copy tree of ``keys`` pages relays in at the measured copy bandwidth (1: store and
+        forward; :func:`~kvstore.predict.planner.relay_parts`), for the claims' copy-time estimate too."""
+        copy_s = keys * self._page_bytes(namespace) / self.bandwidth if self.bandwidth > 0 else 0.0
+        return relay_parts(copy_s, self.plan_cfg.chunks, self.plan_cfg.min_part_s)
 
     def on_claims_landed(self, claims: Sequence[Claim]) -> None:
         """Claims whose Put reached the directory: copy each to the nodes that waited for it, as a tree."""
@@ -188,7 +198,7 @@ class Coordinator:
         self.predictor.maybe_retrain(now)
         candidates = self._candidates(scores, speculative, now)
         nodes = self._node_states()
-        pending = {pid: set(nodes_) for pid, nodes_ in self.pending.items()}
+        pending = self.planner_pending()
         result = plan(candidates, nodes, self.bandwidth, self.plan_cfg, now, speculative,
                       self._in_flight_bytes, pending=pending)
         for decision in result.decisions:
@@ -309,18 +319,19 @@ class Coordinator:
         task.add_done_callback(self._tasks.discard)
 
     async def _copy(self, target: str, namespace: str, keys: list[bytes], source: str, kind: PageKind,
-                    ttl: float, nbytes: int) -> bool:
-        """One Replicate; True when ``target`` now holds every key."""
+                    ttl: float, nbytes: int, part: bool = False) -> bool:
+        """One Replicate; True when ``target`` now holds every key. ``part``: one part of a relayed copy,
+        whose pending entry and placement the copy tree keeps for the whole prefix."""
         key = (namespace, keys[-1])
         now = time.monotonic()
-        if kind is PageKind.SPECULATIVE:
+        if kind is PageKind.SPECULATIVE and not part:
             eta = now + (nbytes / self.bandwidth if self.bandwidth else 0.0)
-            self.pending.setdefault(key, {})[target] = eta
+            self.note_pending(key, keys, target, eta)
         self._in_flight_bytes += nbytes
         request = pb.ReplicateRequest(namespace=namespace, keys=keys, source_node_id=source, kind=kind,
                                       ttl_seconds=ttl)
         start = time.perf_counter()
-        if kind is PageKind.SPECULATIVE:
+        if kind is PageKind.SPECULATIVE and not part:
             self._placed[key] = now
         try:
             reply = await self.peers.replicate(target, request,
@@ -330,11 +341,8 @@ class Coordinator:
             return False
         finally:
             self._in_flight_bytes -= nbytes
-            pending = self.pending.get(key)
-            if pending is not None:
-                pending.pop(target, None)
-                if not pending:
-                    del self.pending[key]
+            if not part:
+                self._landed(key, target)
         took = time.perf_counter() - start
         moved = reply.copied * (nbytes // max(1, len(keys)))
         if moved and took > 0:
@@ -344,23 +352,51 @@ class Coordinator:
             self.pages_from[source] += reply.copied
         return reply.copied + reply.already_present == len(set(keys))
 
+    def note_pending(self, key: tuple[str, bytes], keys: Sequence[bytes], target: str, ready_at: float) -> None:
+        """A copy of the prefix ``keys`` (``key``: its deepest) is on its way to ``target``."""
+        self.pending.setdefault(key, {})[target] = ready_at
+        self._pending_chain[key] = tuple(keys)
+
+    def _landed(self, key: tuple[str, bytes], target: str) -> None:
+        """``target``'s copy of the prefix ``key`` ended (landed or not): it is no longer pending there."""
+        pending = self.pending.get(key)
+        if pending is not None:
+            pending.pop(target, None)
+            if not pending:
+                del self.pending[key]
+                self._pending_chain.pop(key, None)
+
+    def planner_pending(self) -> dict[tuple[str, bytes], set[str]]:
+        """The planner's ``pending``: each copy in flight under every prefix of its chain, so that a
+        shorter candidate of the same chain plans no second copy to a node the longer one is on its way
+        to (a relayed copy shows its first parts landed while the rest are still coming)."""
+        out: dict[tuple[str, bytes], set[str]] = {}
+        for (namespace, key), nodes in self.pending.items():
+            for k in self._pending_chain.get((namespace, key), (key,)):
+                out.setdefault((namespace, k), set()).update(nodes)
+        return out
+
     async def _copy_tree(self, d: Decision, nbytes: int) -> None:
-        """A copy tree, wave by wave: every holder sends ``fanout`` copies at a
-        time, and each target, once its copy landed, serves its own targets;
-        if a copy fails, its subtree copies from the node that was to send to
-        it. Every target is pending from the start,
-        so routers see the whole set coming."""
+        """A copy tree. Every holder sends ``fanout`` copies at a time and
+        each target serves its own targets; with ``--copy-chunks`` N > 1 the
+        copies relay (:meth:`_relay`), else each target serves once its whole
+        copy landed (:meth:`_store_and_forward`). Every target is pending from
+        the start, so routers see the whole set coming."""
         children: dict[str, list[str]] = {}
         for src, dst in d.tree:
             children.setdefault(src, []).append(dst)
         key, now = (d.namespace, d.keys[-1]), time.monotonic()
         per_wave = nbytes / self.bandwidth if self.bandwidth else 0.0
         for _, dst in d.tree:
-            self.pending.setdefault(key, {})[dst] = now + per_wave * d.waves
+            self.note_pending(key, d.keys, dst, now + per_wave * d.waves)
         roots = [(s, t) for s, t in d.tree if s not in set(d.targets)]
         # holder egress a star from one source would have spent, beyond what the tree's roots send
         self.egress_saved_s += (len(d.targets) - len(roots)) * per_wave
-
+        parts = chunk_bounds(len(d.keys), d.parts)
+        if len(parts) > 1:
+            self._placed[key] = now
+            await self._relay(d, nbytes, children, parts)
+            return
         fanout = max(1, self.plan_cfg.fanout)
 
         async def serve(node: str) -> None:
@@ -381,6 +417,48 @@ class Coordinator:
                             queue.extend(children.get(dst, []))
 
         await asyncio.gather(*(serve(src) for src in dict.fromkeys(s for s, _ in roots)))
+
+    async def _relay(self, d: Decision, nbytes: int, children: dict[str, list[str]],
+                     parts: list[tuple[int, int]]) -> None:
+        """A copy tree in ``parts``, each forwarded as soon as it landed: a target starts sending part j
+        to its own targets once part j reached it, so a chain of L targets holds the prefix after about
+        ``1 + (L - 1) / len(parts)`` copy times instead of L (the planner shapes relayed trees as chains:
+        :func:`~kvstore.predict.planner.copy_tree`). A part that did not land on a node is sent from the
+        nearest node above it that has it; the failed node sends nothing more."""
+        parent = {dst: src for src, dst in d.tree}
+        key, keys = (d.namespace, d.keys[-1]), list(d.keys)
+        loop = asyncio.get_running_loop()
+        has = {dst: [loop.create_future() for _ in parts] for dst in parent}  # part j landed on dst
+        fanout = max(1, self.plan_cfg.fanout)
+
+        async def holder(node: str, j: int) -> str:
+            while node in has:  # a target: if its part j did not land, the nearest node above that got it
+                if await asyncio.shield(has[node][j]):
+                    return node
+                node = parent[node]
+            return node  # a root holds every part
+
+        async def send(src: str, dst: str) -> None:
+            got = has[dst]
+            try:
+                for j, (a, b) in enumerate(parts):
+                    ok = await self._copy(dst, d.namespace, keys[a:b], await holder(src, j), PageKind.SPECULATIVE,
+                                          d.ttl_s, nbytes * (b - a) // len(keys), part=True)
+                    got[j].set_result(ok)
+                    if not ok:
+                        break
+            finally:
+                for f in got:
+                    if not f.done():
+                        f.set_result(False)
+                self._landed(key, dst)
+
+        async def serve(node: str) -> None:
+            queue = children.get(node, [])
+            for i in range(0, len(queue), fanout):
+                await asyncio.gather(*(send(node, dst) for dst in queue[i:i + fanout]))
+
+        await asyncio.gather(*(serve(n) for n in dict.fromkeys([s for s, _ in d.tree] + list(parent))))
 
     async def _renew(self, node: str, namespace: str, key: bytes, ttl: float) -> None:
         self._placed[(namespace, key)] = time.monotonic()

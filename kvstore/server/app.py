@@ -132,6 +132,7 @@ class NodeServer:
         agent.placement = self.coordinator
         if self.config.replication == "predictive":  # a landed claim goes to its waiters as a copy tree
             agent.claims.tree_fanout = self.coordinator.plan_cfg.fanout
+            agent.claims.tree_parts = self.coordinator.relay_parts
         self.metrics.watch_coordinator(self.coordinator)
         server = grpc.aio.server(options=server_options(self.config.max_message_bytes),
                                  interceptors=[BoundaryInterceptor(),
