@@ -46,6 +46,25 @@ def test_page_bytes_from_model_shape() -> None:
         CostModel.preset("nope")
 
 
+def test_auto_byte_scale_stores_4_kib_pages_and_auto_capacity_keeps_a_modelled_tebibyte(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--byte-scale auto picks the smallest stored page the cost model allows (4 KiB) for every preset, and
+    --capacity auto gives each node 1 TiB of modelled bytes whatever the scale; the run records both."""
+    from bench.replay.cli import replay_main
+    from bench.replay.costmodel import MIN_PAGE_BYTES, MODELLED_CAPACITY, PRESETS, auto_byte_scale
+
+    for name in PRESETS:
+        page = CostModel.preset(name).page_bytes
+        scale = auto_byte_scale(page)
+        assert CostModel.preset(name, byte_scale=scale).scaled_page_bytes == MIN_PAGE_BYTES, name
+    assert auto_byte_scale(160 * MiB) == 40960 and auto_byte_scale(64 * MiB) == 16384
+    assert auto_byte_scale(4096 + 8) == 1  # no whole scale below: the page as it is
+    out = tmp_path / "auto"
+    assert replay_main(["--trace", "agent-fanout", "--nodes", "2", "--preset", "llama3-70b-tp8", "--policies",
+                        "none", "--sim", "--no-plots", "--no-progress", "--out", str(out)]) == 0
+    config = json.loads((out / "results.json").read_text())["config"]
+    assert config["byte_scale"] == 40960 and int(config["capacity"]) * 40960 == MODELLED_CAPACITY - MODELLED_CAPACITY % 40960
+
+
 def test_prefill_decode_link_arithmetic() -> None:
     c = CostModel.preset("llama3-8b")
     # 2 x params x tokens / (FLOP/s x MFU)

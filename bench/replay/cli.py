@@ -25,7 +25,7 @@ from typing import Any
 from bench.replay import netns
 from bench.replay.claiming import margin_for, split_policy
 from bench.replay.cluster import ClusterSpec, LocalCluster
-from bench.replay.costmodel import LINKS, PRESETS, CostModel
+from bench.replay.costmodel import LINKS, MODELLED_CAPACITY, PRESETS, CostModel, auto_byte_scale
 from bench.replay.engine import Driver, RunConfig
 from bench.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum, replica_gib_s
 from bench.replay.report import plot_cdf, plot_timeline, ratios, render, sweep_table, table
@@ -103,7 +103,8 @@ def replay_parser() -> argparse.ArgumentParser:
     c.add_argument("--predictor-depths", default="1,2,4,8,16", help="kvstored --predictor-depths for predictive "
                    "(16 lets the planner copy prefixes up to 8k tokens deep)")
     c.add_argument("--device", default="cpu", help="kvstored --device")
-    c.add_argument("--capacity", default="256MiB", help="kvstored --capacity per node")
+    c.add_argument("--capacity", default="auto", help="kvstored --capacity per node (real bytes); auto: 1 TiB "
+                   "modelled, i.e. 1 TiB / --byte-scale")
     c.add_argument("--transport", default="tcp", choices=["tcp", "ucx", "auto"])
     c.add_argument("--network", default="shaped", choices=["shaped", "netns", "none"],
                    help="how node-to-node bytes cost time: shaped = a fair link shaper in each kvstored's peer "
@@ -129,7 +130,9 @@ def replay_parser() -> argparse.ArgumentParser:
                    "--kvstored-arg=--spec-threshold=0.3)")
     e = p.add_argument_group("engines and cost model")
     e.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
-    e.add_argument("--byte-scale", type=int, default=4096, help="stored page bytes = modelled page bytes / this")
+    e.add_argument("--byte-scale", default="auto", help="stored page bytes = modelled page bytes / this; auto: "
+                   "the scale that stores 4 KiB pages (40960 for the 70B presets, 16384 for llama3-8b; runs before "
+                   "2026-12-02 used 4096)")
     e.add_argument("--mfu", type=float, default=None, help="override the preset's prefill MFU")
     e.add_argument("--link-gbs", type=float, default=None, help="node-to-node link, GB/s (overrides --link's rate)")
     e.add_argument("--pool-medium", default="auto", choices=["auto", "host", "hbm"],
@@ -326,7 +329,12 @@ def _replay(a: argparse.Namespace) -> int:
         if bad_r or not balance:
             raise ValueError(f"unknown routers {bad_r}; choose from {','.join(ROUTERS)}")
         medium = a.pool_medium if a.pool_medium != "auto" else ("hbm" if a.device.startswith("cuda") else "host")
+        if a.byte_scale == "auto":
+            a.byte_scale = auto_byte_scale(CostModel.preset(a.preset).page_bytes)
+        a.byte_scale = int(a.byte_scale)
         cost = CostModel.preset(a.preset, a.byte_scale, a.mfu, link_of(a)[0] / 1e9, pool_medium=medium)
+        if a.capacity == "auto":
+            a.capacity = str(MODELLED_CAPACITY // cost.byte_scale)
         seeds = [a.seed + k for k in range(a.repeats)]
         workloads_by_seed = {seed: build_workloads(a, seed) for seed in seeds}
         parse_size(a.capacity)

@@ -32,6 +32,19 @@ from dataclasses import asdict, dataclass
 
 BLOCK_TOKENS = 512  # Mooncake traces hash 512-token blocks
 MIN_PAGE_BYTES = 4096
+MODELLED_CAPACITY = 1 << 40  # --capacity auto: each node holds this many modelled bytes (real = this / byte scale)
+
+
+def auto_byte_scale(page_bytes: int) -> int:
+    """``--byte-scale auto``: the largest scale that stores a page of ``page_bytes`` in whole 8-byte words
+    of at least :data:`MIN_PAGE_BYTES` (4 KiB for every preset). The harness moves the stored bytes through
+    one Python process for all engines on this machine's cores, a cost no fleet pays (its engines move KV
+    by DMA, one machine each); the smallest stored page keeps that cost off the replay's clock while every
+    page still carries its own verifiable bytes."""
+    for stored in range(MIN_PAGE_BYTES, page_bytes + 1, 8):
+        if page_bytes % stored == 0:
+            return page_bytes // stored
+    raise ValueError(f"a page of {page_bytes} B cannot be stored in 8-byte words of at least {MIN_PAGE_BYTES} B")
 
 
 @dataclass(frozen=True, slots=True)
