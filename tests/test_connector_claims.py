@@ -87,6 +87,11 @@ def test_incoming_copy_and_landed() -> None:
         node="b", length=8, ready_in_s=0.0, budget_s=pytest.approx(6 * BS / TPS), computing=False)
     assert claims.incoming(coming, "b", 8, block_tokens=BS, prefill_tokens_per_s=TPS) is None
     assert claims.incoming([entry("b", 8, computing=True)], "b", 0, block_tokens=BS, prefill_tokens_per_s=TPS) is None
+    # the coordinator's expected landing: wait when it beats computing the 6 blocks (0.192 s), not when later
+    soon, late = [entry("b", 8, pending=True, ready=0.1)], [entry("b", 8, pending=True, ready=0.2)]
+    assert claims.incoming(soon, "b", 2, block_tokens=BS, prefill_tokens_per_s=TPS).ready_in_s == 0.1  # type: ignore[union-attr]
+    assert claims.incoming(late, "b", 2, block_tokens=BS, prefill_tokens_per_s=TPS) is None
+    assert claims.incoming(late, "b", 2, block_tokens=BS, prefill_tokens_per_s=TPS, backlog_tokens=64) is not None
     # landed: held elsewhere (pull it) -- unless a copy is on its way here; own claim: only here counts
     assert claims.landed([entry("a", 8)], "b", 0, 8, "a")
     assert not claims.landed([entry("a", 8, computing=True)], "b", 0, 8, "a")

@@ -275,6 +275,10 @@ def test_claim_margin_auto_and_the_copy_on_its_way() -> None:
     assert wait.budget_s == pytest.approx(cost.prefill_s(8 * cost.block_tokens))
     assert claiming.incoming([pb.NodePrefix(node_id="me", prefix_length=10, pending=True, computing=True)],
                              "me", 2, cost) is None   # a claim of this node's is not a copy on its way
+    own = cost.prefill_s(8 * cost.block_tokens)          # trace s; the daemons' ready_in is real s x speedup
+    due = pb.NodePrefix(node_id="me", prefix_length=10, pending=True, ready_in_seconds=own / 8)
+    assert claiming.incoming([due], "me", 2, cost, speedup=4) is not None
+    assert claiming.incoming([due], "me", 2, cost, speedup=8) is None   # lands just as computing would end
     assert not claiming.landed([tree_copy, pb.NodePrefix(node_id="x", prefix_length=10)], "me", 2, 10)
     assert claiming.landed([pb.NodePrefix(node_id="x", prefix_length=10)], "me", 2, 10)
     assert not claiming.landed([pb.NodePrefix(node_id="x", prefix_length=10)], "me", 2, 10, claimant="me")

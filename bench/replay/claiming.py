@@ -71,9 +71,10 @@ def wait_for(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostMode
 
 
 def incoming(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel,
-             backlog_s: float = 0.0) -> Wait | None:
+             backlog_s: float = 0.0, speedup: float = 1.0) -> Wait | None:
     """A copy on its way to this node: :func:`kvstore_client.claims.incoming_copy` in trace seconds."""
-    return incoming_copy(nodes, me, local, lambda blocks: cost.prefill_s(blocks * cost.block_tokens), backlog_s)
+    return incoming_copy(nodes, me, local, lambda blocks: cost.prefill_s(blocks * cost.block_tokens), backlog_s,
+                         time_scale=speedup)
 
 
 def choose(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel, speedup: float,
@@ -81,7 +82,7 @@ def choose(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel,
     """What a request's first Lookup answer says to wait for: another's claim worth it
     (:func:`wait_for`), else a copy on its way here (:func:`incoming`); None: read and compute now."""
     return (wait_for(nodes, me, local, cost, speedup, link_bytes_s, backlog_s, margin)
-            or incoming(nodes, me, local, cost, backlog_s))
+            or incoming(nodes, me, local, cost, backlog_s, speedup))
 
 
 def readable_after(wait: Wait, came: bool, nodes: Sequence[pb.NodePrefix], local: int, held_before: int,

@@ -88,20 +88,9 @@ class SimCoordinator:
 
     def hints(self, namespace: str, chain: Sequence[bytes]) -> list[pb.NodePrefix]:
         """``Coordinator.hints`` on the simulated clock."""
-        c, now = self.coord, self.cluster.dnow()
-        out: dict[str, pb.NodePrefix] = {}
         if self.policy != "predictive":
             return []
-        for depth in range(len(chain), 0, -1):
-            key = (namespace, chain[depth - 1])
-            for node in c.pending.get(key, {}):
-                if node not in out:
-                    out[node] = pb.NodePrefix(node_id=node, prefix_length=depth, pending=True,
-                                              expires_in_seconds=c.plan_cfg.ttl_s)
-            for node, expires in c.directory.speculative.get(key, {}).items():
-                if node not in out and expires > now:
-                    out[node] = pb.NodePrefix(node_id=node, prefix_length=depth, expires_in_seconds=expires - now)
-        return list(out.values())
+        return self.coord.hints(namespace, chain, now=self.cluster.dnow())
 
     # ---- the tick ------------------------------------------------------------------
     def start(self) -> None:

@@ -137,7 +137,8 @@ def incoming(nodes: Sequence[Any], me: str, local: int, *, block_tokens: int,
              prefill_tokens_per_s: float, backlog_tokens: int = 0) -> Wait | None:
     """A copy on its way to this node (its own entry ``pending``, not ``computing``, deeper than
     ``local``): wait for it rather than pull the same pages a second time, at most as long as
-    computing them would take."""
+    computing them would take; not at all when the coordinator expects it later than that
+    (``ready_in_seconds``), since a wait that runs out is paid on top of the prefill."""
     if prefill_tokens_per_s <= 0:
         return None
     return incoming_copy(nodes, me, local, lambda blocks: prefill_s(blocks * block_tokens, prefill_tokens_per_s),
@@ -145,13 +146,17 @@ def incoming(nodes: Sequence[Any], me: str, local: int, *, block_tokens: int,
 
 
 def incoming_copy(nodes: Sequence[Any], me: str, local: int, prefill_blocks_s: Callable[[int], float],
-                  backlog_s: float = 0.0) -> Wait | None:
-    """:func:`incoming` in any engine's cost model (see :func:`decide`)."""
+                  backlog_s: float = 0.0, time_scale: float = 1.0) -> Wait | None:
+    """:func:`incoming` in any engine's cost model (see :func:`decide`; ``time_scale``: the engine's
+    seconds per daemon second)."""
     for e in nodes:
         length = int(e.prefix_length)
         if e.node_id == me and e.pending and not e.computing and length > local:
-            return Wait(node=me, length=length, ready_in_s=0.0, budget_s=backlog_s + prefill_blocks_s(length - local),
-                        computing=False)
+            budget = backlog_s + prefill_blocks_s(length - local)
+            ready = float(e.ready_in_seconds) * time_scale
+            if ready >= budget:
+                return None  # due after computing it would end: compute now
+            return Wait(node=me, length=length, ready_in_s=ready, budget_s=budget, computing=False)
     return None
 
 

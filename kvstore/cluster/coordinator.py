@@ -150,17 +150,19 @@ class Coordinator:
         return {pid: nodes for pid, nodes in out.items() if nodes}
 
     # ---- placement hints ---------------------------------------------------
-    def hints(self, namespace: str, chain: Sequence[bytes]) -> list[pb.NodePrefix]:
-        """Nodes about to hold (copy in flight) or holding as speculative
+    def hints(self, namespace: str, chain: Sequence[bytes], now: float | None = None) -> list[pb.NodePrefix]:
+        """Nodes about to hold (copy in flight: ``ready_in_seconds`` is when
+        the coordinator expects it landed) or holding as speculative
         replicas a prefix of ``chain``, with the replica's remaining life."""
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         out: dict[str, pb.NodePrefix] = {}
         for depth in range(len(chain), 0, -1):
             key = (namespace, chain[depth - 1])
             for node, ready in self.pending.get(key, {}).items():
                 if node not in out:
                     out[node] = pb.NodePrefix(node_id=node, prefix_length=depth, pending=True,
-                                              expires_in_seconds=self.plan_cfg.ttl_s)
+                                              expires_in_seconds=self.plan_cfg.ttl_s,
+                                              ready_in_seconds=max(0.0, ready - now))
             for node, expires in self.directory.speculative.get(key, {}).items():
                 if node not in out and expires > now:
                     out[node] = pb.NodePrefix(node_id=node, prefix_length=depth, expires_in_seconds=expires - now)
