@@ -33,7 +33,7 @@ from bench.replay.sim_cluster import REPLICA, SPECULATIVE, SimCluster
 from bench.replay.sim_kernel import Event
 from kvstore.cluster.coordinator import _BANDWIDTH_ALPHA, Coordinator
 from kvstore.config import NodeConfig, add_arguments, build_config
-from kvstore.predict.planner import chunk_bounds
+from kvstore.predict.copytree import chunk_bounds
 from kvstore.predict.types import Access, Outcome
 from kvstore.v1 import kvstore_pb2 as pb
 

@@ -42,7 +42,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.predict.planner import copy_times, copy_tree
+from kvstore.predict.copytree import copy_times, copy_tree
 from kvstore.predict.planner_types import Decision
 
 DEFAULT_MAX_KEYS = 200_000      # claimed keys kept at once (a claim that does not fit is not recorded)

@@ -40,7 +40,8 @@ from kvstore.config import NodeConfig
 from kvstore.errors import KvError
 from kvstore.metrics import NodeMetrics
 from kvstore.pool.pool import PageKind
-from kvstore.predict.planner import chunk_bounds, relay_parts
+from kvstore.cluster.relay import relay
+from kvstore.predict.copytree import chunk_bounds, relay_parts
 from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig
 from kvstore.predict.types import Access, Outcome, PredictorConfig
 from kvstore.v1 import kvstore_pb2 as pb
@@ -381,7 +382,7 @@ class Coordinator:
     async def _copy_tree(self, d: Decision, nbytes: int) -> None:
         """A copy tree. Every holder sends ``fanout`` copies at a time and
         each target serves its own targets; with ``--copy-chunks`` N > 1 the
-        copies relay (:meth:`_relay`), else each target serves once its whole
+        copies relay (:func:`~kvstore.cluster.relay.relay`), else each target serves once its whole
         copy landed (:meth:`_store_and_forward`). Every target is pending from
         the start, so routers see the whole set coming."""
         children: dict[str, list[str]] = {}
@@ -422,45 +423,13 @@ class Coordinator:
 
     async def _relay(self, d: Decision, nbytes: int, children: dict[str, list[str]],
                      parts: list[tuple[int, int]]) -> None:
-        """A copy tree in ``parts``, each forwarded as soon as it landed: a target starts sending part j
-        to its own targets once part j reached it, so a chain of L targets holds the prefix after about
-        ``1 + (L - 1) / len(parts)`` copy times instead of L (the planner shapes relayed trees as chains:
-        :func:`~kvstore.predict.planner.copy_tree`). A part that did not land on a node is sent from the
-        nearest node above it that has it; the failed node sends nothing more."""
-        parent = {dst: src for src, dst in d.tree}
-        key, keys = (d.namespace, d.keys[-1]), list(d.keys)
-        loop = asyncio.get_running_loop()
-        has = {dst: [loop.create_future() for _ in parts] for dst in parent}  # part j landed on dst
-        fanout = max(1, self.plan_cfg.fanout)
+        key = (d.namespace, d.keys[-1])
 
-        async def holder(node: str, j: int) -> str:
-            while node in has:  # a target: if its part j did not land, the nearest node above that got it
-                if await asyncio.shield(has[node][j]):
-                    return node
-                node = parent[node]
-            return node  # a root holds every part
+        async def copy(dst: str, keys: list[bytes], src: str, part_bytes: int) -> bool:
+            return await self._copy(dst, d.namespace, keys, src, PageKind.SPECULATIVE, d.ttl_s, part_bytes, part=True)
 
-        async def send(src: str, dst: str) -> None:
-            got = has[dst]
-            try:
-                for j, (a, b) in enumerate(parts):
-                    ok = await self._copy(dst, d.namespace, keys[a:b], await holder(src, j), PageKind.SPECULATIVE,
-                                          d.ttl_s, nbytes * (b - a) // len(keys), part=True)
-                    got[j].set_result(ok)
-                    if not ok:
-                        break
-            finally:
-                for f in got:
-                    if not f.done():
-                        f.set_result(False)
-                self._landed(key, dst)
-
-        async def serve(node: str) -> None:
-            queue = children.get(node, [])
-            for i in range(0, len(queue), fanout):
-                await asyncio.gather(*(send(node, dst) for dst in queue[i:i + fanout]))
-
-        await asyncio.gather(*(serve(n) for n in dict.fromkeys([s for s, _ in d.tree] + list(parent))))
+        await relay(d.tree, list(d.keys), nbytes, children, parts, max(1, self.plan_cfg.fanout), copy,
+                    lambda dst: self._landed(key, dst))
 
     async def _renew(self, node: str, namespace: str, key: bytes, ttl: float) -> None:
         self._placed[(namespace, key)] = time.monotonic()

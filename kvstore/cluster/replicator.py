@@ -198,12 +198,15 @@ class Replicator:
             pool.renew(keys, expires_at)
         todo = [k for k in dict.fromkeys(keys) if k not in pool]
         present = len(set(keys)) - len(todo)
+        coming = {k for k in todo if (namespace, k) in self._inflight}  # another pull brings these: not ours
         try:
             copied = await self.pull(source, namespace, todo, kind, expires_at) if todo else []
         except TransportError as exc:  # the source died or is unknown: what did not come is missing
             log.warning("replicate from %s: %s", source, exc)
             copied = [k for k in todo if k in pool]
-        return pb.ReplicateResponse(copied=len(copied), already_present=present, missing=len(todo) - len(copied))
+        theirs = sum(1 for k in copied if k in coming)
+        return pb.ReplicateResponse(copied=len(copied) - theirs, already_present=present + theirs,
+                                    missing=len(todo) - len(copied))
 
     # ---- pulling -------------------------------------------------------------
     async def pull(self, source: str, namespace: str, keys: Sequence[bytes], kind: PageKind,
