@@ -81,7 +81,7 @@ class Claims:
                  tree_fanout: int = 0) -> None:
         # tree_fanout: 0 = every waiter pulls from the claimant (one egress shared by all: copies_ahead is
         # the other waiters); > 0 = the coordinator copies to the waiters as a tree of this fanout, relayed
-        # in tree_parts(namespace, keys) parts when > 1 (copies_ahead + 1 = planner.copy_times, rounded up)
+        # in tree_parts(namespace, keys) parts when > 1 (copies_ahead + 1 = copytree.copy_times, rounded up)
         self.max_keys, self.grace_s, self.tree_fanout = max_keys, grace_s, tree_fanout
         self.tree_parts: Callable[[str, int], int] = lambda namespace, n: 1
         self._by_key: dict[tuple[str, bytes], Claim] = {}

@@ -36,11 +36,11 @@ from kvstore.cluster.claims import Claim, waiter_tree
 from kvstore.cluster.directory import Directory
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.peers import PeerClient
+from kvstore.cluster.relay import relay
 from kvstore.config import NodeConfig
 from kvstore.errors import KvError
 from kvstore.metrics import NodeMetrics
 from kvstore.pool.pool import PageKind
-from kvstore.cluster.relay import relay
 from kvstore.predict.copytree import chunk_bounds, relay_parts
 from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig
 from kvstore.predict.types import Access, Outcome, PredictorConfig
@@ -124,7 +124,7 @@ class Coordinator:
 
     def relay_parts(self, namespace: str, keys: int) -> int:
         """Parts a copy tree of ``keys`` pages relays in at the measured copy bandwidth (1: store and
-        forward; :func:`~kvstore.predict.planner.relay_parts`), for the claims' copy-time estimate too."""
+        forward; :func:`~kvstore.predict.copytree.relay_parts`), for the claims' copy-time estimate too."""
         copy_s = keys * self._page_bytes(namespace) / self.bandwidth if self.bandwidth > 0 else 0.0
         return relay_parts(copy_s, self.plan_cfg.chunks, self.plan_cfg.min_part_s)
 

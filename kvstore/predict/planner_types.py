@@ -58,7 +58,7 @@ class Decision:
     need_in_s: float = 0.0             # predicted lead time the copy was gated against
     tree: tuple[tuple[str, str], ...] = ()  # (from, to) copies in wave order; () = all from ``source``
     waves: int = 1                     # rounds of the copy tree (its time is waves x transfer_s)
-    parts: int = 1                     # > 1: the tree relays the copy in this many parts (planner.relay_parts)
+    parts: int = 1                     # > 1: the tree relays the copy in this many parts (copytree.relay_parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +77,7 @@ class PlannerConfig:
     demand_window_s: float = 10.0      # the demand of a candidate is counted over this window
     fanout: int = 2                    # copies one node sends per wave of a copy tree
     chunks: int = 1                    # > 1: a copy long enough relays along chains in up to this many parts
-    min_part_s: float = 0.02           # ... each part taking at least this long (planner.relay_parts)
+    min_part_s: float = 0.02           # ... each part taking at least this long (copytree.relay_parts)
 
     @property
     def keep_threshold(self) -> float:
