@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.replay.sim_cluster import REPLICA, SPECULATIVE, SimCluster
@@ -43,6 +43,23 @@ def node_config(daemon_args: Sequence[str]) -> NodeConfig:
     parser = argparse.ArgumentParser(add_help=False)
     add_arguments(parser)
     return build_config(parser.parse_args(list(daemon_args)), environ={})
+
+
+def _in_waves(queue: list[str], fanout: int, start: Callable[[str, Callable[[], None]], None]) -> None:
+    """One sender's copies in waves: ``start(target, done)`` for ``fanout`` targets of ``queue`` at a
+    time, the next wave once each of them called ``done`` (``queue`` may grow meanwhile)."""
+    if not queue:
+        return
+    wave = queue[:fanout]
+    del queue[:fanout]
+    left = [len(wave)]
+
+    def one_done() -> None:
+        left[0] -= 1
+        if not left[0]:
+            _in_waves(queue, fanout, start)
+    for dst in wave:
+        start(dst, one_done)
 
 
 class SimCoordinator:
@@ -231,24 +248,16 @@ class SimCoordinator:
         def serve(node: str) -> None:  # as the coordinator: fanout copies a wave, the next once they landed
             queue = list(children.get(node, []))
 
-            def next_wave() -> None:
-                if not queue:
-                    return
-                wave = queue[:fanout]
-                del queue[:fanout]
-                left = [len(wave)]
-                for dst in wave:
-                    def landed(ok: bool, dst: str = dst) -> None:
-                        if ok:
-                            serve(dst)
-                        else:
-                            queue.extend(children.get(dst, []))
-                        left[0] -= 1
-                        if not left[0]:
-                            next_wave()
-                    self.copy(dst, list(d.keys), node, SPECULATIVE, d.ttl_s, nbytes).then(landed)
+            def start(dst: str, done: Callable[[], None]) -> None:
+                def landed(ok: bool) -> None:
+                    if ok:
+                        serve(dst)
+                    else:  # a failed target's subtree is served from here, in later waves
+                        queue.extend(children.get(dst, []))
+                    done()
+                self.copy(dst, list(d.keys), node, SPECULATIVE, d.ttl_s, nbytes).then(landed)
 
-            next_wave()
+            _in_waves(queue, fanout, start)
 
         for src in dict.fromkeys(s for s, _ in roots):
             serve(src)
@@ -292,26 +301,8 @@ class SimCoordinator:
                                                    nbytes * (b - a) // len(keys), part=True).then(copied))
             part(0)
 
-        def serve(node: str) -> None:
-            queue = list(children.get(node, []))
-
-            def next_wave() -> None:
-                if not queue:
-                    return
-                wave = queue[:fanout]
-                del queue[:fanout]
-                left = [len(wave)]
-
-                def one_done() -> None:
-                    left[0] -= 1
-                    if not left[0]:
-                        next_wave()
-                for dst in wave:
-                    send(node, dst, one_done)
-            next_wave()
-
         for node in dict.fromkeys([s for s, _ in d.tree] + list(parent)):
-            serve(node)
+            _in_waves(list(children.get(node, [])), fanout, lambda dst, done, node=node: send(node, dst, done))
 
     # ---- for results.json -------------------------------------------------------------
     def metrics_text(self) -> str:
