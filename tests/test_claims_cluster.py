@@ -5,6 +5,7 @@ copies the prefix to the nodes that waited for it."""
 from __future__ import annotations
 
 import math
+import urllib.request
 
 import grpc
 import pytest
@@ -29,7 +30,7 @@ def _start(daemon, policy: str):  # type: ignore[no-untyped-def]
     nodes, seed = {}, None
     for node_id in "abc":
         args = ["--node-id", node_id, "--transport", "tcp", "--namespace", f"m:{MiB}", "--replication", policy,
-                *FAST]
+                "--metrics-port", "0", *FAST]
         nodes[node_id] = daemon(*args, *(["--peers", seed] if seed else []))
         seed = seed or nodes[node_id].address
     for d in nodes.values():
@@ -75,6 +76,9 @@ def test_a_claim_is_seen_as_computing_until_its_put_lands(daemon, policy) -> Non
         assert took < 1.0
         if policy == "predictive":  # c waited for b's claim: the coordinator copies it there, no Get needed
             wait_until(lambda: kc.lookup("m", keys[:6]) == 6, 5, "the waiter tree to reach c")
+            url = f"http://127.0.0.1:{nodes['a'].fields['metrics_port']}/metrics"  # a coordinates
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            assert 'kvstore_planner_decisions_total{kind="claim_tree"} 1.0' in text
         got = kc.get("m", keys)
         assert got.found.all() and (got.pages == pages).all()
 

@@ -256,6 +256,12 @@ def test_claims_share_one_prefill_of_a_new_context_and_the_tree_spreads_its_copi
     senders = tree["sim"]["coordinator"]["pages_from"]
     assert len(senders) > 3  # the waiters that landed first served the rest
     assert tree["ttft_p50_s"] < claims["ttft_p50_s"]
+    # the tree's copies are counted as copied ahead under "predictive+claims" too, by their source: each
+    # burst's context is new, so they are claim trees, not forecast decisions
+    assert tree["planner_decisions"]["claim_tree"] >= 1
+    assert tree["spec_bytes"] > 0 and tree["link_bytes_speculative"] > 0
+    assert claims["spec_bytes"] == 0 and claims["planner_decisions"]["claim_tree"] == 0
+    assert "claim trees to waiters" in (out / "report.md").read_text()
 
 
 def test_claim_margin_auto_and_the_copy_on_its_way() -> None:

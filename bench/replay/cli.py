@@ -261,7 +261,7 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
         link_bytes = sum(metric_sum(cluster.scrape(i), "kvstore_peer_bytes_total", {"direction": "in"})
                          for i in range(len(ids)) if i not in result.killed)
     summary = aggregate(result.records, cluster_summary(
-        policy, result.node_stats, coordinator_metrics, cost.scaled_page_bytes, cost.byte_scale,
+        base, result.node_stats, coordinator_metrics, cost.scaled_page_bytes, cost.byte_scale,
         result.oracle.get("copied_pages", 0), result.placed_used_pages, link_bytes),
         slo_factor=a.slo_factor, gpus=cost.gpus, block_tokens=cost.block_tokens)
     held = replica_gib_s(result.timeline, cost.page_bytes)

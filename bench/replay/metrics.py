@@ -270,7 +270,7 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
         "stored_bytes": sum(int(n.used_bytes) for n in ns),
         "planner_decisions": {k: int(metric_sum(coordinator_metrics, "kvstore_planner_decisions_total",
                                                 {"kind": k}))
-                              for k in ("replicate", "drop", "full")},
+                              for k in ("replicate", "drop", "full", "claim_tree")},
     }
 
 

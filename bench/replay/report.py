@@ -92,10 +92,29 @@ def sweep_table(w: dict[str, Any]) -> str:
             f"{_med(runs, 'replica_gib_s_speculative'):.0f} / {_med(runs, 'replica_gib_s'):.0f} |")
     lines.append("")
     lines.append(vs_best_lines(w))
+    sources = decision_lines(w)
+    if sources:
+        lines += ["", sources]
     fail = failover_table(w)
     if fail:
         lines += ["", fail]
     return "\n".join(lines)
+
+
+def decision_lines(w: dict[str, Any]) -> str:
+    """Per predictive configuration, what its copies came from (medians per seed): the planner's
+    forecast decisions against the copy trees to landed claims' waiters, which answer demand already
+    seen; a win with no forecast decision is the claim trees' alone."""
+    out = []
+    for label, runs in sorted(w.get("runs", {}).items()):
+        if not label.startswith("predictive"):
+            continue
+        d = [r.get("planner_decisions") or {} for r in runs]
+        forecast = float(np.median([x.get("replicate", 0) for x in d]))
+        trees = float(np.median([x.get("claim_tree", 0) for x in d]))
+        out.append(f"- `{label}` copy decisions per run (median): {forecast:g} from the forecast (planner), "
+                   f"{trees:g} claim trees to waiters")
+    return "\n".join(out)
 
 
 def failover_table(w: dict[str, Any]) -> str:

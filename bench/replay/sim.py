@@ -381,7 +381,7 @@ def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float]
         progress.update(len(result.records))
     ids = driver.cluster.ids
     summary = aggregate(result.records, cluster_summary(
-        policy, result.node_stats, result.coordinator_metrics, cost.scaled_page_bytes, cost.byte_scale,
+        base, result.node_stats, result.coordinator_metrics, cost.scaled_page_bytes, cost.byte_scale,
         result.oracle.get("copied_pages", 0), result.placed_used_pages, result.link_bytes),
         slo_factor=a.slo_factor, gpus=cost.gpus, block_tokens=cost.block_tokens)
     network = driver.cluster.net.describe() if not free else {"kind": "none"}

@@ -222,6 +222,8 @@ class SimCoordinator:
         for claim in claims:
             d = c.claim_tree(claim, self.cluster.membership.alive)
             if d is not None:
+                self.decisions["claim_tree"] += 1
+                c.decision_sources["claim-waiters"] += 1
                 self._copy_tree(d, len(d.keys) * self.cluster.p.scaled_page_bytes)
 
     def _copy_tree(self, d: Any, nbytes: int) -> None:

@@ -134,6 +134,7 @@ class Coordinator:
             d = self.claim_tree(claim, self.membership.alive)
             if d is not None:
                 self.decision_sources["claim-waiters"] += 1
+                self.metrics.decisions.labels("claim_tree").inc()
                 self._spawn(self._copy_tree(d, len(d.keys) * self._page_bytes(d.namespace)))
 
     @property
