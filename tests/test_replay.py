@@ -471,3 +471,20 @@ def test_replay_kill_a_node(tmp_path) -> None:  # type: ignore[no-untyped-def]
     (f,) = s["failover"]
     assert f["node"] == "n1" and f["t"] == 3.0 and f["requests"] >= 1 and f["on_killed_node"] >= 1
     assert "After the kill" in (out / "report.md").read_text()
+
+
+def test_post_kill_ratios_pair_seeds_against_the_best_post_kill_baseline() -> None:
+    from bench.replay.report import failover_ratio_lines
+
+    def runs(*p99: float) -> list[dict]:  # type: ignore[type-arg]
+        return [{"failover": [{"ttft_p99_s": v}]} for v in p99]
+
+    w = {"runs": {"reactive+claims|least-load": runs(8.0, 10.0, 4.0),
+                  "reactive+claims|eta": runs(9.0, 9.0, 9.0),     # median 9 > 8: not the best
+                  "predictive+claims|eta": runs(2.0, 5.0, 1.0),
+                  "oracle|plan": runs(1.0, 1.0, 1.0)}}
+    text = failover_ratio_lines(w)
+    assert "best post-kill baseline: `reactive+claims|least-load`" in text
+    assert "`predictive+claims|eta` / best post-kill baseline, p99 per seed: 0.25x (0.25-0.50)" in text
+    assert "`oracle|plan` / best post-kill baseline, p99 per seed: 0.12x (0.10-0.25)" in text
+    assert "need a none or reactive" in failover_ratio_lines({"runs": {"oracle|plan": runs(1.0)}})

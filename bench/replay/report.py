@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.replay.sweep import BASELINES
+
 POLICIES = ("none", "reactive", "full", "predictive", "oracle")
 MiB = 1 << 20
 
@@ -138,7 +140,27 @@ def failover_table(w: dict[str, Any]) -> str:
     head = (f"After the kill (requests arriving in the {span:g} s after it; the killed node's engine recomputes):\n\n"
             "| policy | router | kill | requests | TTFT p50 s | TTFT p99 s (min-max) | TTFT mean s | "
             "on killed node | failed KV calls | miss |\n|---|---|---|---|---|---|---|---|---|---|")
-    return head + "\n" + "\n".join(rows)
+    return head + "\n" + "\n".join(rows) + "\n\n" + failover_ratio_lines(w)
+
+
+def failover_ratio_lines(w: dict[str, Any]) -> str:
+    """Post-kill p99 of each predictive and oracle configuration over the best post-kill baseline (the
+    none/reactive configuration with the lowest median post-kill p99), paired seed by seed."""
+    post = {label: [r["failover"][0]["ttft_p99_s"] for r in runs if r.get("failover")]
+            for label, runs in w.get("runs", {}).items()}
+    base = {k: v for k, v in post.items() if v and k.split("|")[0] in BASELINES}
+    if not base:
+        return "- post-kill ratios: (need a none or reactive configuration in the run)"
+    best = min(base, key=lambda k: float(np.median(base[k])))
+    out = [f"- best post-kill baseline: `{best}` (p99 median {float(np.median(base[best])):.3f} s)"]
+    for label, v in sorted(post.items()):
+        if label.split("|")[0] in BASELINES or not v or len(v) != len(base[best]):
+            continue
+        q = [a / b for a, b in zip(v, base[best]) if b > 0]
+        if q:
+            out.append(f"- `{label}` / best post-kill baseline, p99 per seed: {float(np.median(q)):.2f}x "
+                       f"({min(q):.2f}-{max(q):.2f})")
+    return "\n".join(out)
 
 
 def vs_best_lines(w: dict[str, Any]) -> str:
