@@ -16,7 +16,9 @@ An engine has ``concurrency`` slots (its batch) and one prefill unit:
    sleep the modelled prefill of the uncached tokens / speedup; the first
    token is out here (TTFT);
 4. ``Put`` the pages the node lacked (KV exists once prefill is done, so it
-   is stored then -- not after decode -- as prefix-caching engines do);
+   is stored then -- not after decode -- as prefix-caching engines do), on
+   the engine's second client, as the vLLM connector saves on a connection
+   of its own (``--shared-save``: on the one client, behind its Gets);
 5. sleep the modelled decode / speedup in the slot, then free the slot.
 
 Every loop is bounded (request count, ``drain_timeout_s``); the caller owns
@@ -82,6 +84,7 @@ class RunConfig:
     fetch_timeout_s: float = 5.0      # real seconds, the Get deadline
     rpc_timeout_s: float = 30.0
     data_connections: int = 1         # each engine's client: calls side by side on this many data channels
+    save_client: bool = True          # Puts on a second client per engine (the vLLM connector's save connection)
     sample_s: float = 0.25            # real seconds between timeline samples
     drain_timeout_s: float = 120.0    # real seconds to finish after the last arrival
     verify: bool = True
@@ -160,8 +163,11 @@ class Engine:
     """One simulated inference engine, in front of one node."""
 
     def __init__(self, index: int, node_id: str, kv: AsyncKvClient, cfg: RunConfig, on_done: Callable[[], None],
-                 result: RunResult, held: "Held | None" = None) -> None:
+                 result: RunResult, held: "Held | None" = None, saver: AsyncKvClient | None = None) -> None:
         self.index, self.node_id, self.kv, self.cfg = index, node_id, kv, cfg
+        # Puts on a client of their own, as the vLLM connector saves on its own connection: a claimant's
+        # Put never queues behind its engine's Get waiting on a remote pull (the followers wait on that Put)
+        self.saver = saver or kv
         self.queue: asyncio.Queue[_Req | None] = asyncio.Queue()
         self.prefill = asyncio.Lock()
         self.waiting = 0        # queued for a slot
@@ -286,7 +292,7 @@ class Engine:
         if cached < len(keys):
             t2 = time.perf_counter()
             try:
-                await self.kv.put(cfg.namespace, keys[cached:],
+                await self.saver.put(cfg.namespace, keys[cached:],
                                   make_pages(item.words[cached:], cost.scaled_page_bytes))
                 self.own.update(keys[cached:])
                 if self.held is not None:
@@ -497,16 +503,17 @@ class Driver:
         self._outstanding = len(items)
         self.kvs = [AsyncKvClient(a, timeout=cfg.rpc_timeout_s, data_connections=cfg.data_connections)
                     for a in self.addresses]
+        savers = [AsyncKvClient(a, timeout=cfg.rpc_timeout_s) for a in self.addresses] if cfg.save_client else []
         channels = [grpc.aio.insecure_channel(a) for a in self.addresses]
         self.cluster_stubs = [pb_grpc.ClusterStub(c) for c in channels]
-        self.engines = [Engine(i, n, kv, cfg, self._done, self.result, self.held)
+        self.engines = [Engine(i, n, kv, cfg, self._done, self.result, self.held, savers[i] if savers else None)
                         for i, (n, kv) in enumerate(zip(self.node_ids, self.kvs))]
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task[Any]] = set()
         background: list[asyncio.Task[Any]] = []
         wall = time.perf_counter()
         try:
-            for kv in self.kvs:  # connect (and learn page sizes) before the clock starts
+            for kv in [*self.kvs, *savers]:  # connect (and learn page sizes) before the clock starts
                 await kv.page_bytes(cfg.namespace)
                 await kv.lookup(cfg.namespace, [b"warmup"])
             # a full collection walks every object of the process: inside a long-lived one (a test
@@ -538,7 +545,7 @@ class Driver:
             await asyncio.gather(*background, *tasks, return_exceptions=True)
             for engine in self.engines:
                 await engine.close()
-            for kv in self.kvs:
+            for kv in [*self.kvs, *savers]:
                 await kv.close()
             for c in channels:
                 await c.close()
