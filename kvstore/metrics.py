@@ -70,7 +70,7 @@ class _CoordinatorCollector:
         yield quality
         state = GaugeMetricFamily("kvstore_coordinator", "Coordinator state", labels=["what"])
         for key in ("speculative_prefixes", "pending", "bandwidth_bps", "tick_p99_ms", "tracked_prefixes",
-                    "labelled_rows", "retrains"):
+                    "labelled_rows", "retrains", "egress_saved_bytes"):
             if isinstance(stats.get(key), (int, float)):
                 state.add_metric([key], float(stats[key]))
         yield state

@@ -262,6 +262,7 @@ def test_claims_share_one_prefill_of_a_new_context_and_the_tree_spreads_its_copi
     assert tree["spec_bytes"] > 0 and tree["link_bytes_speculative"] > 0
     assert claims["spec_bytes"] == 0 and claims["planner_decisions"]["claim_tree"] == 0
     assert "claim trees to waiters" in (out / "report.md").read_text()
+    assert tree["egress_saved_s"] > 0 and claims["egress_saved_s"] == 0  # the tree's relays spared the claimant
 
 
 def test_claim_margin_auto_and_the_copy_on_its_way() -> None:

@@ -271,6 +271,9 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
         "planner_decisions": {k: int(metric_sum(coordinator_metrics, "kvstore_planner_decisions_total",
                                                 {"kind": k}))
                               for k in ("replicate", "drop", "full", "claim_tree")},
+        # holder egress its copy trees saved against copying every target from one source (scaled bytes)
+        "egress_saved_bytes": int(metric_sum(coordinator_metrics, "kvstore_coordinator",
+                                             {"what": "egress_saved_bytes"})),
     }
 
 

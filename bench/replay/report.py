@@ -114,8 +114,10 @@ def decision_lines(w: dict[str, Any]) -> str:
         d = [r.get("planner_decisions") or {} for r in runs]
         forecast = float(np.median([x.get("replicate", 0) for x in d]))
         trees = float(np.median([x.get("claim_tree", 0) for x in d]))
+        saved = float(np.median([r.get("egress_saved_s", 0.0) for r in runs]))
         out.append(f"- `{label}` copy decisions per run (median): {forecast:g} from the forecast (planner), "
-                   f"{trees:g} claim trees to waiters")
+                   f"{trees:g} claim trees to waiters; holder egress the trees saved against one source: "
+                   f"{saved:.1f} trace s")
     return "\n".join(out)
 
 

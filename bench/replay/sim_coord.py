@@ -31,7 +31,7 @@ from typing import Any
 
 from bench.replay.sim_cluster import REPLICA, SPECULATIVE, SimCluster
 from bench.replay.sim_kernel import Event
-from kvstore.cluster.coordinator import _BANDWIDTH_ALPHA, Coordinator
+from kvstore.cluster.coordinator import Coordinator
 from kvstore.config import NodeConfig, add_arguments, build_config
 from kvstore.predict.copytree import chunk_bounds
 from kvstore.predict.types import Access, Outcome
@@ -206,8 +206,7 @@ class SimCoordinator:
                 c._landed(key, target)
             took = cl.dnow() - now
             moved = len(copied) * (nbytes // max(1, len(keys)))
-            if moved and took > 0:
-                c.bandwidth = (1 - _BANDWIDTH_ALPHA) * c.bandwidth + _BANDWIDTH_ALPHA * moved / took
+            c.observe_copy(moved, took)
             self.spec_bytes["speculative" if kind == SPECULATIVE else "replica"] += moved
             if kind == SPECULATIVE:
                 c.pages_from[source] += len(copied)
@@ -239,6 +238,7 @@ class SimCoordinator:
             c.note_pending(key, d.keys, dst, now + per_wave * d.waves)
         roots = [(s, t) for s, t in d.tree if s not in set(d.targets)]
         c.egress_saved_s += (len(d.targets) - len(roots)) * per_wave
+        c.egress_saved_bytes += (len(d.targets) - len(roots)) * nbytes
         parts = chunk_bounds(len(d.keys), d.parts)
         if len(parts) > 1:
             c._placed[key] = now
@@ -311,6 +311,7 @@ class SimCoordinator:
         """The coordinator's counters that ``cluster_summary`` reads, as Prometheus text."""
         lines = [f'kvstore_replication_bytes_total{{kind="{k}"}} {v}' for k, v in self.spec_bytes.items()]
         lines += [f'kvstore_planner_decisions_total{{kind="{k}"}} {v}' for k, v in self.decisions.items()]
+        lines.append(f'kvstore_coordinator{{what="egress_saved_bytes"}} {self.coord.egress_saved_bytes}')
         return "\n".join(lines) + "\n"
 
     def stats(self) -> dict[str, Any]:

@@ -89,6 +89,7 @@ class Coordinator:
         self.tick_seconds: list[float] = []
         self.decision_sources: Counter[str] = Counter()  # replicate decisions by the scorer behind them
         self.egress_saved_s = 0.0  # holder egress seconds copy trees saved against copying all from one source
+        self.egress_saved_bytes = 0  # the same in bytes (seconds at the estimated bandwidth above)
         self.pages_from: Counter[str] = Counter()  # speculative pages copied, by the node that sent them
         self._scorer: dict[tuple[str, bytes], str] = {}
 
@@ -121,6 +122,12 @@ class Coordinator:
         return waiter_tree(claim, alive, self.plan_cfg.fanout, self.plan_cfg.ttl_s,
                            self._page_bytes(claim.namespace), others=self.membership.live_ids(),
                            parts=self.relay_parts(claim.namespace, min(claim.needed, len(claim.chain))))
+
+    def observe_copy(self, moved: int, took: float) -> None:
+        """A copy moved ``moved`` bytes in ``took`` seconds: averaged into the per-copy bandwidth that the
+        planner, the hints' landing times and the trees' parts go by (from ``--spec-bandwidth`` on)."""
+        if moved > 0 and took > 0:
+            self.bandwidth = (1 - _BANDWIDTH_ALPHA) * self.bandwidth + _BANDWIDTH_ALPHA * moved / took
 
     def relay_parts(self, namespace: str, keys: int) -> int:
         """Parts a copy tree of ``keys`` pages relays in at the measured copy bandwidth (1: store and
@@ -349,8 +356,7 @@ class Coordinator:
                 self._landed(key, target)
         took = time.perf_counter() - start
         moved = reply.copied * (nbytes // max(1, len(keys)))
-        if moved and took > 0:
-            self.bandwidth = (1 - _BANDWIDTH_ALPHA) * self.bandwidth + _BANDWIDTH_ALPHA * moved / took
+        self.observe_copy(moved, took)
         self.metrics.spec_bytes.labels(kind.name.lower()).inc(moved)
         if kind is PageKind.SPECULATIVE:
             self.pages_from[source] += reply.copied
@@ -396,6 +402,7 @@ class Coordinator:
         roots = [(s, t) for s, t in d.tree if s not in set(d.targets)]
         # holder egress a star from one source would have spent, beyond what the tree's roots send
         self.egress_saved_s += (len(d.targets) - len(roots)) * per_wave
+        self.egress_saved_bytes += (len(d.targets) - len(roots)) * nbytes
         parts = chunk_bounds(len(d.keys), d.parts)
         if len(parts) > 1:
             self._placed[key] = now
@@ -466,6 +473,7 @@ class Coordinator:
         if self.predictor is not None:
             out.update(self.predictor.stats())
         out["egress_saved_s"] = self.egress_saved_s
+        out["egress_saved_bytes"] = self.egress_saved_bytes
         out["pages_from"] = dict(self.pages_from)
         total = sum(self.decision_sources.values())
         out["decision_sources"] = {k: v / total for k, v in self.decision_sources.items()} if total else {}
