@@ -128,7 +128,7 @@ class NodeConfig:
     predictor_depths: tuple[int, ...] = (1, 2, 4, 8)
     predictor_horizon: float = 300.0
     planner_tick: float = 1.0
-    spec_threshold: float = 0.5
+    spec_threshold: float = 0.65  # above the model's best-F1 point (0.5): an unread copy costs link time (docs/predictor.md)
     spec_budget: float = 0.2
     spec_bandwidth: int = 10**9
     spec_ttl: float = 120.0

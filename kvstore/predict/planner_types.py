@@ -63,7 +63,7 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class PlannerConfig:
-    threshold: float = 0.5             # replicate when prob >= threshold
+    threshold: float = 0.65            # replicate when prob >= threshold (kvstored --spec-threshold)
     spec_budget: float = 0.2           # share of each node's capacity for speculative replicas
     spec_bandwidth: float = 1e9        # bytes/s the planner may spend on copies, cluster-wide
     tick_s: float = 1.0
