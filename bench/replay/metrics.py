@@ -220,7 +220,7 @@ def metric_sum(text: str, name: str, labels: dict[str, str] | None = None) -> fl
 
 def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metrics: str, page_bytes: int,
                     byte_scale: int, oracle_copied_pages: int = 0, placed_used_pages: int = 0,
-                    link_bytes: float = 0.0) -> dict[str, object]:
+                    link_bytes: float = 0.0, link_bytes_s: float = 0.0) -> dict[str, object]:
     """Byte counters of one run from the nodes' Stats, the coordinator's metrics and the harness.
 
     * ``spec_bytes``: bytes copied ahead of need -- predictive: the
@@ -252,6 +252,7 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
     else:
         wasted = 0
     ahead = spec_bytes if policy in ("predictive", "oracle", "full") else 0
+    saved = int(metric_sum(coordinator_metrics, "kvstore_coordinator", {"what": "egress_saved_bytes"}))
     return {
         # bytes that crossed a link (every node's peer ingress), by kind; scaled bytes, x byte_scale unscaled
         "link_bytes": int(link_bytes), "link_bytes_unscaled": int(link_bytes) * byte_scale,
@@ -271,9 +272,10 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
         "planner_decisions": {k: int(metric_sum(coordinator_metrics, "kvstore_planner_decisions_total",
                                                 {"kind": k}))
                               for k in ("replicate", "drop", "full", "claim_tree")},
-        # holder egress its copy trees saved against copying every target from one source (scaled bytes)
-        "egress_saved_bytes": int(metric_sum(coordinator_metrics, "kvstore_coordinator",
-                                             {"what": "egress_saved_bytes"})),
+        # holder egress its copy trees saved against copying every target from one source: scaled bytes,
+        # and in trace seconds over the modelled link (``link_bytes_s``: unscaled bytes per trace second)
+        "egress_saved_bytes": saved,
+        "egress_saved_s": round(saved * byte_scale / link_bytes_s, 3) if link_bytes_s > 0 else 0.0,
     }
 
 

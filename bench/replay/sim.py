@@ -382,11 +382,9 @@ def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float]
     ids = driver.cluster.ids
     summary = aggregate(result.records, cluster_summary(
         base, result.node_stats, result.coordinator_metrics, cost.scaled_page_bytes, cost.byte_scale,
-        result.oracle.get("copied_pages", 0), result.placed_used_pages, result.link_bytes),
+        result.oracle.get("copied_pages", 0), result.placed_used_pages, result.link_bytes, rate),
         slo_factor=a.slo_factor, gpus=cost.gpus, block_tokens=cost.block_tokens)
     network = driver.cluster.net.describe() if not free else {"kind": "none"}
-    # that egress in trace seconds at the modelled link (unscaled bytes over its bytes per trace second)
-    summary["egress_saved_s"] = round(summary["egress_saved_bytes"] * cost.byte_scale / link_of(a)[0], 3)
     held = replica_gib_s(result.timeline, cost.page_bytes)
     summary.update(replica_gib_s_speculative=round(held["speculative"], 3), replica_gib_s=round(held["replica"], 3))
     summary.update(put_errors=result.put_errors, wall_s=round(result.wall_s, 2), oracle=result.oracle,

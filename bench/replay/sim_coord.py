@@ -229,16 +229,7 @@ class SimCoordinator:
         """``Coordinator._copy_tree``: every holder sends a wave of ``fanout`` copies at a time; each
         target, once its copy landed, serves its own (or relays each part, :meth:`_relay`)."""
         c, now = self.coord, self.cluster.dnow()
-        children: dict[str, list[str]] = {}
-        for src, dst in d.tree:
-            children.setdefault(src, []).append(dst)
-        key = (d.namespace, d.keys[-1])
-        per_wave = nbytes / c.bandwidth if c.bandwidth else 0.0
-        for _, dst in d.tree:
-            c.note_pending(key, d.keys, dst, now + per_wave * d.waves)
-        roots = [(s, t) for s, t in d.tree if s not in set(d.targets)]
-        c.egress_saved_s += (len(d.targets) - len(roots)) * per_wave
-        c.egress_saved_bytes += (len(d.targets) - len(roots)) * nbytes
+        key, children, roots = c.book_tree(d, nbytes, now)
         parts = chunk_bounds(len(d.keys), d.parts)
         if len(parts) > 1:
             c._placed[key] = now
@@ -261,7 +252,7 @@ class SimCoordinator:
 
             _in_waves(queue, fanout, start)
 
-        for src in dict.fromkeys(s for s, _ in roots):
+        for src in roots:
             serve(src)
 
     def _relay(self, d: Any, nbytes: int, children: dict[str, list[str]], parts: list[tuple[int, int]]) -> None:
@@ -316,7 +307,7 @@ class SimCoordinator:
 
     def stats(self) -> dict[str, Any]:
         c = self.coord
-        out: dict[str, Any] = {"policy": self.policy, "bandwidth_bps": c.bandwidth, "egress_saved_s": c.egress_saved_s,
+        out: dict[str, Any] = {"policy": self.policy, "bandwidth_bps": c.bandwidth, "egress_saved_bytes": c.egress_saved_bytes,
                                "pages_from": dict(c.pages_from), "decisions": dict(self.decisions)}
         if self.predictor is not None:
             out["predictor_source"] = self.predictor.last_source

@@ -88,8 +88,7 @@ class Coordinator:
         self._full_queue: deque[tuple[str, str, list[bytes]]] = deque(maxlen=100_000)
         self.tick_seconds: list[float] = []
         self.decision_sources: Counter[str] = Counter()  # replicate decisions by the scorer behind them
-        self.egress_saved_s = 0.0  # holder egress seconds copy trees saved against copying all from one source
-        self.egress_saved_bytes = 0  # the same in bytes (seconds at the estimated bandwidth above)
+        self.egress_saved_bytes = 0  # holder egress copy trees saved against copying all from one source
         self.pages_from: Counter[str] = Counter()  # speculative pages copied, by the node that sent them
         self._scorer: dict[tuple[str, bytes], str] = {}
 
@@ -392,17 +391,8 @@ class Coordinator:
         copies relay (:func:`~kvstore.cluster.relay.relay`), else each target serves once its whole
         copy landed (:meth:`_store_and_forward`). Every target is pending from
         the start, so routers see the whole set coming."""
-        children: dict[str, list[str]] = {}
-        for src, dst in d.tree:
-            children.setdefault(src, []).append(dst)
-        key, now = (d.namespace, d.keys[-1]), time.monotonic()
-        per_wave = nbytes / self.bandwidth if self.bandwidth else 0.0
-        for _, dst in d.tree:
-            self.note_pending(key, d.keys, dst, now + per_wave * d.waves)
-        roots = [(s, t) for s, t in d.tree if s not in set(d.targets)]
-        # holder egress a star from one source would have spent, beyond what the tree's roots send
-        self.egress_saved_s += (len(d.targets) - len(roots)) * per_wave
-        self.egress_saved_bytes += (len(d.targets) - len(roots)) * nbytes
+        now = time.monotonic()
+        key, children, roots = self.book_tree(d, nbytes, now)
         parts = chunk_bounds(len(d.keys), d.parts)
         if len(parts) > 1:
             self._placed[key] = now
@@ -427,7 +417,25 @@ class Coordinator:
                         else:
                             queue.extend(children.get(dst, []))
 
-        await asyncio.gather(*(serve(src) for src in dict.fromkeys(s for s, _ in roots)))
+        await asyncio.gather(*(serve(src) for src in roots))
+
+    def book_tree(self, d: Decision, nbytes: int,
+                  now: float) -> tuple[tuple[str, bytes], dict[str, list[str]], list[str]]:
+        """What a copy tree notes before its first copy, here and in the simulator: every target pending
+        from the start (due after the tree's waves at the measured bandwidth), and the holder egress the
+        tree spares against copying every target from one source. Returns the prefix's key, each
+        sender's targets, and the roots (the senders that held it before the tree)."""
+        children: dict[str, list[str]] = {}
+        for src, dst in d.tree:
+            children.setdefault(src, []).append(dst)
+        key = (d.namespace, d.keys[-1])
+        per_wave = nbytes / self.bandwidth if self.bandwidth else 0.0
+        for _, dst in d.tree:
+            self.note_pending(key, d.keys, dst, now + per_wave * d.waves)
+        targets = set(d.targets)
+        root_edges = [s for s, _ in d.tree if s not in targets]
+        self.egress_saved_bytes += (len(d.targets) - len(root_edges)) * nbytes
+        return key, children, list(dict.fromkeys(root_edges))
 
     async def _relay(self, d: Decision, nbytes: int, children: dict[str, list[str]],
                      parts: list[tuple[int, int]]) -> None:
@@ -472,7 +480,6 @@ class Coordinator:
                "tick_p99_ms": float(np.percentile(ticks, 99) * 1e3)}
         if self.predictor is not None:
             out.update(self.predictor.stats())
-        out["egress_saved_s"] = self.egress_saved_s
         out["egress_saved_bytes"] = self.egress_saved_bytes
         out["pages_from"] = dict(self.pages_from)
         total = sum(self.decision_sources.values())
