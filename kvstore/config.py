@@ -132,7 +132,7 @@ class NodeConfig:
     spec_budget: float = 0.2
     spec_bandwidth: int = 10**9
     spec_ttl: float = 120.0
-    node_rate: float = 0.0
+    node_rate: float = 2.0  # sizes replica sets from forecast demand (docs/predictor.md); 0: unsized, 2 copies a tick
     copy_fanout: int = 2
     copy_chunks: int = 1
     copy_part_min: float = 0.02

@@ -555,9 +555,28 @@ def test_no_copy_when_the_set_already_serves_the_demand() -> None:
 
 
 def test_the_set_shrinks_when_the_demand_decays() -> None:
-    c = replace(cand(holders={8: {"a", "b", "c", "d"}}), demand=20.0)  # now wants 2 nodes
+    c = replace(cand(holders={8: {"a", "b", "c", "d"}}), demand=10.0)  # now wants 1 node: keeps 2
     pid = (c.namespace, c.chain[-1])
     spec = {pid: {"b": NOW + 10, "c": NOW + 50, "d": NOW + 90}}
     renewals, drops = renew_or_drop([c], spec, {n: None for n in EIGHT}, SIZED, NOW)
     assert sorted((dr.node, dr.reason) for dr in drops) == [("b", "surplus"), ("c", "surplus")]
     assert not any(r.node in ("b", "c") for r in renewals)
+
+
+def test_a_set_within_twice_the_demand_is_kept() -> None:
+    """A demand that dips from 4 nodes' worth to 2's keeps the 4 copies (no drop-and-copy-again churn)."""
+    c = replace(cand(holders={8: {"a", "b", "c", "d"}}), demand=20.0)  # wants 2 nodes, 4 hold it
+    spec = {(c.namespace, c.chain[-1]): {"b": NOW + 10, "c": NOW + 50, "d": NOW + 90}}
+    _, drops = renew_or_drop([c], spec, {n: None for n in EIGHT}, SIZED, NOW)
+    assert drops == []
+
+
+def test_a_shared_key_keeps_the_set_its_busiest_prefix_asks_for() -> None:
+    """The depth-4 key of a chain is also part of every depth-8 request: the larger demand sizes it."""
+    deep = replace(cand(holders={4: {"a", "b", "c"}, 8: {"a"}}, options=(4, 8)), demand=30.0)  # keeps 6
+    short = replace(deep, chain=deep.chain[:4], depth_options=(4,), demand=2.0)                # keeps 1
+    pid = (deep.namespace, deep.chain[3])
+    spec = {pid: {"b": NOW + 50, "c": NOW + 90}}
+    for order in ([deep, short], [short, deep]):
+        _, drops = renew_or_drop(order, spec, {n: None for n in EIGHT}, SIZED, NOW)
+        assert drops == [], order

@@ -18,8 +18,10 @@ PAGE = 64 << 10
 
 @pytest.fixture
 def cluster(make_server):  # type: ignore[no-untyped-def]
+    # node_rate 0.01 req/s: three requests already ask for more nodes than there are (at the default 2 req/s
+    # one node serves them, and the planner copies nothing: test_planner covers that sizing)
     common = dict(replication="predictive", transport="tcp", heartbeat_interval=0.05, heartbeat_timeout=2.0,
-                  planner_tick=0.1, spec_ttl=30.0, capacity=32 << 20)
+                  planner_tick=0.1, spec_ttl=30.0, capacity=32 << 20, node_rate=0.01)
     a = make_server(node_id="a", **common)
     b = make_server(node_id="b", peers=(a.address,), **common)
     c = make_server(node_id="c", peers=(a.address,), **common)

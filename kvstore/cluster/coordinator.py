@@ -51,6 +51,21 @@ decision_log = logging.getLogger("kvstore.decisions")
 _BANDWIDTH_ALPHA = 0.3
 
 
+def _chain_demand(demand: dict[tuple[str, bytes], float],
+                  chain: Callable[[tuple[str, bytes]], Sequence[bytes]]) -> dict[tuple[str, bytes], float]:
+    """Each prefix's forecast demand, at least that of every longer prefix of its chain: a request for
+    the longer one reads the shorter too. The forecaster scores the keys it tracks, so a shorter prefix
+    it has no number for (0) takes its longer prefixes' instead of counting as unknown."""
+    out = dict(demand)
+    for deep, want in demand.items():
+        if want > 0:
+            for key in chain(deep)[:-1]:
+                pid = (deep[0], key)
+                if pid in out and out[pid] < want:
+                    out[pid] = want
+    return out
+
+
 class Coordinator:
     """Predictive and full replication, run on whichever node coordinates."""
 
@@ -271,7 +286,7 @@ class Coordinator:
         if self.plan_cfg.node_rate > 0 and chosen:  # size each replica set from the forecast demand
             pids = list(chosen)
             window = self.predictor.forecast(now, self.plan_cfg.demand_window_s, keys=pids)
-            demand = {pid: float(e) for pid, e in zip(pids, window.expected)}
+            demand = _chain_demand({pid: float(e) for pid, e in zip(pids, window.expected)}, self.predictor.chain)
         out = []
         for pid, (prob, need_in, scorer) in chosen.items():
             c = self._candidate(pid, prob, need_in, demand.get(pid, 0.0))

@@ -50,9 +50,10 @@ def renew_or_drop(
       evicted it; a still-hot prefix is simply copied again if it fits);
     * best score of the prefix ``< cfg.keep_threshold`` (or the prefix is not
       among ``candidates``) -> drop ``decayed``;
-    * more replicas than the prefix's forecast demand asks for (with
-      ``cfg.node_rate`` and the candidate's ``demand``) -> drop ``surplus``,
-      the soonest to expire first: fewer copies in quiet periods;
+    * more than :data:`SURPLUS_SLACK` times the replicas the prefix's
+      forecast demand asks for (with ``cfg.node_rate`` and the largest
+      ``demand`` of the candidates covering it) -> drop ``surplus``, the
+      soonest to expire first: fewer copies in quiet periods;
     * otherwise, once less than ``cfg.renew_when_left * cfg.ttl_s`` is left,
       renew to ``now + cfg.ttl_s`` (not every tick: fewer control messages).
 
@@ -82,17 +83,35 @@ def renew_or_drop(
     return renewals, drops
 
 
+SURPLUS_SLACK = 2.0
+"""Hysteresis of the replica-set size: a set shrinks only once it is more
+than this many times what the demand asks for (as a replica outlives a
+score that fell below ``threshold`` until it falls below ``keep_threshold``).
+Without it a demand that wobbles around a step drops a copy one tick and
+copies it again the next: each round trip costs a whole copy on the link,
+while keeping the replica costs only speculative memory, which primaries
+evict first anyway."""
+
+
 def _sized_sets(candidates: Sequence[Candidate], cfg: PlannerConfig) -> dict[PrefixId, tuple[int, frozenset[str]]]:
-    """Per prefix key with a demand forecast: (nodes that should hold it, nodes that do)."""
+    """Per prefix key with a demand forecast: (nodes that may keep it, nodes that do).
+
+    A key is covered by the candidate of its own prefix and by those of every
+    longer prefix of its chain; each request of a longer prefix is also one
+    of the shorter, so the key keeps the largest set any of them asks for
+    (the planner copied it for one of them)."""
     if cfg.node_rate <= 0:
         return {}
-    out = {}
+    out: dict[PrefixId, tuple[int, frozenset[str]]] = {}
+    per_node = cfg.node_rate * cfg.demand_window_s
     for c in candidates:
         if c.demand > 0:
-            want = max(1, math.ceil(c.demand / (cfg.node_rate * cfg.demand_window_s)))
+            keep = max(1, math.ceil(SURPLUS_SLACK * c.demand / per_node))
             for d in c.depth_options:
                 if d <= len(c.chain):
-                    out[(c.namespace, c.chain[d - 1])] = (want, frozenset(c.holders.get(d, ())))
+                    pid = (c.namespace, c.chain[d - 1])
+                    if pid not in out or out[pid][0] < keep:
+                        out[pid] = (keep, frozenset(c.holders.get(d, ())))
     return out
 
 
