@@ -42,6 +42,7 @@ from kvstore.errors import KvError
 from kvstore.metrics import NodeMetrics
 from kvstore.pool.pool import PageKind
 from kvstore.predict.copytree import chunk_bounds, relay_parts
+from kvstore.predict.renewals import chain_demand
 from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig
 from kvstore.predict.types import Access, Outcome, PredictorConfig
 from kvstore.v1 import kvstore_pb2 as pb
@@ -49,21 +50,6 @@ from kvstore.v1 import kvstore_pb2 as pb
 log = logging.getLogger(__name__)
 decision_log = logging.getLogger("kvstore.decisions")
 _BANDWIDTH_ALPHA = 0.3
-
-
-def _chain_demand(demand: dict[tuple[str, bytes], float],
-                  chain: Callable[[tuple[str, bytes]], Sequence[bytes]]) -> dict[tuple[str, bytes], float]:
-    """Each prefix's forecast demand, at least that of every longer prefix of its chain: a request for
-    the longer one reads the shorter too. The forecaster scores the keys it tracks, so a shorter prefix
-    it has no number for (0) takes its longer prefixes' instead of counting as unknown."""
-    out = dict(demand)
-    for deep, want in demand.items():
-        if want > 0:
-            for key in chain(deep)[:-1]:
-                pid = (deep[0], key)
-                if pid in out and out[pid] < want:
-                    out[pid] = want
-    return out
 
 
 class Coordinator:
@@ -286,7 +272,7 @@ class Coordinator:
         if self.plan_cfg.node_rate > 0 and chosen:  # size each replica set from the forecast demand
             pids = list(chosen)
             window = self.predictor.forecast(now, self.plan_cfg.demand_window_s, keys=pids)
-            demand = _chain_demand({pid: float(e) for pid, e in zip(pids, window.expected)}, self.predictor.chain)
+            demand = chain_demand({pid: float(e) for pid, e in zip(pids, window.expected)}, self.predictor.chain)
         out = []
         for pid, (prob, need_in, scorer) in chosen.items():
             c = self._candidate(pid, prob, need_in, demand.get(pid, 0.0))

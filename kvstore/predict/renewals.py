@@ -10,7 +10,7 @@ copies than are placed (the replica set shrinks in quiet periods).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvstore.predict.planner_types import Candidate, Drop, PlannerConfig, Renewal
 from kvstore.predict.types import PrefixId
@@ -19,6 +19,21 @@ Speculative = Mapping[PrefixId, Mapping[str, float]]
 """``speculative[(namespace, key of the deepest block)] = {node_id: expires_at}``."""
 
 
+
+
+def chain_demand(demand: dict[tuple[str, bytes], float],
+                  chain: Callable[[tuple[str, bytes]], Sequence[bytes]]) -> dict[tuple[str, bytes], float]:
+    """Each prefix's forecast demand, at least that of every longer prefix of its chain: a request for
+    the longer one reads the shorter too. The forecaster scores the keys it tracks, so a shorter prefix
+    it has no number for (0) takes its longer prefixes' instead of counting as unknown."""
+    out = dict(demand)
+    for deep, want in demand.items():
+        if want > 0:
+            for key in chain(deep)[:-1]:
+                pid = (deep[0], key)
+                if pid in out and out[pid] < want:
+                    out[pid] = want
+    return out
 
 
 def _hot_scores(candidates: Sequence[Candidate]) -> dict[PrefixId, float]:
@@ -128,4 +143,4 @@ def _surplus(pid: PrefixId, placed: Mapping[str, float], sized: Mapping[PrefixId
     return set(mine[: max(0, len(mine) - keep)])
 
 
-__all__ = ["Speculative", "renew_or_drop"]
+__all__ = ["Speculative", "chain_demand", "renew_or_drop"]
