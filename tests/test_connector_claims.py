@@ -187,9 +187,8 @@ class ScriptedClient:
         self.script, self.node_id, self.calls = script, node_id, []   # type: ignore[var-annotated]
 
     def lookup_lease_future(self, namespace, keys, *, ttl, lease_id="", record=False, timeout=None,  # type: ignore[no-untyped-def]
-                            claim_seconds=0.0, wait_seconds=0.0):
-        call = dict(keys=list(keys), ttl=ttl, lease_id=lease_id, record=record, claim_seconds=claim_seconds,
-                    wait_seconds=wait_seconds)
+                            claim_seconds=0.0):
+        call = dict(keys=list(keys), ttl=ttl, lease_id=lease_id, record=record, claim_seconds=claim_seconds)
         self.calls.append(call)
         return _Call(self.script(call))
 
@@ -255,22 +254,11 @@ def test_follower_defers_until_the_claim_lands_then_gets_the_hit() -> None:
     leasing = [c for c in client.calls if c["ttl"] > 0]
     polls = [c for c in client.calls if c["ttl"] == 0]
     assert len(leasing) == 1 and polls and not any(c["record"] or c["claim_seconds"] or c["lease_id"] for c in polls)
-    assert all(0 < c["wait_seconds"] <= sched.config.claim_max_wait_s for c in polls)  # watches, not polls
     assert (sched.stats.claim_waits, sched.stats.claim_waits_landed) == (1, 1)
     sched.after_alloc("f", 8 * BS)
     plan = sched.build_plan([("f", list(range(9)), 8 * BS)], [], {"f": 5})
     assert [(len(s.keys), s.lease_id) for s in plan.loads] == [(8, "L1")]        # the first Lookup's lease
     assert plan.saves == []                                                       # held: not saved again
-
-
-def test_follower_polls_without_watches_when_told() -> None:
-    client = ScriptedClient(lambda call: reply(entry("a", 8, computing=True, ready=0.0),
-                                               lease="L1" if call["ttl"] > 0 else ""))
-    sched = core(client, claim_watch=False)
-    for _ in range(3):
-        assert sched.matched_tokens("f", PROMPT, b"", 0) is None
-    polls = [c for c in client.calls if c["ttl"] == 0]
-    assert polls and all(c["wait_seconds"] == 0.0 for c in polls)
 
 
 def test_follower_gives_up_at_the_budget_or_when_the_claim_vanishes() -> None:

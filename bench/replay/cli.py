@@ -145,9 +145,6 @@ def replay_parser() -> argparse.ArgumentParser:
     e.add_argument("--data-connections", type=int, default=1,
                    help="data-channel connections per engine's client (AsyncKvClient data_connections): 1 runs "
                         "its Gets in turn, more side by side")
-    e.add_argument("--poll-claims", action="store_true",
-                   help="a follower waiting for a claim re-asks every ready_in/8 (before 2026-12-02, later), "
-                        "instead of watching its lookup (LookupRequest.wait_seconds)")
     e.add_argument("--shared-save", action="store_true",
                    help="Puts on the engine's one client with its Gets (before 2026-12-02), not on a client of "
                         "their own as the vLLM connector saves")
@@ -251,8 +248,7 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
                     router=router, cost=cost, namespace=a.preset, speedup=a.speedup,
                     concurrency=a.concurrency, oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl,
                     fetch_timeout_s=a.fetch_timeout, data_connections=a.data_connections,
-                    save_client=not a.shared_save, watch=not a.poll_claims, drain_timeout_s=a.drain_timeout,
-                    kills=parse_kills(a.kill, a.nodes))
+                    save_client=not a.shared_save, drain_timeout_s=a.drain_timeout, kills=parse_kills(a.kill, a.nodes))
     with LocalCluster(spec, a.out / "logs" / log_name) as cluster:  # stops the daemons on any exit
         cfg.kill = cluster.kill
         ids = [n.node_id for n in cluster.nodes]

@@ -91,7 +91,6 @@ class RunConfig:
     kills: list[tuple[int, float]] = field(default_factory=list)   # (node index, trace s): --kill
     kill: Callable[[int], None] | None = None                       # SIGKILLs node i
     claims: bool = False              # +claims: claim this engine's prefills, wait for others' (claiming.py)
-    watch: bool = True                # a waiting follower watches its lookup (wait_seconds), else it polls
     claim_margin: float = 1.0
     link_bytes_s: float = 12.5e9      # unscaled bytes per trace second of the modelled link (the wait rule)
 
@@ -241,23 +240,15 @@ class Engine:
                 rec.claim_wait = True
                 t_wait, held_before = time.perf_counter(), cluster_max
                 poll = max(claiming.POLL_S, wait.ready_in_s / S / 8)  # real s between re-lookups
-                if not cfg.watch:
-                    await asyncio.sleep(min(wait.ready_in_s / S, poll))
+                await asyncio.sleep(min(wait.ready_in_s / S, poll))
                 while True:
-                    t_ask = time.perf_counter()
-                    left = wait.budget_s / S - (t_ask - t_wait)  # real s
-                    # a watch (LookupRequest.wait_seconds) answers when the answer changes; polling re-asks
-                    watch = max(0.001, min(left, cfg.rpc_timeout_s)) if cfg.watch else 0.0
-                    lk = await self.kv.lookup_nodes(cfg.namespace, keys, wait_seconds=watch)
+                    lk = await self.kv.lookup_nodes(cfg.namespace, keys)
                     local = int(lk.prefix_length)
                     came = claiming.landed(lk.nodes, self.node_id, local, wait.length, wait.node)
                     if (came or (time.perf_counter() - t_wait) * S >= wait.budget_s
                             or not claiming.still_coming(lk.nodes, self.node_id, wait.length, wait.node)):
                         break
-                    if not cfg.watch:
-                        await asyncio.sleep(poll)
-                    elif time.perf_counter() - t_ask < claiming.POLL_S:
-                        await asyncio.sleep(claiming.POLL_S)  # answered at once (the node's watches are full)
+                    await asyncio.sleep(poll)
                 cluster_max = claiming.readable_after(wait, came, lk.nodes, local, held_before, cost,
                                                       cfg.link_bytes_s)
                 rec.wait_real_s = time.perf_counter() - t_wait

@@ -68,7 +68,6 @@ class SimConfig:
     kills: list[tuple[int, float]] = field(default_factory=list)
     claims: bool = False             # +claims: engines claim their prefills and wait for others' claims
     claim_margin: float = 1.0        # wait when ready + copy < margin x own prefill (claiming.wait_for)
-    watch: bool = True               # waiting followers watch their lookup (RunConfig.watch), else poll
 
 
 class Held:
@@ -195,10 +194,7 @@ class SimDriver:
                 t_wait, held_before = sim.now, cluster_max
                 rec.claim_wait = True
                 poll = max(claiming.POLL_S * cfg.speedup, wait.ready_in_s / 8)  # trace s between re-lookups
-                if cfg.watch:  # a watched lookup answers on the change: a re-lookup every POLL_S models it
-                    poll = claiming.POLL_S * cfg.speedup
-                else:
-                    yield sim.timeout(min(wait.ready_in_s, poll))
+                yield sim.timeout(min(wait.ready_in_s, poll))
                 came = False
                 while cl.alive(n) and not came:
                     yield sim.timeout(self.rpc)  # re-Lookup
@@ -378,7 +374,7 @@ def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float]
                     link_latency=0.0 if free else latency, capacity_bytes=parse_size(a.capacity),
                     oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl, fetch_timeout_s=a.fetch_timeout,
                     drain_timeout_s=a.drain_timeout, rpc_ms=getattr(a, "sim_rpc_ms", DEFAULT_RPC_MS),
-                    kills=parse_kills(a.kill, a.nodes), watch=not getattr(a, "poll_claims", False))
+                    kills=parse_kills(a.kill, a.nodes))
     driver = SimDriver(wl, cfg)
     result = driver.run()
     if progress is not None:

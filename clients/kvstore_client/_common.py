@@ -287,9 +287,3 @@ def parse_result(header_bytes: bytes | bytearray) -> pb.DataHeader:
 __all__ = ["BearerInterceptor", "Credentials", "blocking_channel", "data_endpoint", "BlockingFrames", "GetAssembler", "GetResult", "Lease", "PutResult", "decode_prefix", "page_views", "as_out", "put_messages",
            "check_get_batch",
            "translate", "put_frame", "get_frame", "parse_result"]
-
-
-def _extra(wait_seconds: float) -> float:
-    """The time a watched Lookup may add to the call's deadline: its wait when that is a sane number
-    (a bad one goes to the node unchanged, which refuses it with INVALID_ARGUMENT)."""
-    return wait_seconds if 0 < wait_seconds <= 86400 else 0.0

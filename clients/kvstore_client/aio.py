@@ -30,7 +30,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client._common import (
     GRPC_OPTIONS, Credentials, GetAssembler, data_endpoint, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, get_frame, page_views,
-    _extra, parse_result, put_frame, put_messages, translate,
+    parse_result, put_frame, put_messages, translate,
 )
 from kvstore_client.shm import ShmConn
 
@@ -340,15 +340,10 @@ class AsyncKvClient:
         return (await self.lookup_nodes(namespace, keys, record=record)).prefix_length
 
     async def lookup_nodes(self, namespace: str, keys: Sequence[bytes], *, record: bool = False,
-                           claim_seconds: float = 0.0, wait_seconds: float = 0.0) -> pb.LookupResponse:
-        """See ``KvClient.lookup_nodes`` (``claim_seconds``: an in-flight prefill claim; ``wait_seconds``:
-        a watch, answered once the answer changes or after that long)."""
-        request = pb.LookupRequest(namespace=namespace, keys=list(keys), record=record, claim_seconds=claim_seconds,
-                                   wait_seconds=wait_seconds)
-        try:
-            return await self._stub.Lookup(request, timeout=self.timeout + _extra(wait_seconds))
-        except grpc.RpcError as exc:
-            raise translate(exc) from None
+                           claim_seconds: float = 0.0) -> pb.LookupResponse:
+        """See ``KvClient.lookup_nodes`` (``claim_seconds``: an in-flight prefill claim)."""
+        return await self._call(self._stub.Lookup, pb.LookupRequest(namespace=namespace, keys=list(keys),
+                                                                    record=record, claim_seconds=claim_seconds))
 
     async def lookup_lease(self, namespace: str, keys: Sequence[bytes], *, ttl: float, lease_id: str = "",
                            record: bool = False, claim_seconds: float = 0.0) -> pb.LookupResponse:

@@ -30,7 +30,7 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.shm import ShmConn
 from kvstore_client._common import (
     BlockingFrames, Credentials, blocking_channel, data_endpoint, GetAssembler, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, get_frame, page_views,
-    _extra, parse_result, put_frame, put_messages, translate,
+    parse_result, put_frame, put_messages, translate,
 )
 
 T = TypeVar("T")
@@ -132,9 +132,9 @@ class _DataConn(BlockingFrames):
 
 
 def _lease_request(namespace: str, keys: Sequence[bytes], ttl: float, lease_id: str,
-                   record: bool, claim_seconds: float = 0.0, wait_seconds: float = 0.0) -> pb.LookupRequest:
+                   record: bool, claim_seconds: float = 0.0) -> pb.LookupRequest:
     return pb.LookupRequest(namespace=namespace, keys=list(keys), record=record, lease_ttl_seconds=ttl,
-                            lease_id=lease_id, claim_seconds=claim_seconds, wait_seconds=wait_seconds)
+                            lease_id=lease_id, claim_seconds=claim_seconds)
 
 
 class LookupFuture:
@@ -331,21 +331,16 @@ class KvClient:
         return self.lookup_nodes(namespace, keys, record=record).prefix_length
 
     def lookup_nodes(self, namespace: str, keys: Sequence[bytes], *, record: bool = False,
-                     claim_seconds: float = 0.0, wait_seconds: float = 0.0) -> pb.LookupResponse:
+                     claim_seconds: float = 0.0) -> pb.LookupResponse:
         """The local prefix length and, per live node, its prefix length with
         placement hints (``pending``: a speculative copy is on its way;
         ``expires_in_seconds``: a speculative replica's remaining life;
         ``computing``: another request is prefilling it, ready in about
         ``ready_in_seconds``). ``claim_seconds > 0`` says this caller will
         compute what the cluster lacks and Put it within that time (an
-        in-flight prefill claim other callers see as ``computing``).
-        ``wait_seconds > 0`` (a plain lookup only) is a watch: the node
-        answers once the answer changes -- a node's prefix length, a claim
-        or a copy that appears or goes -- or after that long; a follower
-        waits for a claim this way instead of polling."""
+        in-flight prefill claim other callers see as ``computing``)."""
         return self._call(self._stub.Lookup, pb.LookupRequest(namespace=namespace, keys=list(keys), record=record,
-                                                              claim_seconds=claim_seconds, wait_seconds=wait_seconds),
-                          timeout=self.timeout + _extra(wait_seconds))
+                                                              claim_seconds=claim_seconds))
 
     def lookup_lease(self, namespace: str, keys: Sequence[bytes], *, ttl: float, lease_id: str = "",
                      record: bool = False, timeout: float | None = None,
@@ -360,14 +355,12 @@ class KvClient:
 
     def lookup_lease_future(self, namespace: str, keys: Sequence[bytes], *, ttl: float, lease_id: str = "",
                             record: bool = False, timeout: float | None = None,
-                            claim_seconds: float = 0.0, wait_seconds: float = 0.0) -> "LookupFuture":
+                            claim_seconds: float = 0.0) -> "LookupFuture":
         """:meth:`lookup_lease` without blocking: poll ``done()``, then ``result()``.
         With ``ttl=0`` and no ``lease_id`` it is a plain :meth:`lookup_nodes`
-        (nothing pinned) that does not block; ``wait_seconds`` makes that a
-        watch (see :meth:`lookup_nodes`)."""
-        call = self._stub.Lookup.future(_lease_request(namespace, keys, ttl, lease_id, record, claim_seconds,
-                                                       wait_seconds),
-                                        timeout=(timeout or self.timeout) + _extra(wait_seconds))
+        (nothing pinned) that does not block."""
+        call = self._stub.Lookup.future(_lease_request(namespace, keys, ttl, lease_id, record, claim_seconds),
+                                        timeout=timeout or self.timeout)
         return LookupFuture(call)
 
     def exists(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:

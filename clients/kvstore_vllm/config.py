@@ -77,13 +77,7 @@ class ConnectorConfig:
     estimate says; then it computes (a lost claim costs at most this)."""
     claim_poll_ms: float = 20.0
     """Re-lookup interval of a deferred request (a non-recording Lookup, one
-    in flight at a time); with ``claim_watch``, the least time between the
-    starts of two watches."""
-    claim_watch: bool = True
-    """A deferred request watches its re-lookup (``LookupRequest.wait_seconds``,
-    up to its remaining wait): the node answers once the claim lands, goes or
-    a copy starts, instead of once per ``claim_poll_ms``. False: poll (a node
-    older than the watch ignores the field, and the re-lookups then poll)."""
+    in flight at a time)."""
     max_claim_seconds: float = 600.0
     """Cap on ``claim_seconds``: at most the daemon's ``--max-claim-seconds``
     (a larger claim is refused, which the connector counts as a failed

@@ -248,8 +248,8 @@ class SchedulerCore:
         req.wait, req.wait_started, req.last_reply = wait, now, reply
         req.held_before = claiming.held(reply.nodes, int(reply.prefix_length))
         req.wait_until = now + min(wait.budget_s, self.config.claim_max_wait_s)
-        # the claimant Puts in about ready_in: polled re-lookups start halfway there, a watch at once
-        req.next_poll = now if self.config.claim_watch else now + min(wait.ready_in_s / 2, wait.budget_s)
+        # the claimant Puts in about ready_in: the re-lookups start halfway there
+        req.next_poll = now + min(wait.ready_in_s / 2, wait.budget_s)
         self.stats.add(claim_waits=1)
         return True
 
@@ -274,12 +274,9 @@ class SchedulerCore:
             return self._end_wait(req, landed=False)
         if req.poll is None and now >= req.next_poll:
             req.next_poll = now + self.config.claim_poll_ms / 1000
-            watch = 0.0
-            if self.config.claim_watch:
-                watch = min(max(0.001, req.wait_until - now), self.config.max_claim_seconds)
-            try:  # no ttl, no lease_id: a plain, non-recording Lookup (a watch: until it changes), without blocking
+            try:  # no ttl, no lease_id: a plain, non-recording Lookup, without blocking
                 req.poll = self.client.lookup_lease_future(self.namespace, lookup_keys, ttl=0.0,
-                                                           timeout=self.config.lookup_timeout_s, wait_seconds=watch)
+                                                           timeout=self.config.lookup_timeout_s)
             except KvError as exc:
                 log.debug("kvstore claim re-lookup failed: %s", exc)
                 return self._end_wait(req, landed=False)

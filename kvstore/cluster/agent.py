@@ -34,7 +34,6 @@ from kvstore.cluster.membership import plan_round
 from kvstore.cluster.membership_backend import make_membership
 from kvstore.cluster.peers import PeerClient
 from kvstore.cluster.replicator import Replicator
-from kvstore.cluster.watch import Watches
 from kvstore.config import NodeConfig
 from kvstore.errors import KvError
 from kvstore.framing import server_limits
@@ -96,7 +95,6 @@ class ClusterAgent:
         self.directory = Directory()
         # in-flight prefill claims (kvstore.cluster.claims): kept, like the directory, where it is asked
         self.claims = Claims()
-        self.watches = Watches()   # followers' watched lookups (LookupRequest.wait_seconds), woken by changes
         self._claimed_until = 0.0  # this node forwarded claims that may live until then: report Puts at once
         self.outbox = Outbox()
         node.listeners.append(self.outbox.record)
@@ -199,7 +197,6 @@ class ClusterAgent:
             seq, full, batches = report
             self.directory.report(self.node.node_id, self.incarnation, seq, full, batches, now)
             self._claims_landed(self.node.node_id, batches)
-            self._watched(batches)
         if plan.report_locally:
             self.placement.on_report(self.node.node_id, report[2])
         if plan.report_locally:
@@ -292,7 +289,6 @@ class ClusterAgent:
     def _forget_member(self, info: pb.MemberInfo, why: str) -> None:
         dropped = self.directory.drop(info.node_id)
         self.claims.drop_node(info.node_id)
-        self.watches.changed()
         for endpoint in info.endpoints:
             self.transport.forget(endpoint)
         log.warning("member %s %s; dropped %d directory entries", info.node_id, why, dropped)
@@ -332,7 +328,6 @@ class ClusterAgent:
                                               request.full, request.directory, time.monotonic())
             if not need_full:
                 self._claims_landed(request.sender.node_id, request.directory)
-            self._watched(request.directory)
             if not need_full and self.membership.is_coordinator:
                 self.placement.on_report(request.sender.node_id, request.directory)
         for event in request.accesses:
@@ -369,23 +364,7 @@ class ClusterAgent:
         out = answer.merge(held, self.placement.hints(namespace, keys), seen, address_of)
         if claim_seconds > 0 and asker and self.membership.member(asker) is not None:
             self.claims.claim(namespace, keys, asker, claim_seconds, now, start=max([claim_start, *held.values()]))
-            self.watches.changed(namespace, keys)
         return out
-
-    def _watched(self, batches: Sequence[pb.DirectoryBatch]) -> None:
-        """The directory applied ``batches``: wake the watched lookups of their keys."""
-        for b in batches:
-            self.watches.changed(b.namespace, [*b.adds, *b.removes])
-
-    async def watched_prefixes(self, namespace: str, keys: Sequence[bytes], asker: str = "",
-                               claim_seconds: float = 0.0, claim_start: int = 0,
-                               wait_seconds: float = 0.0) -> list[pb.NodePrefix]:
-        """:meth:`prefixes`, and with ``wait_seconds`` (a watch, LookupRequest.wait_seconds) the
-        first answer that differs from it, or the answer when the wait is up
-        (:class:`~kvstore.cluster.watch.Watches`)."""
-        first = self.prefixes(namespace, keys, asker, claim_seconds, claim_start)
-        return await self.watches.until_changed(first, lambda: self.prefixes(namespace, keys, asker), wait_seconds,
-                                                namespace, keys)
 
     def _claims_landed(self, node_id: str, batches: Sequence[pb.DirectoryBatch]) -> None:
         landed = [c for b in batches if b.adds for c in self.claims.resolve(node_id, b.namespace, b.adds)]
@@ -404,17 +383,16 @@ class ClusterAgent:
                                         members=self.membership.view())
 
     # ---- lookups -------------------------------------------------------------
-    async def _ask_directory(self, method: str, request: Any, wait_s: float = 0.0) -> Any | None:
+    async def _ask_directory(self, method: str, request: Any) -> Any | None:
         """Ask the directory: the coordinator, else (unreachable, or still
-        warming after taking the role) the standby; None when neither answers.
-        ``wait_s``: the call is a watch that may take that much longer."""
+        warming after taking the role) the standby; None when neither answers."""
         for node_id in (self.membership.coordinator(), self.membership.standby()):
             member = self.membership.member(node_id) if node_id and node_id != self.node.node_id else None
             if member is None:
                 continue
             try:
                 return await self.peers.call_address(member.address, method, request,
-                                                     max(0.2, self.config.heartbeat_interval) + wait_s)
+                                                     max(0.2, self.config.heartbeat_interval))
             except KvError as exc:
                 log.debug("%s at %s failed: %s", method, node_id, exc)
         return None
@@ -426,26 +404,23 @@ class ClusterAgent:
         return self.membership.is_coordinator and not self.warming()
 
     async def lookup(self, namespace: str, keys: Sequence[bytes], record: bool = False,
-                     claim_seconds: float = 0.0, wait_seconds: float = 0.0) -> pb.LookupResponse:
+                     claim_seconds: float = 0.0) -> pb.LookupResponse:
         """Longest cached prefix here, and per live node (from the directory),
         with placement hints; ``record`` logs the request for the predictor.
         The directory is the coordinator's, else the standby's, else (neither
-        answers) this node's own copy if it keeps one. ``wait_seconds``: a
-        watch (LookupRequest.wait_seconds), kept where the directory is."""
+        answers) this node's own copy if it keeps one."""
         local = self.node.lookup(namespace, keys)
         me = self.node.node_id
         if claim_seconds > 0:
             self._claimed_until = max(self._claimed_until,
                                       time.monotonic() + claim_seconds + self.claims.grace_s)
         if self._answers_locally():
-            nodes = await self.watched_prefixes(namespace, keys, me, claim_seconds, local, wait_seconds)
+            nodes = self.prefixes(namespace, keys, me, claim_seconds, local)
         else:
             reply = await self._ask_directory("ClusterLookup", pb.LookupRequest(
                 namespace=namespace, keys=keys, claim_seconds=claim_seconds, claim_node_id=me,
-                claim_start=local, wait_seconds=wait_seconds), wait_seconds)
+                claim_start=local))
             nodes = list(reply.nodes) if reply is not None else self.prefixes(namespace, keys)
-        if wait_seconds > 0:
-            local = self.node.lookup(namespace, keys)  # it may have landed here meanwhile
         nodes = answer.as_seen_by(nodes, me, local, self.node.address, self.membership.alive)
         nodes.sort(key=lambda n: (-n.prefix_length, n.pending, n.node_id))
         if record and keys:

@@ -36,18 +36,6 @@ def check_claim_seconds(value: float, max_s: float) -> None:
         raise InvalidArgument(f"claim_seconds must be in (0, {max_s}], got {value}")
 
 
-def check_wait_seconds(request: pb.LookupRequest, max_s: float) -> None:
-    """A Lookup's ``wait_seconds`` (a watch): 0, or in (0, ``max_s``] on a plain lookup -- not one that
-    records, claims or leases (a watch that returns later must not do those twice or late)."""
-    value = request.wait_seconds
-    if not value:
-        return
-    if not 0 < value <= max_s:
-        raise InvalidArgument(f"wait_seconds must be in (0, {max_s}], got {value}")
-    if request.record or request.claim_seconds or request.lease_ttl_seconds or request.lease_id:
-        raise InvalidArgument("wait_seconds is for a plain lookup: not with record, claim_seconds or a lease")
-
-
 def check_member(info: pb.MemberInfo) -> None:
     """A member as a peer describes it: id, gRPC address, incarnation, endpoints."""
     check_id(info.node_id, "node id")

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from kvstore.cluster.agent import ClusterAgent
-from kvstore.cluster.checks import check_claim_seconds, check_heartbeat, check_replicate, check_wait_seconds
+from kvstore.cluster.checks import check_claim_seconds, check_heartbeat, check_replicate
 from kvstore.errors import KvError, Unavailable, bounded
 from kvstore.node import page_kind
 from kvstore.pool.pool import PageKind
@@ -51,10 +51,8 @@ class ClusterService(pb_grpc.ClusterServicer):
         try:
             self.agent.check_keys(request.namespace, request.keys)
             check_claim_seconds(request.claim_seconds, self.agent.config.max_claim_seconds)
-            check_wait_seconds(request, self.agent.config.max_claim_seconds)
-            start = min(request.claim_start, len(request.keys))
-            nodes = await self.agent.watched_prefixes(request.namespace, list(request.keys), request.claim_node_id,
-                                                      request.claim_seconds, start, request.wait_seconds)
+            nodes = self.agent.prefixes(request.namespace, list(request.keys), request.claim_node_id,
+                                        request.claim_seconds, min(request.claim_start, len(request.keys)))
             self._check_warm(max((n.prefix_length for n in nodes), default=0) < len(request.keys))
             return pb.LookupResponse(nodes=nodes)
         except KvError as exc:

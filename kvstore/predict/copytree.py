@@ -37,8 +37,8 @@ def copy_tree(sources: Sequence[str], targets: Sequence[str], fanout: int,
     while todo:
         waves += 1
         landed = []
-        for _ in range(max(1, fanout)):  # round robin: a short wave spreads over the senders
-            for server in servers:
+        for server in servers:
+            for _ in range(max(1, fanout)):
                 if not todo:
                     break
                 target = todo.pop(0)
@@ -50,20 +50,14 @@ def copy_tree(sources: Sequence[str], targets: Sequence[str], fanout: int,
 
 def copy_times(sources: int, targets: int, fanout: int, chunks: int = 1) -> float:
     """Single-copy times until the last of ``targets`` holds a prefix that ``sources`` nodes hold, copied
-    as :func:`copy_tree` shapes it. Store and forward: per wave, the most copies one sender sends in it
-    (they share its egress; a full wave costs ``fanout``, a short one less: one target alone takes one
-    copy time). Relayed along chains of L targets: ``1 + (L - 1) / chunks``."""
+    as :func:`copy_tree` shapes it: waves x fanout store and forward (each wave's copies share their
+    sender's egress), ``1 + (L - 1) / chunks`` relayed along chains of L targets."""
     if targets <= 0:
         return 0.0
     sources = max(1, sources)
     if chunks > 1:
         return 1.0 + (math.ceil(targets / sources) - 1) / chunks
-    fanout, servers, todo, total = max(1, fanout), sources, targets, 0
-    while todo > 0:
-        sent = min(todo, servers * fanout)
-        total += math.ceil(sent / servers)
-        todo, servers = todo - sent, servers + sent
-    return float(total)
+    return float(copy_tree([str(i) for i in range(sources)], [""] * targets, fanout)[1] * max(1, fanout))
 
 
 def relay_parts(copy_s: float, chunks: int, min_part_s: float) -> int:

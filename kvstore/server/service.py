@@ -29,7 +29,7 @@ import grpc
 
 import kvstore
 from kvstore.cluster.agent import ClusterAgent
-from kvstore.cluster.checks import check_claim_seconds, check_wait_seconds
+from kvstore.cluster.checks import check_claim_seconds
 from kvstore.framing import WIRE_VERSION
 from kvstore.errors import (DeadlineExceeded, InvalidArgument, KvError, ResourceExhausted, Unauthenticated, bounded,
                             shown)
@@ -277,11 +277,9 @@ class KvStoreService(pb_grpc.KvStoreServicer):
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         name = self._name(request.namespace)
         check_claim_seconds(request.claim_seconds, self.node.config.max_claim_seconds)
-        check_wait_seconds(request, self.node.config.max_claim_seconds)
         if request.lease_ttl_seconds or request.lease_id:
             return await self._lookup_and_lease(name, request)
-        return await self.agent.lookup(name, list(request.keys), request.record, request.claim_seconds,
-                                       request.wait_seconds)
+        return await self.agent.lookup(name, list(request.keys), request.record, request.claim_seconds)
 
     async def _lookup_and_lease(self, name: str, request: pb.LookupRequest) -> pb.LookupResponse:
         """Lookup that pins this node's answer in the same call, idempotent

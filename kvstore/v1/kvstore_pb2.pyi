@@ -150,7 +150,7 @@ class GetResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[bytes]] = ..., missing_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "record", "lease_ttl_seconds", "lease_id", "claim_seconds", "claim_node_id", "claim_start", "wait_seconds")
+    __slots__ = ("namespace", "keys", "record", "lease_ttl_seconds", "lease_id", "claim_seconds", "claim_node_id", "claim_start")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
@@ -159,7 +159,6 @@ class LookupRequest(_message.Message):
     CLAIM_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CLAIM_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIM_START_FIELD_NUMBER: _ClassVar[int]
-    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     record: bool
@@ -168,8 +167,7 @@ class LookupRequest(_message.Message):
     claim_seconds: float
     claim_node_id: str
     claim_start: int
-    wait_seconds: float
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., record: _Optional[bool] = ..., lease_ttl_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ..., claim_seconds: _Optional[float] = ..., claim_node_id: _Optional[str] = ..., claim_start: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., record: _Optional[bool] = ..., lease_ttl_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ..., claim_seconds: _Optional[float] = ..., claim_node_id: _Optional[str] = ..., claim_start: _Optional[int] = ...) -> None: ...
 
 class NodePrefix(_message.Message):
     __slots__ = ("node_id", "address", "prefix_length", "pending", "expires_in_seconds", "computing", "ready_in_seconds", "copies_ahead")
