@@ -171,8 +171,8 @@ def test_planner_drop_of_a_decayed_prefix_empties_the_target(make_server) -> Non
     (120 s), so only that drop can empty the targets' pools in time."""
     window = 2.0
     # node_rate 0.01 req/s: a few requests ask for every node (at the default 2 req/s one node serves them)
-    common = dict(replication="predictive", transport="tcp", heartbeat_interval=HEARTBEAT, heartbeat_timeout=2.0, node_rate=0.01,
-                  planner_tick=0.1, spec_ttl=120.0, capacity=32 << 20, predictor_momentum_window=window)
+    common = dict(replication="predictive", transport="tcp", heartbeat_interval=HEARTBEAT, heartbeat_timeout=2.0,
+                  node_rate=0.01, planner_tick=0.1, spec_ttl=120.0, capacity=32 << 20, predictor_momentum_window=window)
     a = make_server(node_id="a", **common)  # the coordinator (lowest id), and the holder
     b = make_server(node_id="b", peers=(a.address,), **common)
     c = make_server(node_id="c", peers=(a.address,), **common)

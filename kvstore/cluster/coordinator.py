@@ -42,8 +42,8 @@ from kvstore.errors import KvError
 from kvstore.metrics import NodeMetrics
 from kvstore.pool.pool import PageKind
 from kvstore.predict.copytree import chunk_bounds, relay_parts
-from kvstore.predict.renewals import chain_demand
 from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig
+from kvstore.predict.renewals import chain_demand
 from kvstore.predict.types import Access, Outcome, PredictorConfig
 from kvstore.v1 import kvstore_pb2 as pb
 

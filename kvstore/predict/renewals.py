@@ -19,8 +19,6 @@ Speculative = Mapping[PrefixId, Mapping[str, float]]
 """``speculative[(namespace, key of the deepest block)] = {node_id: expires_at}``."""
 
 
-
-
 def chain_demand(demand: dict[tuple[str, bytes], float],
                   chain: Callable[[tuple[str, bytes]], Sequence[bytes]]) -> dict[tuple[str, bytes], float]:
     """Each prefix's forecast demand, at least that of every longer prefix of its chain: a request for
