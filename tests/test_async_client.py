@@ -9,6 +9,7 @@ import pytest
 
 from conftest import keys_for, random_pages
 from kvstore_client import AsyncKvClient, InvalidArgument, NotFound, Unavailable
+from kvstore_client._common import found_views
 
 
 @pytest.mark.parametrize("path", ["tcp", "grpc", "shm"])
@@ -38,9 +39,24 @@ def test_async_round_trip(node, path: str) -> None:  # type: ignore[no-untyped-d
             assert (await kv.stats("a")).namespaces[0].pinned_slots == 2
             assert await kv.unpin("a", lease) == 2
             assert (await kv.delete("a", keys_for(1))).deleted == 1
+            # rows received in runs (found_views): misses at the start, in the middle and at the end
+            ks = keys_for(6)
+            got = await kv.get("a", [ks[0], ks[1], ks[2], b"x", ks[4], ks[5], b"y"])
+            assert got.found.tolist() == [False, True, True, False, True, True, False]
+            assert np.array_equal(got.pages[[1, 2, 4, 5]], pages[[1, 2, 4, 5]])
             with pytest.raises(InvalidArgument):
                 await kv.put("a", [b"k"], random_pages(1, 100))
             with pytest.raises(NotFound):
                 await kv.lookup("zz", [b"k"])
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_found_views_are_runs_of_found_rows() -> None:
+    out = np.arange(8 * 4, dtype=np.uint8).reshape(8, 4)
+    views = found_views(out, np.array([0, 1, 1, 0, 1, 0, 1, 1], dtype=bool))
+    assert [bytes(v) for v in views] == [out[1:3].tobytes(), out[4].tobytes(), out[6:8].tobytes()]
+    views[0][:] = b"\xff" * 8              # the views are the rows themselves: what a read fills lands in out
+    assert (out[1:3] == 255).all() and (out[0] == [0, 1, 2, 3]).all()
+    assert found_views(out, np.zeros(8, dtype=bool)) == []
+    assert len(found_views(out, np.ones(8, dtype=bool))) == 1

@@ -122,6 +122,19 @@ def as_out(out: np.ndarray | None, count: int, page_bytes: int) -> np.ndarray:
     return out
 
 
+def found_views(out: np.ndarray, found: np.ndarray) -> list[memoryview]:
+    """The rows of ``out`` a Get's payload fills (the ``found`` ones, in order), one flat view per run
+    of consecutive found rows: the payload is received in a few large reads, not one read per page
+    (on a busy event loop each read that has to wait costs a turn of the loop)."""
+    rows = np.flatnonzero(found)
+    if not len(rows):
+        return []
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(rows)]))
+    return [memoryview(out[rows[a]:rows[b - 1] + 1].reshape(-1)) for a, b in zip(starts.tolist(), ends.tolist())]
+
+
 def put_messages(namespace: str, keys: Sequence[bytes], views: Sequence[memoryview], kind: int,
                  max_message: int) -> Iterator[pb.PutRequest]:
     """Cut a batch into Put stream messages under ``max_message`` bytes."""

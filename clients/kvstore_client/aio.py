@@ -29,8 +29,8 @@ from kvstore.errors import InvalidArgument, KvError, Unavailable
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client._common import (
-    GRPC_OPTIONS, Credentials, GetAssembler, data_endpoint, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, get_frame, page_views,
-    parse_result, put_frame, put_messages, translate,
+    GRPC_OPTIONS, Credentials, GetAssembler, data_endpoint, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, found_views, get_frame,
+    page_views, parse_result, put_frame, put_messages, translate,
 )
 from kvstore_client.shm import ShmConn
 
@@ -132,8 +132,8 @@ class _AsyncDataConn:
         if len(found) != out.shape[0] or header.page_bytes != page_bytes \
                 or payload_len != int(found.sum()) * page_bytes:
             raise ConnectionError("reply does not match the request (namespace changed?)")
-        for i in np.flatnonzero(found):
-            await self._recv_exact(memoryview(out[i]))
+        for view in found_views(out, found):
+            await self._recv_exact(view)
         return found
 
     async def request(self, frame: bytes, views: Sequence[memoryview], out: np.ndarray | None = None):  # type: ignore[no-untyped-def]

@@ -29,8 +29,8 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.shm import ShmConn
 from kvstore_client._common import (
-    BlockingFrames, Credentials, blocking_channel, data_endpoint, GetAssembler, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, get_frame, page_views,
-    parse_result, put_frame, put_messages, translate,
+    BlockingFrames, Credentials, blocking_channel, data_endpoint, GetAssembler, GetResult, Lease, PageData, PutResult, as_out, check_get_batch, found_views, get_frame,
+    page_views, parse_result, put_frame, put_messages, translate,
 )
 
 T = TypeVar("T")
@@ -124,8 +124,8 @@ class _DataConn(BlockingFrames):
                     or payload_len != int(found.sum()) * page_bytes:
                 self.close()
                 raise Unavailable("data channel: reply does not match the request (namespace changed?)")
-            for i in np.flatnonzero(found):
-                self._recv_exact(memoryview(out[i]))
+            for view in found_views(out, found):
+                self._recv_exact(view)
             return found
 
         return self._exchange(lambda sock: sock.sendall(frame), receive)
