@@ -106,6 +106,29 @@ def test_incoming_copy_and_landed() -> None:
     assert claims.still_coming([entry("b", 9, computing=True)], "b", 8, "b")  # a claimant on this node
 
 
+def test_look_again_is_an_eighth_of_what_is_left() -> None:
+    def again(nodes: list[pb.NodePrefix], wait: claims.Wait, local: int = 0, floor: float = 0.001) -> float:
+        return claims.look_again_s(nodes, "b", local, wait, page_bytes=PAGE, link_bytes_per_s=LINK, floor_s=floor)
+
+    remote = claims.Wait(node="a", length=8, ready_in_s=0.8, budget_s=2.0)
+    copy = 8 * PAGE / LINK
+    # a prefill on another node: its ready time, then one copy of the blocks this node lacks
+    assert again([entry("a", 8, computing=True, ready=0.8)], remote) == pytest.approx((0.8 + copy) / 8)
+    assert again([entry("a", 8, computing=True, ready=0.8)], remote, local=6) == pytest.approx((0.8 + copy / 4) / 8)
+    # its Put landed and a copy tree brings it here: the coordinator's expected landing counts
+    assert again([entry("a", 8), entry("b", 8, pending=True, ready=0.4)], remote) == pytest.approx((0.4 + copy) / 8)
+    # on this node: no copy; a copy on its way here: its own entry's ready time
+    own = claims.Wait(node="b", length=8, ready_in_s=0.8, budget_s=2.0)
+    assert again([entry("b", 8, computing=True, ready=0.8)], own) == pytest.approx(0.1)
+    incoming = claims.Wait(node="b", length=8, ready_in_s=0.4, budget_s=2.0, computing=False)
+    assert again([entry("a", 8), entry("b", 8, pending=True, ready=0.4)], incoming) == pytest.approx(0.05)
+    # nothing left to expect: the floor; and never below it
+    assert again([entry("a", 8)], own) == 0.001
+    assert again([entry("b", 8, computing=True, ready=0.08)], own, floor=0.02) == 0.02
+    # another node's pending entry is not the awaited one
+    assert again([entry("c", 8, pending=True, ready=5.0)], own) == 0.001
+
+
 def test_read_after_a_spent_wait_pulls_what_landed_when_that_beats_computing_it() -> None:
     def after(nodes: list[pb.NodePrefix], local: int = 0, base: int = 0, link: float = LINK) -> int:
         return claims.read_after_wait(nodes, local, base, page_bytes=PAGE, link_bytes_per_s=link,
@@ -245,7 +268,8 @@ def test_follower_defers_until_the_claim_lands_then_gets_the_hit() -> None:
     assert sched.waiting("f") is not None and sched.waiting("f").node == "a"      # type: ignore[union-attr]
     state["stored"] = True
     got = None
-    for _ in range(5):
+    for _ in range(5):  # re-looks come an eighth of the copy (1 ms here) apart
+        time.sleep(0.002)
         got = sched.matched_tokens("f", PROMPT, b"", 0)
         if got is not None:
             break
@@ -285,7 +309,10 @@ def test_follower_gives_up_at_the_budget_or_when_the_claim_vanishes() -> None:
     answers = iter([computing, computing, reply(entry("b", 9, computing=True))])
     gone = ScriptedClient(lambda call: next(answers))
     sched = core(gone)
-    results = [sched.matched_tokens("v", PROMPT, b"", 0) for _ in range(4)]
+    results = []
+    for _ in range(4):
+        results.append(sched.matched_tokens("v", PROMPT, b"", 0))
+        time.sleep(0.002)  # past the next re-look (an eighth of the 8 ms copy)
     assert results[0] is None and results[-1] == 0 and len(gone.calls) == 3
     assert sched.stats.claim_waits_landed == 0
 

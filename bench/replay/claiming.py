@@ -23,12 +23,13 @@ from collections.abc import Sequence
 
 from bench.replay.costmodel import CostModel
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore_client.claims import Wait, decide, held, incoming_copy, landed, read_after_wait, still_coming
+from kvstore_client.claims import (Wait, decide, held, incoming_copy, landed, look_again_s, read_after_wait,
+                                   still_coming)
 
-__all__ = ["POLL_S", "Wait", "choose", "claim_seconds", "held", "incoming", "landed", "margin_for",
-           "readable_after", "split_policy", "still_coming", "wait_for"]
+__all__ = ["POLL_S", "Wait", "choose", "claim_seconds", "held", "incoming", "landed", "look_again", "margin_for",
+           "readable_after", "split_policy", "still_coming", "wait_end", "wait_for"]
 
-POLL_S = 0.010  # real seconds between the re-lookups of a waiting follower, at least (or ready_in / 8)
+POLL_S = 0.010  # real seconds between the re-lookups of a waiting follower, at least (look_again)
 # --claim-margin auto: the margin each policy did best with on agent-fanout (simulated sweep over 1, 1.5,
 # 2, 4; docs/benchmark.md): reactive's waiters all pull from the claimant's egress, so waiting pays only
 # when clearly faster; predictive's get a copy tree (and the copies its coordinator sends ahead)
@@ -83,6 +84,22 @@ def choose(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel,
     (:func:`wait_for`), else a copy on its way here (:func:`incoming`); None: read and compute now."""
     return (wait_for(nodes, me, local, cost, speedup, link_bytes_s, backlog_s, margin)
             or incoming(nodes, me, local, cost, backlog_s, speedup))
+
+
+def look_again(nodes: Sequence[pb.NodePrefix], me: str, local: int, wait: Wait, cost: CostModel, speedup: float,
+               link_bytes_s: float) -> float:
+    """Trace seconds until a waiting follower's next re-lookup (:func:`kvstore_client.claims.look_again_s`
+    on the replay's clock), at least :data:`POLL_S` real seconds."""
+    return look_again_s(nodes, me, local, wait, page_bytes=cost.page_bytes, link_bytes_per_s=link_bytes_s,
+                        floor_s=POLL_S * speedup, time_scale=speedup)
+
+
+def wait_end(came: bool, waited_s: float, wait: Wait) -> str:
+    """Why a wait ended, for the request record: ``came`` (the prefix landed), ``budget`` (its budget
+    was spent), ``gone`` (the claim or the copy vanished first)."""
+    if came:
+        return "came"
+    return "budget" if waited_s >= wait.budget_s else "gone"
 
 
 def readable_after(wait: Wait, came: bool, nodes: Sequence[pb.NodePrefix], local: int, held_before: int,

@@ -179,6 +179,7 @@ class Engine:
         self._result = result
         self.held = held        # oracle: which pages each node holds, as events
         self.clock_start = 0.0  # perf_counter of trace time 0 (set by the driver)
+        self._buffers: list[np.ndarray] = []  # Get output buffers, reused: a fresh one per Get costs its page faults
         self.workers = [asyncio.create_task(self._worker()) for _ in range(cfg.concurrency)]
 
     @property
@@ -213,6 +214,14 @@ class Engine:
                 self.running -= 1
                 self._on_done()
 
+    def _buffer(self, pages: int) -> np.ndarray:
+        """A Get output buffer of at least ``pages`` pages (give it back to ``_buffers`` after use)."""
+        while self._buffers:
+            buf = self._buffers.pop()
+            if len(buf) >= pages:
+                return buf
+        return np.zeros((max(pages, 128), self.cfg.cost.scaled_page_bytes), dtype=np.uint8)
+
     async def _serve(self, item: _Req) -> None:
         cfg, cost, rec, keys = self.cfg, self.cfg.cost, item.rec, item.keys
         S = cfg.speedup
@@ -239,28 +248,33 @@ class Engine:
             if wait is not None:  # another request is computing this prefix: wait for it, then read it
                 rec.claim_wait = True
                 t_wait, held_before = time.perf_counter(), cluster_max
-                poll = max(claiming.POLL_S, wait.ready_in_s / S / 8)  # real s between re-lookups
-                await asyncio.sleep(min(wait.ready_in_s / S, poll))
-                while True:
+                while True:  # re-look about 8 times over what is left (real s = trace s / S)
+                    await asyncio.sleep(claiming.look_again(lk.nodes, self.node_id, local, wait, cost, S,
+                                                            cfg.link_bytes_s) / S)
                     lk = await self.kv.lookup_nodes(cfg.namespace, keys)
                     local = int(lk.prefix_length)
                     came = claiming.landed(lk.nodes, self.node_id, local, wait.length, wait.node)
                     if (came or (time.perf_counter() - t_wait) * S >= wait.budget_s
                             or not claiming.still_coming(lk.nodes, self.node_id, wait.length, wait.node)):
                         break
-                    await asyncio.sleep(poll)
                 cluster_max = claiming.readable_after(wait, came, lk.nodes, local, held_before, cost,
                                                       cfg.link_bytes_s)
                 rec.wait_real_s = time.perf_counter() - t_wait
+                rec.wait_end = claiming.wait_end(came, (time.perf_counter() - t_wait) * S, wait)
+                rec.wait_ready_s = wait.ready_in_s
             fetch = cluster_max if step is None else max(local, step.depth)  # the oracle gets what its plan says
             if fetch > 0:
                 t_get = time.perf_counter()
-                got = await self.kv.get(cfg.namespace, keys[:fetch], timeout=cfg.fetch_timeout_s)
-                rec.get_real_s = time.perf_counter() - t_get
-                found = got.found
-                cached = int(found.argmin()) if not found.all() else len(found)
-                if cfg.verify:
-                    rec.corrupt = bad_pages(got.pages[:cached], item.words[:cached])
+                buf = self._buffer(fetch)
+                try:
+                    got = await self.kv.get(cfg.namespace, keys[:fetch], timeout=cfg.fetch_timeout_s, out=buf[:fetch])
+                    rec.get_real_s = time.perf_counter() - t_get
+                    found = got.found
+                    cached = int(found.argmin()) if not found.all() else len(found)
+                    if cfg.verify:
+                        rec.corrupt = bad_pages(got.pages[:cached], item.words[:cached])
+                finally:
+                    self._buffers.append(buf)
         except (KvError, grpc.RpcError, OSError) as exc:  # the node is gone (--kill): the engine recomputes
             rec.kv_error = f"{type(exc).__name__}: {exc}"[:200]
             local = cluster_max = cached = 0

@@ -65,6 +65,8 @@ class RequestRecord:
     claim_wait: bool = False  # +claims: it waited for another request's in-flight prefill of its prefix
     wait_real_s: float = 0.0  # measured, real: of fetch_real_s, the claim wait (its re-lookups included)
     get_real_s: float = 0.0   # measured, real: of fetch_real_s, the Get (pulls included)
+    wait_end: str = ""        # +claims: why the wait ended: came (landed), budget (spent), gone (claim vanished)
+    wait_ready_s: float = 0.0  # +claims: the ready_in (trace s) the wait was decided on
     done: bool = False
     error: str = ""
 

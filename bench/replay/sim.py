@@ -193,19 +193,21 @@ class SimDriver:
             if wait is not None:  # another request is computing this prefix: wait for it, then read it
                 t_wait, held_before = sim.now, cluster_max
                 rec.claim_wait = True
-                poll = max(claiming.POLL_S * cfg.speedup, wait.ready_in_s / 8)  # trace s between re-lookups
-                yield sim.timeout(min(wait.ready_in_s, poll))
                 came = False
-                while cl.alive(n) and not came:
+                while cl.alive(n) and not came:  # re-look about 8 times over what is left
+                    yield sim.timeout(claiming.look_again(nodes, cl.ids[n], local, wait, cost, cfg.speedup,
+                                                          cfg.link_rate))
                     yield sim.timeout(self.rpc)  # re-Lookup
                     local, nodes = cl.lookup(n, keys)
                     came = claiming.landed(nodes, cl.ids[n], local, wait.length, wait.node)
                     if not came and (sim.now - t_wait >= wait.budget_s
                                      or not claiming.still_coming(nodes, cl.ids[n], wait.length, wait.node)):
                         break
-                    if not came:
-                        yield sim.timeout(poll)
                 cluster_max = claiming.readable_after(wait, came, nodes, local, held_before, cost, cfg.link_rate)
+                rec.wait_real_s = (sim.now - t_wait) / cfg.speedup
+                rec.wait_end = claiming.wait_end(came, sim.now - t_wait, wait)
+                rec.wait_ready_s = wait.ready_in_s
+            t_get = sim.now
             fetch = cluster_max if step is None else max(local, step.depth)
             if fetch > 0:
                 yield cl.fetch_missing(n, keys[:fetch])
@@ -215,6 +217,7 @@ class SimDriver:
                 pool.read(keys[:cached])
                 pool.hits += cached
                 pool.misses += fetch - cached
+                rec.get_real_s = (sim.now - t_get) / cfg.speedup
         else:
             rec.kv_error = "UNAVAILABLE: node killed (simulated)"
         rec.fetch_real_s = (sim.now - t0) / cfg.speedup

@@ -12,7 +12,8 @@
   (:func:`worth_waiting`). A copy already on its way to this node (``pending``, not computing, on
   its own entry: the coordinator's copy tree) is waited for too (:func:`incoming`), rather than
   pulled a second time.
-* **Until.** The follower re-looks (no record, no claim, no lease) until :func:`landed`, at most its
+* **Until.** The follower re-looks (no record, no claim, no lease; every :func:`look_again_s`, an
+  eighth of what it still expects) until :func:`landed`, at most its
   own prefill time (times the margin; and the connector's cap), then loads what is held; a claim
   that vanishes without landing (:func:`still_coming` false: its claimant died or gave up) ends the
   wait at once. A wait that did not land computes: it reads only what was held before it.
@@ -158,6 +159,22 @@ def incoming_copy(nodes: Sequence[Any], me: str, local: int, prefill_blocks_s: C
                 return None  # due after computing it would end: compute now
             return Wait(node=me, length=length, ready_in_s=ready, budget_s=budget, computing=False)
     return None
+
+
+def look_again_s(nodes: Sequence[Any], me: str, local: int, wait: Wait, *, page_bytes: int,
+                 link_bytes_per_s: float, floor_s: float, time_scale: float = 1.0) -> float:
+    """Seconds (the engine's clock) until a waiting follower looks again: an eighth of what it still
+    expects to wait -- the awaited entry's ``ready_in`` in the latest answer, plus one copy of the
+    awaited blocks over the link when they are computed on another node -- and never less than
+    ``floor_s``. A fixed short interval makes every follower of a burst ask its node (and the node the
+    coordinator) a hundred times a second while a copy of a long prefix crawls over a slow link; this
+    asks about eight times over whatever is left, so a landing is seen within an eighth of the wait."""
+    ready = max([0.0, *(float(e.ready_in_seconds) * time_scale for e in nodes if e.pending
+                        and (e.node_id == wait.node or (e.node_id == me and not e.computing)))])
+    copy = 0.0
+    if wait.computing and wait.node != me and link_bytes_per_s > 0:
+        copy = max(0, wait.length - local) * page_bytes / link_bytes_per_s
+    return max(floor_s, (ready + copy) / 8)
 
 
 def landed(nodes: Sequence[Any], me: str, local: int, length: int, claimant: str = "") -> bool:

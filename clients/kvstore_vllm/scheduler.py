@@ -273,7 +273,11 @@ class SchedulerCore:
         if now >= req.wait_until:
             return self._end_wait(req, landed=False)
         if req.poll is None and now >= req.next_poll:
-            req.next_poll = now + self.config.claim_poll_ms / 1000
+            reply = req.last_reply
+            me, page_bytes = self._claim_ctx if self._claim_ctx else ("", 0)
+            req.next_poll = now + claiming.look_again_s(  # about 8 looks over what is left, at least claim_poll_ms
+                reply.nodes, me, int(reply.prefix_length), req.wait, page_bytes=page_bytes,
+                link_bytes_per_s=self.config.link_bytes_per_s, floor_s=self.config.claim_poll_ms / 1000)
             try:  # no ttl, no lease_id: a plain, non-recording Lookup, without blocking
                 req.poll = self.client.lookup_lease_future(self.namespace, lookup_keys, ttl=0.0,
                                                            timeout=self.config.lookup_timeout_s)
