@@ -7,6 +7,10 @@ as in a burst), predicted lead times, and the speculative replicas the
 planner itself placed, renewed and dropped in earlier ticks (copies are
 assumed to land by the next tick).
 
+Each candidate carries a forecast demand (requests in the next
+``demand_window_s``) and the planner sizes replica sets from it at
+``--node-rate`` (2 requests/s, kvstored's default), as the daemon does.
+
 One timed tick is what the coordinator does each tick:
 
 1. ``select_candidates`` over the score vector (at ``cfg.keep_threshold``),
@@ -60,6 +64,9 @@ class Cluster:
         self.base = rng.beta(0.6, 8.0, n_prefixes)
         self.probs = self.base.copy()
         self.need_in = rng.exponential(20.0, n_prefixes) + 0.05
+        # Forecast demand (requests in the next demand window) that sizes the replica sets, as the
+        # daemon's default --node-rate does: most prefixes a request or two, a few a burst's worth.
+        self.demand = rng.exponential(4.0, n_prefixes)
         self.ns_idx = rng.integers(0, len(NAMESPACES), n_prefixes)
         # Primary holders per depth as node bitmasks: one owner of the whole
         # prefix, sometimes a second node holding its first blocks.
@@ -85,6 +92,7 @@ class Cluster:
         self.probs = np.clip(self.probs + rng.normal(0.0, 0.02, self.n), 0.0, 1.0)
         jump = rng.integers(0, self.n, 200)
         self.probs[jump] = rng.uniform(0.5, 1.0, jump.size)
+        self.demand[jump] = rng.uniform(10.0, 200.0, jump.size)
         cool = rng.integers(0, self.n, 2000)
         self.probs[cool] = self.base[cool]
         self.need_in = np.maximum(0.05, self.need_in + rng.normal(0.0, 0.5, self.n))
@@ -100,6 +108,7 @@ class Cluster:
             prob=float(self.probs[row]),
             need_in_s=float(self.need_in[row]),
             page_bytes=PAGE_BYTES[ns],
+            demand=float(self.demand[row]),
         )
 
     def nodes(self) -> list[NodeState]:
@@ -133,7 +142,7 @@ class Cluster:
 def run(args: argparse.Namespace) -> dict[str, object]:
     cluster = Cluster(args.prefixes, args.nodes, args.seed)
     cfg = PlannerConfig(spec_bandwidth=args.spec_bandwidth, spec_budget=args.spec_budget,
-                        max_decisions=args.max_decisions)
+                        max_decisions=args.max_decisions, node_rate=args.node_rate)
     bandwidth = args.bandwidth
     ticks: list[float] = []
     steps: dict[str, list[float]] = {"select": [], "build": [], "plan": []}
@@ -240,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-bandwidth", type=float, default=5e9, help="copy bytes/s budget, cluster-wide")
     ap.add_argument("--spec-budget", type=float, default=0.2, help="share of each node for speculative replicas")
     ap.add_argument("--max-decisions", type=int, default=256)
+    ap.add_argument("--node-rate", type=float, default=2.0,
+                    help="requests/s a node serves: sizes replica sets from the candidates' demand (kvstored's "
+                         "default; 0: unsized, max_targets copies a tick)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the setup heap to the cyclic GC (shows full-collection pauses)")

@@ -363,16 +363,3 @@ def test_a_copy_in_flight_is_pending_under_every_prefix_of_its_chain() -> None:
     assert set(coordinator.planner_pending()) == {("m", k) for k in keys[:4]}
     coordinator._landed(("m", keys[3]), "f")
     assert coordinator.planner_pending() == {} and not coordinator._pending_chain
-
-
-def test_a_shorter_prefix_takes_the_demand_of_its_longer_prefixes() -> None:
-    """The forecaster counts only the keys it tracks: a depth-2 key it has no number for (0) is read by
-    every request of the depth-8 prefix, so it is sized by that demand, not left unknown."""
-    from kvstore.predict.renewals import chain_demand
-
-    chain = [bytes([i]) * 4 for i in range(8)]
-    chains = {("ns", chain[d - 1]): chain[:d] for d in (2, 4, 8)}
-    demand = {("ns", chain[1]): 0.0, ("ns", chain[3]): 9.0, ("ns", chain[7]): 3.0}
-    out = chain_demand(demand, lambda pid: chains[pid])
-    assert out == {("ns", chain[1]): 9.0, ("ns", chain[3]): 9.0, ("ns", chain[7]): 3.0}
-    assert demand[("ns", chain[1])] == 0.0  # the input is left as it was

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.predict.planner import SKIP_REASONS, copy_tree, plan, renew_or_drop, select_candidates
+from kvstore.predict.renewals import chain_demand
 from kvstore.predict.planner_types import Candidate, Drop, NodeState, PlannerConfig, PlanResult, Renewal
 
 MB = 1_000_000
@@ -539,6 +540,22 @@ def test_demand_sizes_the_set_and_the_tree_spreads_the_holder_egress() -> None:
     assert "wants 7 more" in d.reason
     legacy = only(plan([cand(need=60.0)], nodes(*EIGHT), 10 * GB, CFG, NOW))
     assert len(legacy.targets) == 2 and legacy.tree == ()  # without a demand forecast: as before
+
+
+def test_a_shorter_prefix_takes_the_demand_of_its_longer_prefixes() -> None:
+    """The forecaster counts only the keys it tracks: a depth-2 prefix it has no number for (0) is read by
+    every request of the depth-4 and depth-8 prefixes, so it is sized by their demand, not left unknown."""
+    deep = replace(cand(options=(1, 2, 4, 8)), demand=3.0)
+    mid = replace(deep, chain=deep.chain[:4], depth_options=(1, 2, 4), demand=9.0)
+    short = replace(deep, chain=deep.chain[:2], depth_options=(1, 2), demand=0.0)
+    key = lambda d: (deep.namespace, deep.chain[d - 1])  # noqa: E731
+    assert chain_demand([short, deep, mid]) == {key(1): 9.0, key(2): 9.0, key(4): 9.0, key(8): 3.0}
+    # sized by it: the depth-4 prefix (scored below the copy threshold here) asks for 90 requests in
+    # 10 s, at 1 req/s a node every node, so the depth-2 copy goes to all seven others, as a tree
+    mid = replace(mid, demand=90.0, prob=0.4)
+    d = only(plan([short, mid], nodes(*EIGHT), 10 * GB, SIZED, NOW))
+    assert d.depth == 2 and len(d.targets) == 7 and d.tree
+    assert len(only(plan([short], nodes(*EIGHT), 10 * GB, SIZED, NOW)).targets) == 2  # alone: unknown demand
 
 
 def test_a_tree_is_trimmed_to_the_waves_that_land_in_time() -> None:

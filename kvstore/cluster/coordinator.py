@@ -43,7 +43,6 @@ from kvstore.metrics import NodeMetrics
 from kvstore.pool.pool import PageKind
 from kvstore.predict.copytree import chunk_bounds, relay_parts
 from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig
-from kvstore.predict.renewals import chain_demand
 from kvstore.predict.types import Access, Outcome, PredictorConfig
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -272,7 +271,7 @@ class Coordinator:
         if self.plan_cfg.node_rate > 0 and chosen:  # size each replica set from the forecast demand
             pids = list(chosen)
             window = self.predictor.forecast(now, self.plan_cfg.demand_window_s, keys=pids)
-            demand = chain_demand({pid: float(e) for pid, e in zip(pids, window.expected)}, self.predictor.chain)
+            demand = {pid: float(e) for pid, e in zip(pids, window.expected)}  # plan() spreads it along chains
         out = []
         for pid, (prob, need_in, scorer) in chosen.items():
             c = self._candidate(pid, prob, need_in, demand.get(pid, 0.0))

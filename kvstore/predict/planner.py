@@ -79,7 +79,7 @@ import numpy as np
 
 from kvstore.predict.copytree import chunk_bounds, copy_times, copy_tree, relay_parts
 from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig, PlanResult
-from kvstore.predict.renewals import Speculative, renew_or_drop
+from kvstore.predict.renewals import Speculative, chain_demand, renew_or_drop
 from kvstore.predict.types import PrefixId
 from kvstore.units import format_size
 
@@ -255,6 +255,7 @@ class _Tick:
     result: PlanResult
     max_room: int = -1      # most bytes any live node can still take; < 0 = recompute
     planned: dict[PrefixId, set[str]] = field(default_factory=dict)  # block key -> targets copied to this tick
+    demand: dict[PrefixId, float] = field(default_factory=dict)      # block key -> forecast demand (chain_demand)
 
     def skip(self, reason: str) -> None:
         self.result.skipped[reason] = self.result.skipped.get(reason, 0) + 1
@@ -311,7 +312,7 @@ class _Tick:
                 break
             if not held:
                 reason = "no_source"
-            elif self._wanted(c, len(held) + len(pending)) == 0:
+            elif self._wanted(c, d, len(held) + len(pending)) == 0:
                 return "enough_copies"  # the replica set already serves the forecast demand
             else:
                 room = [n for n in self.live.values()
@@ -322,13 +323,15 @@ class _Tick:
             notes.append((d, reason))
         return reason
 
-    def _wanted(self, c: Candidate, have: int) -> int | None:
-        """New copies the forecast demand asks for (``None``: demand or node
-        rate unknown, so ``max_targets`` caps the copies as before)."""
+    def _wanted(self, c: Candidate, depth: int, have: int) -> int | None:
+        """New copies of ``c``'s first ``depth`` blocks the forecast demand
+        asks for: that of every candidate reading them (``None``: demand or
+        node rate unknown, so ``max_targets`` caps the copies as before)."""
         cfg = self.cfg
-        if cfg.node_rate <= 0 or c.demand <= 0:
+        demand = self.demand.get((c.namespace, c.chain[depth - 1]), 0.0)
+        if cfg.node_rate <= 0 or demand <= 0:
             return None
-        want = min(len(self.live), math.ceil(c.demand / (cfg.node_rate * cfg.demand_window_s)))
+        want = min(len(self.live), math.ceil(demand / (cfg.node_rate * cfg.demand_window_s)))
         return max(0, want - have)
 
     def _decide(
@@ -351,7 +354,7 @@ class _Tick:
         cfg = self.cfg
         room.sort(key=_NodeTick.target_key)
         sources = sorted((self.live[n] for n in held), key=_NodeTick.source_key)
-        wanted = self._wanted(c, len(held))
+        wanted = self._wanted(c, depth, len(held))
         parts = relay_parts(transfer_s, cfg.chunks, cfg.min_part_s) if wanted is not None else 1
         if wanted is None:
             k = min(cfg.max_targets, self.budget_left // nbytes, len(room))
@@ -376,7 +379,8 @@ class _Tick:
             f"targets {', '.join(_fmt_node(n) for n in targets)}"
         )
         if wanted is not None:
-            why += f"; demand {c.demand:.1f} req/{cfg.demand_window_s:g}s wants {wanted} more"
+            why += (f"; demand {self.demand[(c.namespace, c.chain[depth - 1])]:.1f} req/{cfg.demand_window_s:g}s "
+                    f"wants {wanted} more")
         if notes:
             why += "; deeper: " + ", ".join(f"depth {d} {r}" for d, r in notes)
         total = nbytes * k
@@ -445,6 +449,8 @@ def plan(
     result = tick.result
 
     ordered = sorted(candidates, key=_order_key)
+    if cfg.node_rate > 0:
+        tick.demand = chain_demand(ordered)
     for c in ordered:
         if c.prob < cfg.threshold:
             break  # ordered by prob: the rest only keep existing replicas alive
@@ -461,7 +467,7 @@ def plan(
             result.decisions.append(outcome)
             result.bytes_planned += outcome.bytes
 
-    result.renewals, result.drops = renew_or_drop(ordered, speculative, live, cfg, now)
+    result.renewals, result.drops = renew_or_drop(ordered, speculative, live, cfg, now, tick.demand)
     return result
 
 

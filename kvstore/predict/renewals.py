@@ -10,7 +10,7 @@ copies than are placed (the replica set shrinks in quiet periods).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from kvstore.predict.planner_types import Candidate, Drop, PlannerConfig, Renewal
 from kvstore.predict.types import PrefixId
@@ -19,35 +19,46 @@ Speculative = Mapping[PrefixId, Mapping[str, float]]
 """``speculative[(namespace, key of the deepest block)] = {node_id: expires_at}``."""
 
 
-def chain_demand(demand: dict[tuple[str, bytes], float],
-                  chain: Callable[[tuple[str, bytes]], Sequence[bytes]]) -> dict[tuple[str, bytes], float]:
-    """Each prefix's forecast demand, at least that of every longer prefix of its chain: a request for
-    the longer one reads the shorter too. The forecaster scores the keys it tracks, so a shorter prefix
-    it has no number for (0) takes its longer prefixes' instead of counting as unknown."""
-    out = dict(demand)
-    for deep, want in demand.items():
-        if want > 0:
-            for key in chain(deep)[:-1]:
-                pid = (deep[0], key)
-                if pid in out and out[pid] < want:
-                    out[pid] = want
+def chain_demand(candidates: Sequence[Candidate]) -> dict[PrefixId, float]:
+    """Forecast demand per prefix key at the candidates' depth options: the largest of every candidate
+    covering the key. A request for a longer prefix reads every shorter one, and the forecaster scores
+    only the keys it tracks, so a shorter prefix takes its longer prefixes' demand instead of counting
+    as unknown (0). The planner sizes a copy (``_wanted``) and a placed set (the surplus rule) by it."""
+    out: dict[PrefixId, float] = {}
+    for c in candidates:
+        if c.demand > 0:
+            n = len(c.chain)
+            for d in c.depth_options:
+                if d <= n:
+                    pid = (c.namespace, c.chain[d - 1])
+                    if out.get(pid, 0.0) < c.demand:
+                        out[pid] = c.demand
     return out
 
 
-def _hot_scores(candidates: Sequence[Candidate]) -> dict[PrefixId, float]:
-    """Best score of every prefix key any candidate covers (a deeper hot
-    prefix keeps its shallower replicas hot too).
-
-    Candidates go in ascending prob order so the best score overwrites the
-    others in one comprehension (cheap: ``plan`` passes them already sorted
-    the other way, which timsort reverses in linear time).
-    """
-    ascending = sorted(candidates, key=_prob)
-    return {(c.namespace, key): c.prob for c in ascending for key in c.chain}
+def _placed_keys(speculative: Speculative) -> dict[str, set[bytes]]:
+    """The keys of the placed prefixes, by namespace."""
+    out: dict[str, set[bytes]] = {}
+    for ns, key in speculative:
+        out.setdefault(ns, set()).add(key)
+    return out
 
 
-def _prob(c: Candidate) -> float:
-    return c.prob
+def _hot_scores(candidates: Sequence[Candidate], placed: Mapping[str, set[bytes]]) -> dict[PrefixId, float]:
+    """Best score of every placed prefix key any candidate covers (a deeper
+    hot prefix keeps its shallower replicas hot too), in any order of the
+    candidates. Only the placed keys are scored: one set intersection per
+    candidate instead of a dict entry per key of every chain."""
+    hot: dict[PrefixId, float] = {}
+    for c in candidates:
+        keys = placed.get(c.namespace)
+        if not keys:
+            continue
+        for key in keys.intersection(c.chain):
+            pid = (c.namespace, key)
+            if hot.get(pid, -1.0) < c.prob:
+                hot[pid] = c.prob
+    return hot
 
 
 def renew_or_drop(
@@ -56,6 +67,7 @@ def renew_or_drop(
     live: Mapping[str, object],
     cfg: PlannerConfig,
     now: float,
+    demand: Mapping[PrefixId, float] | None = None,
 ) -> tuple[list[Renewal], list[Drop]]:
     """Renew hot speculative replicas, drop expired and decayed ones.
 
@@ -64,21 +76,22 @@ def renew_or_drop(
     * best score of the prefix ``< cfg.keep_threshold`` (or the prefix is not
       among ``candidates``) -> drop ``decayed``;
     * more than :data:`SURPLUS_SLACK` times the replicas the prefix's
-      forecast demand asks for (with ``cfg.node_rate`` and the largest
-      ``demand`` of the candidates covering it) -> drop ``surplus``, the
-      soonest to expire first: fewer copies in quiet periods;
+      forecast demand asks for (with ``cfg.node_rate`` and ``demand``, the
+      :func:`chain_demand` of ``candidates`` unless given) -> drop
+      ``surplus``, the soonest to expire first: fewer copies in quiet periods;
     * otherwise, once less than ``cfg.renew_when_left * cfg.ttl_s`` is left,
       renew to ``now + cfg.ttl_s`` (not every tick: fewer control messages).
 
     Replicas on nodes not in ``live`` are left to expire (no renewal, no drop:
     a node that comes back drops its own expired replicas).
     """
-    hot = _hot_scores(candidates)
+    placed_keys = _placed_keys(speculative)
+    hot = _hot_scores(candidates, placed_keys)
     keep = cfg.keep_threshold
     renew_at = cfg.renew_when_left * cfg.ttl_s
     renewals: list[Renewal] = []
     drops: list[Drop] = []
-    sized = _sized_sets(candidates, cfg)
+    sized = _sized_sets(candidates, cfg, placed_keys, chain_demand(candidates) if demand is None else demand)
     for (ns, key), placed in speculative.items():
         score = hot.get((ns, key), -1.0)
         surplus = _surplus((ns, key), placed, sized, live, now)
@@ -106,25 +119,25 @@ while keeping the replica costs only speculative memory, which primaries
 evict first anyway."""
 
 
-def _sized_sets(candidates: Sequence[Candidate], cfg: PlannerConfig) -> dict[PrefixId, tuple[int, frozenset[str]]]:
-    """Per prefix key with a demand forecast: (nodes that may keep it, nodes that do).
-
-    A key is covered by the candidate of its own prefix and by those of every
-    longer prefix of its chain; each request of a longer prefix is also one
-    of the shorter, so the key keeps the largest set any of them asks for
-    (the planner copied it for one of them)."""
-    if cfg.node_rate <= 0:
+def _sized_sets(candidates: Sequence[Candidate], cfg: PlannerConfig, placed: Mapping[str, set[bytes]],
+                demand: Mapping[PrefixId, float]) -> dict[PrefixId, tuple[int, frozenset[str]]]:
+    """Per placed prefix key with a demand forecast (``demand``, per key: the
+    largest of the candidates covering it): (nodes that may keep it, nodes
+    that do)."""
+    if cfg.node_rate <= 0 or not demand:
         return {}
     out: dict[PrefixId, tuple[int, frozenset[str]]] = {}
     per_node = cfg.node_rate * cfg.demand_window_s
     for c in candidates:
-        if c.demand > 0:
-            keep = max(1, math.ceil(SURPLUS_SLACK * c.demand / per_node))
-            for d in c.depth_options:
-                if d <= len(c.chain):
-                    pid = (c.namespace, c.chain[d - 1])
-                    if pid not in out or out[pid][0] < keep:
-                        out[pid] = (keep, frozenset(c.holders.get(d, ())))
+        keys = placed.get(c.namespace)
+        if not keys:
+            continue
+        for d in c.depth_options:
+            if d <= len(c.chain) and c.chain[d - 1] in keys:
+                pid = (c.namespace, c.chain[d - 1])
+                want = demand.get(pid, 0.0)
+                if want > 0 and pid not in out:
+                    out[pid] = (max(1, math.ceil(SURPLUS_SLACK * want / per_node)), frozenset(c.holders.get(d, ())))
     return out
 
 
