@@ -548,8 +548,8 @@ def test_a_shorter_prefix_takes_the_demand_of_its_longer_prefixes() -> None:
     deep = replace(cand(options=(1, 2, 4, 8)), demand=3.0)
     mid = replace(deep, chain=deep.chain[:4], depth_options=(1, 2, 4), demand=9.0)
     short = replace(deep, chain=deep.chain[:2], depth_options=(1, 2), demand=0.0)
-    key = lambda d: (deep.namespace, deep.chain[d - 1])  # noqa: E731
-    assert chain_demand([short, deep, mid]) == {key(1): 9.0, key(2): 9.0, key(4): 9.0, key(8): 3.0}
+    key = lambda d: deep.chain[d - 1]  # noqa: E731
+    assert chain_demand([short, deep, mid]) == {"ns": {key(1): 9.0, key(2): 9.0, key(4): 9.0, key(8): 3.0}}
     # sized by it: the depth-4 prefix (scored below the copy threshold here) asks for 90 requests in
     # 10 s, at 1 req/s a node every node, so the depth-2 copy goes to all seven others, as a tree
     mid = replace(mid, demand=90.0, prob=0.4)

@@ -255,7 +255,7 @@ class _Tick:
     result: PlanResult
     max_room: int = -1      # most bytes any live node can still take; < 0 = recompute
     planned: dict[PrefixId, set[str]] = field(default_factory=dict)  # block key -> targets copied to this tick
-    demand: dict[PrefixId, float] = field(default_factory=dict)      # block key -> forecast demand (chain_demand)
+    demand: dict[str, dict[bytes, float]] = field(default_factory=dict)  # [ns][block key] -> demand (chain_demand)
 
     def skip(self, reason: str) -> None:
         self.result.skipped[reason] = self.result.skipped.get(reason, 0) + 1
@@ -286,23 +286,27 @@ class _Tick:
         # busy tick stop here, before any per-node work.
         need, safety = c.need_in_s, self.cfg.safety
         room_max, budget = self.largest_room(), self.budget_left
+        depths = _depths(c.depth_options, len(c.chain))
+        if not depths:
+            return "too_late"
+        least = depths[-1] * page  # the shallowest copy: when it does not fit, no deeper one does
+        if least / bandwidth * safety > need:
+            return "too_late"
+        if least > room_max:
+            return "no_room"
+        if least > budget:
+            return "bandwidth"
         notes: list[tuple[int, str]] = []          # deeper depths that fit in time but not elsewhere
-        viable: list[tuple[int, int, float]] = []  # (depth, bytes per target, transfer s)
-        shallowest = 0
-        for d in _depths(c.depth_options, len(c.chain)):
+        viable: list[tuple[int, int, float]] = []  # (depth, bytes per target, transfer s); the shallowest is in
+        for d in depths:
             nbytes = d * page
             t = nbytes / bandwidth
             if t * safety > need:
                 continue
-            shallowest = nbytes
             if nbytes <= room_max and nbytes <= budget:
                 viable.append((d, nbytes, t))
             elif not viable:
                 notes.append((d, "no_room" if nbytes > room_max else "bandwidth"))
-        if not viable:
-            if not shallowest:
-                return "too_late"
-            return "no_room" if shallowest > room_max else "bandwidth"
         walk = _HolderWalk(c, self.live, self.speculative, self.planned, self.now)
         reason = "too_late"
         for d, nbytes, t in viable:
@@ -328,7 +332,7 @@ class _Tick:
         asks for: that of every candidate reading them (``None``: demand or
         node rate unknown, so ``max_targets`` caps the copies as before)."""
         cfg = self.cfg
-        demand = self.demand.get((c.namespace, c.chain[depth - 1]), 0.0)
+        demand = self.demand.get(c.namespace, {}).get(c.chain[depth - 1], 0.0)
         if cfg.node_rate <= 0 or demand <= 0:
             return None
         want = min(len(self.live), math.ceil(demand / (cfg.node_rate * cfg.demand_window_s)))
@@ -379,7 +383,7 @@ class _Tick:
             f"targets {', '.join(_fmt_node(n) for n in targets)}"
         )
         if wanted is not None:
-            why += (f"; demand {self.demand[(c.namespace, c.chain[depth - 1])]:.1f} req/{cfg.demand_window_s:g}s "
+            why += (f"; demand {self.demand[c.namespace][c.chain[depth - 1]]:.1f} req/{cfg.demand_window_s:g}s "
                     f"wants {wanted} more")
         if notes:
             why += "; deeper: " + ", ".join(f"depth {d} {r}" for d, r in notes)

@@ -19,20 +19,21 @@ Speculative = Mapping[PrefixId, Mapping[str, float]]
 """``speculative[(namespace, key of the deepest block)] = {node_id: expires_at}``."""
 
 
-def chain_demand(candidates: Sequence[Candidate]) -> dict[PrefixId, float]:
-    """Forecast demand per prefix key at the candidates' depth options: the largest of every candidate
-    covering the key. A request for a longer prefix reads every shorter one, and the forecaster scores
-    only the keys it tracks, so a shorter prefix takes its longer prefixes' demand instead of counting
-    as unknown (0). The planner sizes a copy (``_wanted``) and a placed set (the surplus rule) by it."""
-    out: dict[PrefixId, float] = {}
+def chain_demand(candidates: Sequence[Candidate]) -> dict[str, dict[bytes, float]]:
+    """Forecast demand per prefix key at the candidates' depth options (``[namespace][key]``): the
+    largest of every candidate covering the key. A request for a longer prefix reads every shorter one,
+    and the forecaster scores only the keys it tracks, so a shorter prefix takes its longer prefixes'
+    demand instead of counting as unknown (0). The planner sizes a copy (``_wanted``) and a placed set
+    (the surplus rule) by it."""
+    out: dict[str, dict[bytes, float]] = {}
     for c in candidates:
-        if c.demand > 0:
-            n = len(c.chain)
+        want = c.demand
+        if want > 0:
+            mine = out.setdefault(c.namespace, {})
+            chain, n = c.chain, len(c.chain)
             for d in c.depth_options:
-                if d <= n:
-                    pid = (c.namespace, c.chain[d - 1])
-                    if out.get(pid, 0.0) < c.demand:
-                        out[pid] = c.demand
+                if d <= n and mine.get(chain[d - 1], 0.0) < want:
+                    mine[chain[d - 1]] = want
     return out
 
 
@@ -44,30 +45,13 @@ def _placed_keys(speculative: Speculative) -> dict[str, set[bytes]]:
     return out
 
 
-def _hot_scores(candidates: Sequence[Candidate], placed: Mapping[str, set[bytes]]) -> dict[PrefixId, float]:
-    """Best score of every placed prefix key any candidate covers (a deeper
-    hot prefix keeps its shallower replicas hot too), in any order of the
-    candidates. Only the placed keys are scored: one set intersection per
-    candidate instead of a dict entry per key of every chain."""
-    hot: dict[PrefixId, float] = {}
-    for c in candidates:
-        keys = placed.get(c.namespace)
-        if not keys:
-            continue
-        for key in keys.intersection(c.chain):
-            pid = (c.namespace, key)
-            if hot.get(pid, -1.0) < c.prob:
-                hot[pid] = c.prob
-    return hot
-
-
 def renew_or_drop(
     candidates: Sequence[Candidate],
     speculative: Speculative,
     live: Mapping[str, object],
     cfg: PlannerConfig,
     now: float,
-    demand: Mapping[PrefixId, float] | None = None,
+    demand: Mapping[str, Mapping[bytes, float]] | None = None,
 ) -> tuple[list[Renewal], list[Drop]]:
     """Renew hot speculative replicas, drop expired and decayed ones.
 
@@ -85,16 +69,17 @@ def renew_or_drop(
     Replicas on nodes not in ``live`` are left to expire (no renewal, no drop:
     a node that comes back drops its own expired replicas).
     """
-    placed_keys = _placed_keys(speculative)
-    hot = _hot_scores(candidates, placed_keys)
+    if cfg.node_rate > 0 and demand is None:
+        demand = chain_demand(candidates)
+    hot, sized = _covered(candidates, _placed_keys(speculative), cfg, demand if cfg.node_rate > 0 else None)
     keep = cfg.keep_threshold
     renew_at = cfg.renew_when_left * cfg.ttl_s
     renewals: list[Renewal] = []
     drops: list[Drop] = []
-    sized = _sized_sets(candidates, cfg, placed_keys, chain_demand(candidates) if demand is None else demand)
     for (ns, key), placed in speculative.items():
-        score = hot.get((ns, key), -1.0)
-        surplus = _surplus((ns, key), placed, sized, live, now)
+        score = hot.get(ns, {}).get(key, -1.0)
+        size = sized.get(ns, {}).get(key)
+        surplus = _surplus(placed, size, live, now) if size is not None else ()
         for node, expires_at in placed.items():
             if node not in live:
                 continue
@@ -118,39 +103,54 @@ copies it again the next: each round trip costs a whole copy on the link,
 while keeping the replica costs only speculative memory, which primaries
 evict first anyway."""
 
+Sized = tuple[int, frozenset[str]]
+"""(nodes that may keep a placed prefix, nodes that hold it)."""
 
-def _sized_sets(candidates: Sequence[Candidate], cfg: PlannerConfig, placed: Mapping[str, set[bytes]],
-                demand: Mapping[PrefixId, float]) -> dict[PrefixId, tuple[int, frozenset[str]]]:
-    """Per placed prefix key with a demand forecast (``demand``, per key: the
-    largest of the candidates covering it): (nodes that may keep it, nodes
-    that do)."""
-    if cfg.node_rate <= 0 or not demand:
-        return {}
-    out: dict[PrefixId, tuple[int, frozenset[str]]] = {}
+
+def _covered(candidates: Sequence[Candidate], placed: Mapping[str, set[bytes]], cfg: PlannerConfig,
+             demand: Mapping[str, Mapping[bytes, float]] | None,
+             ) -> tuple[dict[str, dict[bytes, float]], dict[str, dict[bytes, Sized]]]:
+    """For the placed prefix keys, in one pass over the candidates (one set intersection each):
+
+    * the best score of any candidate covering the key (a deeper hot prefix keeps its shallower
+      replicas hot too), whatever the candidates' order;
+    * with a demand forecast (``demand``: per key, the largest of the candidates covering it), the
+      size of its set: ``SURPLUS_SLACK`` times the nodes the demand asks for, and who holds it."""
+    hot: dict[str, dict[bytes, float]] = {}
+    sized: dict[str, dict[bytes, Sized]] = {}
     per_node = cfg.node_rate * cfg.demand_window_s
     for c in candidates:
         keys = placed.get(c.namespace)
         if not keys:
             continue
-        for d in c.depth_options:
-            if d <= len(c.chain) and c.chain[d - 1] in keys:
-                pid = (c.namespace, c.chain[d - 1])
-                want = demand.get(pid, 0.0)
-                if want > 0 and pid not in out:
-                    out[pid] = (max(1, math.ceil(SURPLUS_SLACK * want / per_node)), frozenset(c.holders.get(d, ())))
-    return out
+        common = keys.intersection(c.chain)
+        if not common:
+            continue
+        best = hot.setdefault(c.namespace, {})
+        for key in common:
+            if best.get(key, -1.0) < c.prob:
+                best[key] = c.prob
+        wants = demand.get(c.namespace) if demand else None
+        if wants:
+            sizes = sized.setdefault(c.namespace, {})
+            for d in c.depth_options:
+                if d <= len(c.chain) and (key := c.chain[d - 1]) in common and key not in sizes:
+                    want = wants.get(key, 0.0)
+                    if want > 0:
+                        sizes[key] = (max(1, math.ceil(SURPLUS_SLACK * want / per_node)),
+                                      frozenset(c.holders.get(d, ())))
+    return hot, sized
 
 
-def _surplus(pid: PrefixId, placed: Mapping[str, float], sized: Mapping[PrefixId, tuple[int, frozenset[str]]],
-             live: Mapping[str, object], now: float) -> set[str]:
+def _surplus(placed: Mapping[str, float], size: Sized, live: Mapping[str, object], now: float) -> set[str]:
     """Speculative replicas beyond what the forecast demand asks for: the
     set shrinks as the demand decays (the ones closest to expiry go first)."""
-    if pid not in sized:
-        return set()
-    want, holders = sized[pid]
-    mine = sorted((n for n, exp in placed.items() if n in live and exp > now), key=lambda n: (placed[n], n))
-    others = len(holders - set(placed))  # primaries and replicas nobody placed
+    want, holders = size
+    others = sum(1 for n in holders if n not in placed)  # primaries and replicas nobody placed
     keep = max(0, want - others)
+    if len(placed) <= keep:
+        return set()
+    mine = sorted((n for n, exp in placed.items() if n in live and exp > now), key=lambda n: (placed[n], n))
     return set(mine[: max(0, len(mine) - keep)])
 
 
