@@ -80,6 +80,8 @@ def renew_or_drop(
         score = hot.get(ns, {}).get(key, -1.0)
         size = sized.get(ns, {}).get(key)
         surplus = _surplus(placed, size, live, now) if size is not None else ()
+        if score >= keep and not surplus and min(placed.values()) - now >= renew_at > 0:
+            continue  # hot, wanted, and none due for renewal: the common case, one check for the set
         for node, expires_at in placed.items():
             if node not in live:
                 continue
