@@ -402,12 +402,13 @@ def _replay(a: argparse.Namespace) -> int:
                     primary = rc[0] in (configs[0][0], "plan")
                     if seed == seeds[0] and primary:
                         entry["policies"][policy] = s  # the first router's runs, as before
+                    tag = "" if primary else f"-{rc[0]}"  # the first router keeps the old file names
+                    again = "" if seed == seeds[0] else f"-s{seed}"  # and the first seed; every seed's rows are kept
+                    with open(a.out / "requests" / f"{wl.name}-{policy}{tag}{again}.jsonl", "w") as f:
+                        for r in run["records"]:
+                            f.write(json.dumps(r.row()) + "\n")
                     if seed == seeds[0]:
                         ttfts[label] = [r.ttft_s for r in run["records"] if r.done and not r.error]
-                        tag = "" if primary else f"-{rc[0]}"  # the first router keeps the old file names
-                        with open(a.out / "requests" / f"{wl.name}-{policy}{tag}.jsonl", "w") as f:
-                            for r in run["records"]:
-                                f.write(json.dumps(r.row()) + "\n")
                         if not a.no_plots:
                             arrivals: dict[str, list[float]] = {}
                             for r in run["records"]:
