@@ -273,8 +273,9 @@ class Coordinator:
             window = self.predictor.forecast(now, self.plan_cfg.demand_window_s, keys=pids)
             demand = {pid: float(e) for pid, e in zip(pids, window.expected)}  # plan() spreads it along chains
         out = []
+        live = frozenset(self.membership.live_ids())
         for pid, (prob, need_in, scorer) in chosen.items():
-            c = self._candidate(pid, prob, need_in, demand.get(pid, 0.0))
+            c = self._candidate(pid, prob, need_in, demand.get(pid, 0.0), live)
             if c is not None:
                 out.append(c)
                 for d in c.depth_options:
@@ -282,7 +283,7 @@ class Coordinator:
         return out
 
     def _candidate(self, pid: tuple[str, bytes], prob: float, need_in_s: float,
-                   demand: float = 0.0) -> Candidate | None:
+                   demand: float = 0.0, live: frozenset[str] | None = None) -> Candidate | None:
         namespace, _ = pid
         chain = self.predictor.chain(pid) if self.predictor is not None else ()
         page_bytes = self._page_bytes(namespace)
@@ -290,7 +291,7 @@ class Coordinator:
             return None
         depth = len(chain)
         options = tuple(d for d in self.pcfg.depths if d <= depth) or (depth,)
-        live = set(self.membership.live_ids())
+        live = frozenset(self.membership.live_ids()) if live is None else live
         holders = {d: frozenset(self.directory.holders(namespace, chain[d - 1]) & live) for d in options}
         return Candidate(namespace=namespace, chain=tuple(chain), depth_options=options, holders=holders,
                          prob=prob, need_in_s=need_in_s, page_bytes=page_bytes, demand=demand)
