@@ -179,7 +179,7 @@ class Engine:
         self._result = result
         self.held = held        # oracle: which pages each node holds, as events
         self.clock_start = 0.0  # perf_counter of trace time 0 (set by the driver)
-        self._buffers: list[np.ndarray] = []  # Get output buffers, reused: a fresh one per Get costs its page faults
+        self._buffers: list[np.ndarray] = []  # Get output buffers, reused: a fresh one per Get costs page faults
         self.workers = [asyncio.create_task(self._worker()) for _ in range(cfg.concurrency)]
 
     @property
@@ -266,6 +266,7 @@ class Engine:
             if fetch > 0:
                 t_get = time.perf_counter()
                 buf = self._buffer(fetch)
+                buf[:fetch].fill(0)  # no page of an earlier Get can pass for one this Get did not write
                 try:
                     got = await self.kv.get(cfg.namespace, keys[:fetch], timeout=cfg.fetch_timeout_s, out=buf[:fetch])
                     rec.get_real_s = time.perf_counter() - t_get
