@@ -204,6 +204,20 @@ def test_sim_cli_writes_the_same_results_marked_simulated(tmp_path) -> None:  # 
     assert report.startswith("# Trace replay -- SIMULATED") and "not measured" in report
 
 
+def test_every_run_keeps_its_request_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One file per policy, router and seed: the first router and seed under the plain name."""
+    from bench.replay.cli import replay_main
+
+    out = tmp_path / "rows"
+    args = [*SMOKE, "--sim", "--policies", "none", "--routers", "least-load,round-robin", "--repeats", "2"]
+    assert replay_main([*args, "--no-plots", "--no-progress", "--out", str(out)]) == 0
+    names = sorted(p.name for p in (out / "requests").iterdir())
+    wl = names[0].split("-none")[0]
+    assert names == sorted(f"{wl}-none{tag}{again}.jsonl" for tag in ("", "-round-robin") for again in ("", "-s1"))
+    rows = [json.loads(line) for line in (out / "requests" / f"{wl}-none-round-robin-s1.jsonl").read_text().splitlines()]
+    assert rows and all(r["done"] for r in rows)
+
+
 def test_sim_agrees_with_the_real_replay_on_the_smoke_workload(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """--sim-compare runs the smoke workload on real kvstored nodes and simulated: every configuration's
     TTFT p50 and p99 agree within TOLERANCE, the results carry the same keys (the real ones, the daemons'
