@@ -74,6 +74,12 @@ class _CoordinatorCollector:
             if isinstance(stats.get(key), (int, float)):
                 state.add_metric([key], float(stats[key]))
         yield state
+        links = GaugeMetricFamily("kvstore_copy_link_bps", "Copy rate of a node's link measured by the "
+                                  "coordinator's copies, by node and direction", labels=["node", "direction"])
+        for node, rates in stats.get("links", {}).items():
+            links.add_metric([node, "egress"], float(rates["egress_bps"]))
+            links.add_metric([node, "ingress"], float(rates["ingress_bps"]))
+        yield links
         source = GaugeMetricFamily("kvstore_predictor_source", "1 for the scorer in use (lightgbm or momentum)",
                                    labels=["source"])
         if stats.get("source"):

@@ -475,7 +475,7 @@ def test_property_decisions_are_safe(
         assert 1 <= len(d.targets) <= cfg.max_targets and len(set(d.targets)) == len(d.targets)
         assert all(t in by_id and t not in holding for t in d.targets)        # live non-holders
         assert d.bytes == d.depth * c.page_bytes * len(d.targets)
-        assert d.transfer_s == pytest.approx(d.depth * c.page_bytes / bandwidth)
+        assert d.transfer_s >= d.depth * c.page_bytes / bandwidth * (1 - 1e-9)  # no faster than an idle link
         assert d.transfer_s * cfg.safety <= c.need_in_s                      # lands in time
         for t in d.targets:
             landed[t] = landed.get(t, 0) + d.depth * c.page_bytes
@@ -559,10 +559,29 @@ def test_a_shorter_prefix_takes_the_demand_of_its_longer_prefixes() -> None:
 
 
 def test_a_tree_is_trimmed_to_the_waves_that_land_in_time() -> None:
-    page, bw = 10 * MB, 1 * GB  # 8 pages: 0.08 s a copy, x1.5 safety: 0.12 s a wave
-    c = replace(cand(need=0.13, page=page, options=(8,)), demand=80.0)
+    page, bw = 10 * MB, 1 * GB  # 8 pages: 0.08 s a copy alone, 0.16 s two sharing the holder's egress
+    c = replace(cand(need=0.25, page=page, options=(8,)), demand=80.0)  # a wave x1.5 safety: 0.24 s
     d = only(plan([c], nodes(*EIGHT), bw, SIZED, NOW))
     assert len(d.targets) == 2 and d.waves == 1  # one wave fits: the holder's fan-out only
+    assert d.transfer_s == pytest.approx(0.16)
+    c = replace(c, need_in_s=0.13)  # only a copy alone lands in time (0.12 s)
+    d = only(plan([c], nodes(*EIGHT), bw, SIZED, NOW))
+    assert len(d.targets) == 1 and d.transfer_s == pytest.approx(0.08)
+
+
+def test_a_slow_ingress_is_no_target_when_its_copy_would_land_late() -> None:
+    """The planner's rates are per node and direction: a target behind a slow link is passed over for
+    one whose copy lands in time, and a source's copies in flight slow the next one out of it."""
+    page = 10 * MB  # 8 pages = 80 MB
+    c = cand(need=0.2, page=page, options=(8,), holders={8: {"a"}})
+    ns = nodes(*EIGHT)
+    for n in ns:
+        n.ingress_bps = 1e8 if n.node_id != "h" else 1e10  # 0.8 s into every node but h (8 ms)
+    d = only(plan([c], ns, 1e10, PlannerConfig(threshold=0.5), NOW))
+    assert d.targets == ("h",) and d.transfer_s == pytest.approx(0.008)
+    ns[0].sending = 99  # "a" already sends 99 copies: the 100th gets 1e8 B/s, 0.8 s
+    r = plan([c], ns, 1e10, PlannerConfig(threshold=0.5), NOW)
+    assert not r.decisions and r.skipped == {"too_late": 1}
 
 
 def test_no_copy_when_the_set_already_serves_the_demand() -> None:

@@ -15,8 +15,8 @@ behaviour, on the daemons' clock (``SimCluster.dnow``):
   (they read ``time.monotonic()``);
 * ``tick`` / ``_tick_full`` (they spawn asyncio tasks), ``_copy`` (a
   ``Replicate``: the target renews what it holds as speculative and pulls the
-  rest from the source over the simulated links; the bandwidth estimate is
-  the same EWMA of moved bytes over the copy's time), ``_copy_tree``,
+  rest from the source over the simulated links; the per-node link rates
+  are measured from the copies as there, ``LinkRates``), ``_copy_tree``,
   ``_renew`` and ``_drop``.
 
 Retraining (``maybe_retrain``) is joined at once, so a run is deterministic.
@@ -180,9 +180,10 @@ class SimCoordinator:
         c, cl, done = self.coord, self.cluster, self.sim.event()
         key, now = (self.cluster.p.namespace, keys[-1]), cl.dnow()
         if kind == SPECULATIVE and not part:
-            c.note_pending(key, keys, target, now + (nbytes / c.bandwidth if c.bandwidth else 0.0))
+            c.note_pending(key, keys, target, now + c.links.copy_s(source, target, nbytes))
             c._placed[key] = now
         c._in_flight_bytes += nbytes
+        contention = c.links.start(source, target)
         ti, si = cl.index[target], cl.index[source]
         expires_at = now + ttl if kind == SPECULATIVE and ttl > 0 else 0.0
 
@@ -206,7 +207,7 @@ class SimCoordinator:
                 c._landed(key, target)
             took = cl.dnow() - now
             moved = len(copied) * (nbytes // max(1, len(keys)))
-            c.observe_copy(moved, took)
+            c.links.end(source, target, moved, took, contention)
             self.spec_bytes["speculative" if kind == SPECULATIVE else "replica"] += moved
             if kind == SPECULATIVE:
                 c.pages_from[source] += len(copied)

@@ -42,13 +42,13 @@ from kvstore.errors import KvError
 from kvstore.metrics import NodeMetrics
 from kvstore.pool.pool import PageKind
 from kvstore.predict.copytree import chunk_bounds, relay_parts
+from kvstore.predict.links import LinkRates
 from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig
 from kvstore.predict.types import Access, Outcome, PredictorConfig
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
 decision_log = logging.getLogger("kvstore.decisions")
-_BANDWIDTH_ALPHA = 0.3
 
 
 class Coordinator:
@@ -82,7 +82,7 @@ class Coordinator:
         # (namespace, deepest key) -> {node: expected ready time}: copies in flight
         self.pending: dict[tuple[str, bytes], dict[str, float]] = {}
         self._pending_chain: dict[tuple[str, bytes], tuple[bytes, ...]] = {}  # a pending prefix's keys
-        self.bandwidth = float(config.spec_bandwidth)  # bytes/s per copy, refined by measurement
+        self.links = LinkRates(float(config.spec_bandwidth))  # per node and direction, refined by the copies
         self._in_flight_bytes = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._full_queue: deque[tuple[str, str, list[bytes]]] = deque(maxlen=100_000)
@@ -122,11 +122,12 @@ class Coordinator:
                            self._page_bytes(claim.namespace), others=self.membership.live_ids(),
                            parts=self.relay_parts(claim.namespace, min(claim.needed, len(claim.chain))))
 
-    def observe_copy(self, moved: int, took: float) -> None:
-        """A copy moved ``moved`` bytes in ``took`` seconds: averaged into the per-copy bandwidth that the
-        planner, the hints' landing times and the trees' parts go by (from ``--spec-bandwidth`` on)."""
-        if moved > 0 and took > 0:
-            self.bandwidth = (1 - _BANDWIDTH_ALPHA) * self.bandwidth + _BANDWIDTH_ALPHA * moved / took
+    @property
+    def bandwidth(self) -> float:
+        """One copy's rate on an idle link (:meth:`LinkRates.typical`), where one number is needed: the
+        relay's part count and the planner's rate for a node it has no measurement of. The planner, the
+        hints' landing times and the trees' waves go by each node's rates (``self.links``)."""
+        return self.links.typical()
 
     def relay_parts(self, namespace: str, keys: int) -> int:
         """Parts a copy tree of ``keys`` pages relays in at the measured copy bandwidth (1: store and
@@ -303,8 +304,11 @@ class Coordinator:
         for (namespace, _), nodes in self.pending.items():
             for node in nodes:
                 coming[node] = coming.get(node, 0) + self._page_bytes(namespace)
+        links = self.links
         return [NodeState(node_id=m.node_id, capacity_bytes=m.capacity_bytes, used_bytes=m.used_bytes,
-                          spec_bytes=m.speculative_bytes + coming.get(m.node_id, 0))
+                          spec_bytes=m.speculative_bytes + coming.get(m.node_id, 0),
+                          egress_bps=links.egress_bps(m.node_id), ingress_bps=links.ingress_bps(m.node_id),
+                          sending=links.sending[m.node_id], receiving=links.receiving[m.node_id])
                 for m in self.membership.view()]
 
     def _tick_full(self) -> None:
@@ -336,14 +340,15 @@ class Coordinator:
         key = (namespace, keys[-1])
         now = time.monotonic()
         if kind is PageKind.SPECULATIVE and not part:
-            eta = now + (nbytes / self.bandwidth if self.bandwidth else 0.0)
-            self.note_pending(key, keys, target, eta)
+            self.note_pending(key, keys, target, now + self.links.copy_s(source, target, nbytes))
         self._in_flight_bytes += nbytes
+        contention = self.links.start(source, target)
         request = pb.ReplicateRequest(namespace=namespace, keys=keys, source_node_id=source, kind=kind,
                                       ttl_seconds=ttl)
         start = time.perf_counter()
         if kind is PageKind.SPECULATIVE and not part:
             self._placed[key] = now
+        reply = None
         try:
             reply = await self.peers.replicate(target, request,
                                                timeout=max(self.control_timeout, 4 * self.plan_cfg.tick_s))
@@ -354,9 +359,8 @@ class Coordinator:
             self._in_flight_bytes -= nbytes
             if not part:
                 self._landed(key, target)
-        took = time.perf_counter() - start
-        moved = reply.copied * (nbytes // max(1, len(keys)))
-        self.observe_copy(moved, took)
+            moved = reply.copied * (nbytes // max(1, len(keys))) if reply is not None else 0
+            self.links.end(source, target, moved, time.perf_counter() - start, contention)
         self.metrics.spec_bytes.labels(kind.name.lower()).inc(moved)
         if kind is PageKind.SPECULATIVE:
             self.pages_from[source] += reply.copied
@@ -423,14 +427,15 @@ class Coordinator:
     def book_tree(self, d: Decision, nbytes: int,
                   now: float) -> tuple[tuple[str, bytes], dict[str, list[str]], list[str]]:
         """What a copy tree notes before its first copy, here and in the simulator: every target pending
-        from the start (due after the tree's waves at the measured bandwidth), and the holder egress the
+        from the start (due after the tree's waves at the links' measured rates), and the holder egress the
         tree spares against copying every target from one source. Returns the prefix's key, each
         sender's targets, and the roots (the senders that held it before the tree)."""
         children: dict[str, list[str]] = {}
         for src, dst in d.tree:
             children.setdefault(src, []).append(dst)
         key = (d.namespace, d.keys[-1])
-        per_wave = nbytes / self.bandwidth if self.bandwidth else 0.0
+        at_once = {src: min(max(1, self.plan_cfg.fanout), len(dsts)) for src, dsts in children.items()}
+        per_wave = max((self.links.copy_s(src, dst, nbytes, at_once[src]) for src, dst in d.tree), default=0.0)
         for _, dst in d.tree:
             self.note_pending(key, d.keys, dst, now + per_wave * d.waves)
         targets = set(d.targets)
@@ -477,7 +482,7 @@ class Coordinator:
     def stats(self) -> dict[str, Any]:
         ticks = np.array(self.tick_seconds) if self.tick_seconds else np.zeros(1)
         out = {"policy": self.policy, "speculative_prefixes": len(self.speculative), "pending": len(self.pending),
-               "bandwidth_bps": self.bandwidth, "tick_p50_ms": float(np.percentile(ticks, 50) * 1e3),
+               "bandwidth_bps": self.bandwidth, "links": self.links.stats(), "tick_p50_ms": float(np.percentile(ticks, 50) * 1e3),
                "tick_p99_ms": float(np.percentile(ticks, 99) * 1e3)}
         if self.predictor is not None:
             out.update(self.predictor.stats())

@@ -27,11 +27,17 @@ Rules, and why:
    sooner need, then namespace and keys), so the byte and room budgets go to
    the surest bets.
 3. **Depth gate.** From the deepest depth option down: a copy of ``depth``
-   pages takes ``depth * page_bytes / bandwidth_bps`` seconds per target
-   (targets are copied in parallel over their own links); the depth is kept
-   only if ``transfer_s * cfg.safety <= need_in_s``. No depth fits -> skip
-   ``too_late``: never warm what cannot land before it is needed. A depth
-   also needs a live source holding it, else the next shallower is tried.
+   pages from ``src`` to ``dst`` takes ``depth * page_bytes / rate`` seconds,
+   ``rate`` being its share of both ends: ``min(egress(src) / (copies
+   leaving src + 1), ingress(dst) / (copies entering dst + 1))``, from each
+   node's measured rates (:class:`~kvstore.predict.links.LinkRates`;
+   ``bandwidth_bps`` for a node that reports none) and the copies in flight
+   or planned this tick. A target is kept only if its copy from the chosen
+   source fits ``transfer_s * cfg.safety <= need_in_s``; the fastest copy
+   the cluster could make gates the depths first, cheaply. No depth fits ->
+   skip ``too_late``: never warm what cannot land before it is needed. A
+   depth also needs a live source holding it, else the next shallower is
+   tried.
 4. **Targets.** Live nodes not holding the prefix at that depth (directory
    holders of that depth or deeper, plus unexpired speculative replicas of
    that depth or deeper) and not about to (a copy of it planned earlier in
@@ -45,8 +51,8 @@ Rules, and why:
    with the most headroom (``capacity - used - planned``; ties: fewer
    speculative bytes, then node id).
 5. **Source.** A live holder of the depth with the least load, then the
-   fewest bytes already planned out of it this tick, then the most headroom,
-   then node id.
+   fastest egress share, then the fewest bytes already planned out of it
+   this tick, then the most headroom, then node id.
 6. **Budgets.** Copy bytes this tick stay within ``cfg.spec_bandwidth *
    cfg.tick_s - transfers_in_flight_bytes`` (a candidate that does not fit
    tries a shallower depth, then fewer targets); at most
@@ -136,8 +142,12 @@ class _NodeTick:
 
     state: NodeState
     spec_limit: int
+    egress: float = 0.0     # its copy egress, bytes/s (its report, else plan()'s bandwidth_bps)
+    ingress: float = 0.0    # its copy ingress, bytes/s
     planned_in: int = 0     # bytes planned onto it this tick
     planned_out: int = 0    # bytes planned out of it (as a source) this tick
+    sends: int = 0          # copies planned out of it this tick
+    receives: int = 0       # copies planned into it this tick
 
     @property
     def node_id(self) -> str:
@@ -153,19 +163,31 @@ class _NodeTick:
         spec_ok = self.state.spec_bytes + self.planned_in + nbytes <= self.spec_limit
         return spec_ok and nbytes <= self.headroom
 
+    @property
+    def out_share(self) -> float:
+        """Bytes/s one more copy out of it would get: its egress shared with the copies already leaving."""
+        return self.egress / (self.state.sending + self.sends + 1)
+
+    @property
+    def in_share(self) -> float:
+        """Bytes/s one more copy into it would get."""
+        return self.ingress / (self.state.receiving + self.receives + 1)
+
     def target_key(self) -> tuple[int, int, str]:
         """Sort key for targets: most headroom, fewer speculative bytes, id."""
         return (-self.headroom, self.state.spec_bytes + self.planned_in, self.node_id)
 
-    def source_key(self) -> tuple[float, int, int, str]:
-        """Sort key for sources: least load, least planned out, most headroom, id."""
-        return (self.state.load, self.planned_out, -self.headroom, self.node_id)
+    def source_key(self) -> tuple[float, float, int, int, str]:
+        """Sort key for sources: least load, fastest egress share, least planned out, most headroom, id."""
+        return (self.state.load, -self.out_share, self.planned_out, -self.headroom, self.node_id)
 
 
-def _node_ticks(nodes: Sequence[NodeState], cfg: PlannerConfig) -> dict[str, _NodeTick]:
-    """Index live nodes by id with their speculative byte limit."""
+def _node_ticks(nodes: Sequence[NodeState], cfg: PlannerConfig, bandwidth_bps: float) -> dict[str, _NodeTick]:
+    """Index live nodes by id with their speculative byte limit and link rates (``bandwidth_bps`` where
+    a node reports none)."""
     return {
-        n.node_id: _NodeTick(n, spec_limit=int(cfg.spec_budget * n.capacity_bytes))
+        n.node_id: _NodeTick(n, spec_limit=int(cfg.spec_budget * n.capacity_bytes),
+                             egress=n.egress_bps or bandwidth_bps, ingress=n.ingress_bps or bandwidth_bps)
         for n in nodes
     }
 
@@ -254,6 +276,7 @@ class _Tick:
     budget_left: int
     result: PlanResult
     max_room: int = -1      # most bytes any live node can still take; < 0 = recompute
+    max_rate: float = -1.0  # fastest rate any copy could get now; < 0 = recompute
     planned: dict[PrefixId, set[str]] = field(default_factory=dict)  # block key -> targets copied to this tick
     demand: dict[str, dict[bytes, float]] = field(default_factory=dict)  # [ns][block key] -> demand (chain_demand)
 
@@ -272,6 +295,15 @@ class _Tick:
             self.max_room = max(self.max_room, 0)
         return self.max_room
 
+    def fastest_rate(self) -> float:
+        """The rate of the fastest copy any source could send any target now (cached until the next
+        decision): no copy lands sooner, so a depth too late at it is too late everywhere."""
+        if self.max_rate < 0:
+            nodes = self.live.values()
+            self.max_rate = min(max((n.out_share for n in nodes), default=0.0),
+                                max((n.in_share for n in nodes), default=0.0))
+        return self.max_rate
+
     def plan_one(self, c: Candidate) -> Decision | str:
         """A decision for candidate ``c``, or the reason it is skipped."""
         if not self.live:
@@ -279,7 +311,7 @@ class _Tick:
         page = c.page_bytes
         if page <= 0:
             return "unknown_size"
-        bandwidth = self.bandwidth_bps
+        bandwidth = self.fastest_rate()
         if bandwidth <= 0:
             return "too_late"
         # Depth gate, then the cheap cluster-wide checks: most candidates of a
@@ -309,7 +341,7 @@ class _Tick:
                 notes.append((d, "no_room" if nbytes > room_max else "bandwidth"))
         walk = _HolderWalk(c, self.live, self.speculative, self.planned, self.now)
         reason = "too_late"
-        for d, nbytes, t in viable:
+        for d, nbytes, _ in viable:
             held, pending = walk.at(d)
             if len(held) + len(pending) == len(self.live):
                 reason = "held_everywhere"  # then every shallower depth is too
@@ -321,9 +353,15 @@ class _Tick:
             else:
                 room = [n for n in self.live.values()
                         if n.node_id not in held and n.node_id not in pending and n.room_for(nbytes)]
-                if room:
-                    return self._decide(c, d, nbytes, t, held, room, notes)
                 reason = "no_room"
+                if room:
+                    sources = sorted((self.live[n] for n in held), key=_NodeTick.source_key)
+                    send = sources[0].out_share
+                    rates = [(n, min(send, n.in_share)) for n in room]
+                    in_time = [(n, nbytes / r) for n, r in rates if r > 0 and nbytes / r * safety <= need]
+                    if in_time:
+                        return self._decide(c, d, nbytes, sources, in_time, notes)
+                    reason = "too_late"  # at the links' measured rates and their copies in flight
             notes.append((d, reason))
         return reason
 
@@ -343,34 +381,47 @@ class _Tick:
         c: Candidate,
         depth: int,
         nbytes: int,
-        transfer_s: float,
-        held: set[str],
-        room: list[_NodeTick],
+        sources: list[_NodeTick],
+        room: list[tuple[_NodeTick, float]],
         notes: list[tuple[int, str]],
     ) -> Decision:
-        """Pick targets and sources for ``c`` at ``depth`` and book their bytes.
+        """Pick targets for ``c`` at ``depth`` among ``room`` (nodes with room whose copy from the best
+        of ``sources`` lands in time, with that copy's seconds) and book their bytes and copies.
 
         Without a demand forecast: up to ``max_targets`` targets, all copied
         from one source. With one: as many targets as the demand asks for,
         copied as a tree (every holder serves ``fanout`` targets a wave, and
         each target serves the next wave once its copy landed), trimmed to
-        the waves that land in time."""
+        the waves that land in time (at the slowest chosen target's rate)."""
         cfg = self.cfg
-        room.sort(key=_NodeTick.target_key)
-        sources = sorted((self.live[n] for n in held), key=_NodeTick.source_key)
-        wanted = self._wanted(c, depth, len(held))
-        parts = relay_parts(transfer_s, cfg.chunks, cfg.min_part_s) if wanted is not None else 1
-        if wanted is None:
+        room.sort(key=lambda pair: pair[0].target_key())
+        wanted = self._wanted(c, depth, len(sources))
+        src, need, safety = sources[0], c.need_in_s, cfg.safety
+
+        def wave_s(targets: Sequence[_NodeTick], at_once: int) -> float:
+            """Seconds of a wave of copies to ``targets``, ``at_once`` of them leaving ``src`` together."""
+            send = src.egress / (src.state.sending + src.sends + at_once)
+            return max(nbytes / min(send, n.in_share) for n in targets)
+
+        if wanted is None:  # up to max_targets copies from one source at once, as many as land in time
             k = min(cfg.max_targets, self.budget_left // nbytes, len(room))
-            waves_ok = 1
+            while k > 1 and wave_s([n for n, _ in room[:k]], k) * safety > need:
+                k -= 1
+            transfer_s, parts = wave_s([n for n, _ in room[:k]], k), 1
         else:
-            waves_ok = max(1, int(c.need_in_s // (transfer_s * cfg.safety))) if transfer_s > 0 else 1
-            if parts > 1:  # a chain of L relays lands in 1 + (L - 1) / parts copy times
-                reach = len(sources) * (1 + (waves_ok - 1) * parts)
+            fanout = max(1, cfg.fanout)
+            transfer_s = wave_s([n for n, _ in room], min(fanout, len(room)))
+            parts = relay_parts(transfer_s, cfg.chunks, cfg.min_part_s)
+            if transfer_s * safety > need:  # a wave of fanout copies is too slow: one copy alone lands in time
+                transfer_s, reach = room[0][1], 1
+                parts = relay_parts(transfer_s, cfg.chunks, cfg.min_part_s)
+            elif parts > 1:  # a chain of L relays lands in 1 + (L - 1) / parts copy times
+                reach = len(sources) * (1 + (int(need // (transfer_s * safety)) - 1) * parts)
             else:
-                reach = len(sources) * ((1 + max(1, cfg.fanout)) ** min(waves_ok, 16) - 1)
+                waves_ok = max(1, int(need // (transfer_s * safety))) if transfer_s > 0 else 1
+                reach = len(sources) * ((1 + fanout) ** min(waves_ok, 16) - 1)
             k = min(wanted, reach, self.budget_left // nbytes, len(room))
-        targets = room[:k]
+        targets = [n for n, _ in room[:k]]
         if wanted is None:
             edges = [(sources[0].node_id, n.node_id) for n in targets]
             waves = 1
@@ -390,10 +441,12 @@ class _Tick:
         total = nbytes * k
         for n in targets:
             n.planned_in += nbytes
-        for src, _ in edges:
-            self.live[src].planned_out += nbytes
+            n.receives += 1
+        for sender, _ in edges:
+            self.live[sender].planned_out += nbytes
+            self.live[sender].sends += 1
         self.budget_left -= total
-        self.max_room = -1
+        self.max_room, self.max_rate = -1, -1.0
         names = {n.node_id for n in targets}
         for key in c.chain[:depth]:
             self.planned.setdefault((c.namespace, key), set()).update(names)
@@ -445,7 +498,7 @@ def plan(
     the expiries. Same inputs, same result.
     """
     speculative = speculative if speculative is not None else {}
-    live = _node_ticks(nodes, cfg)
+    live = _node_ticks(nodes, cfg, bandwidth_bps)
     budget = max(0, int(cfg.spec_bandwidth * cfg.tick_s) - int(transfers_in_flight_bytes))
     tick = _Tick(cfg, live, speculative, bandwidth_bps, now, budget, PlanResult(bytes_budget=budget))
     for pid, targets in (pending or {}).items():

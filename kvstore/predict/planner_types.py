@@ -19,6 +19,10 @@ class NodeState:
     used_bytes: int
     spec_bytes: int = 0               # bytes held as speculative replicas
     load: float = 0.0                 # recent requests/s routed to it (optional)
+    egress_bps: float = 0.0           # its measured copy egress (0: unknown, plan()'s bandwidth_bps)
+    ingress_bps: float = 0.0          # its measured copy ingress (0: unknown, plan()'s bandwidth_bps)
+    sending: int = 0                  # copies out of it in flight
+    receiving: int = 0                # copies into it in flight
 
 
 @dataclass(slots=True)
@@ -54,7 +58,7 @@ class Decision:
     ttl_s: float
     reason: str
     bytes: int = 0                     # total over all targets
-    transfer_s: float = 0.0            # predicted time of one target's copy at the measured bandwidth
+    transfer_s: float = 0.0            # predicted time of the slowest target's copy at the measured link rates
     need_in_s: float = 0.0             # predicted lead time the copy was gated against
     tree: tuple[tuple[str, str], ...] = ()  # (from, to) copies in wave order; () = all from ``source``
     waves: int = 1                     # rounds of the copy tree (its time is waves x transfer_s)
