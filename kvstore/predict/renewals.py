@@ -76,10 +76,13 @@ def renew_or_drop(
     renew_at = cfg.renew_when_left * cfg.ttl_s
     renewals: list[Renewal] = []
     drops: list[Drop] = []
+    no_scores: dict[bytes, float] = {}
+    no_sizes: dict[bytes, Sized] = {}
     for (ns, key), placed in speculative.items():
-        score = hot.get(ns, {}).get(key, -1.0)
-        size = sized.get(ns, {}).get(key)
-        surplus = _surplus(placed, size, live, now) if size is not None else ()
+        score = hot.get(ns, no_scores).get(key, -1.0)
+        size = sized.get(ns, no_sizes).get(key)
+        surplus = _surplus(placed, size, live, now) if size is not None and len(placed) > size[0] - len(size[1]) \
+            else ()
         if score >= keep and not surplus and min(placed.values()) - now >= renew_at > 0:
             continue  # hot, wanted, and none due for renewal: the common case, one check for the set
         for node, expires_at in placed.items():
@@ -118,8 +121,8 @@ def _covered(candidates: Sequence[Candidate], placed: Mapping[str, set[bytes]], 
       replicas hot too), whatever the candidates' order;
     * with a demand forecast (``demand``: per key, the largest of the candidates covering it), the
       size of its set: ``SURPLUS_SLACK`` times the nodes the demand asks for, and who holds it."""
-    hot: dict[str, dict[bytes, float]] = {}
-    sized: dict[str, dict[bytes, Sized]] = {}
+    hot: dict[str, dict[bytes, float]] = {ns: {} for ns in placed}
+    sized: dict[str, dict[bytes, Sized]] = {ns: {} for ns in placed}
     per_node = cfg.node_rate * cfg.demand_window_s
     for c in candidates:
         keys = placed.get(c.namespace)
@@ -128,15 +131,15 @@ def _covered(candidates: Sequence[Candidate], placed: Mapping[str, set[bytes]], 
         common = keys.intersection(c.chain)
         if not common:
             continue
-        best = hot.setdefault(c.namespace, {})
+        best, prob = hot[c.namespace], c.prob
         for key in common:
-            if best.get(key, -1.0) < c.prob:
-                best[key] = c.prob
+            if best.get(key, -1.0) < prob:
+                best[key] = prob
         wants = demand.get(c.namespace) if demand else None
         if wants:
-            sizes = sized.setdefault(c.namespace, {})
+            sizes, chain = sized[c.namespace], c.chain
             for d in c.depth_options:
-                if d <= len(c.chain) and (key := c.chain[d - 1]) in common and key not in sizes:
+                if d <= len(chain) and (key := chain[d - 1]) in common and key not in sizes:
                     want = wants.get(key, 0.0)
                     if want > 0:
                         sizes[key] = (max(1, math.ceil(SURPLUS_SLACK * want / per_node)),
