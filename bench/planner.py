@@ -42,7 +42,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvstore.predict.planner import plan, select_candidates  # noqa: E402
+from kvstore.predict.candidates import select_candidates  # noqa: E402
+from kvstore.predict.planner import plan  # noqa: E402
 from kvstore.predict.planner_types import Candidate, NodeState, PlannerConfig, PlanResult  # noqa: E402
 from kvstore.predict.types import PrefixId  # noqa: E402
 

@@ -247,7 +247,7 @@ class Coordinator:
         (kept alive between the bursts of a recurring prefix). Per prefix the
         most confident scorer wins; ``_scorer`` remembers which, for the
         decision counts."""
-        from kvstore.predict.planner import select_candidates
+        from kvstore.predict.candidates import select_candidates
 
         assert self.predictor is not None
         keep = self.plan_cfg.keep_threshold
