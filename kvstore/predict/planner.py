@@ -126,10 +126,10 @@ class _NodeTick:
         spec_ok = self.state.spec_bytes + self.planned_in + nbytes <= self.spec_limit
         return spec_ok and nbytes <= self.headroom
 
-    @property
-    def out_share(self) -> float:
-        """Bytes/s one more copy out of it would get: its egress shared with the copies already leaving."""
-        return self.egress / (self.state.sending + self.sends + 1)
+    def out_share(self, at_once: int = 1) -> float:
+        """Bytes/s each of ``at_once`` more copies out of it would get: its egress shared with the copies
+        already leaving."""
+        return self.egress / (self.state.sending + self.sends + at_once)
 
     @property
     def in_share(self) -> float:
@@ -142,7 +142,7 @@ class _NodeTick:
 
     def source_key(self) -> tuple[float, float, int, int, str]:
         """Sort key for sources: least load, fastest egress share, least planned out, most headroom, id."""
-        return (self.state.load, -self.out_share, self.planned_out, -self.headroom, self.node_id)
+        return (self.state.load, -self.out_share(), self.planned_out, -self.headroom, self.node_id)
 
 
 def _node_ticks(nodes: Sequence[NodeState], cfg: PlannerConfig, bandwidth_bps: float) -> dict[str, _NodeTick]:
@@ -234,7 +234,6 @@ class _Tick:
     cfg: PlannerConfig
     live: dict[str, _NodeTick]
     speculative: Speculative
-    bandwidth_bps: float
     now: float
     budget_left: int
     result: PlanResult
@@ -263,7 +262,7 @@ class _Tick:
         decision): no copy lands sooner, so a depth too late at it is too late everywhere."""
         if self.max_rate < 0:
             nodes = self.live.values()
-            self.max_rate = min(max((n.out_share for n in nodes), default=0.0),
+            self.max_rate = min(max((n.out_share() for n in nodes), default=0.0),
                                 max((n.in_share for n in nodes), default=0.0))
         return self.max_rate
 
@@ -319,7 +318,7 @@ class _Tick:
                 reason = "no_room"
                 if room:
                     sources = sorted((self.live[n] for n in held), key=_NodeTick.source_key)
-                    send = sources[0].out_share
+                    send = sources[0].out_share()
                     rates = [(n, min(send, n.in_share)) for n in room]
                     in_time = [(n, nbytes / r) for n, r in rates if r > 0 and nbytes / r * safety <= need]
                     if in_time:
@@ -363,7 +362,7 @@ class _Tick:
 
         def wave_s(targets: Sequence[_NodeTick], at_once: int) -> float:
             """Seconds of a wave of copies to ``targets``, ``at_once`` of them leaving ``src`` together."""
-            send = src.egress / (src.state.sending + src.sends + at_once)
+            send = src.out_share(at_once)
             return max(nbytes / min(send, n.in_share) for n in targets)
 
         if wanted is None:  # up to max_targets copies from one source at once, as many as land in time
@@ -374,10 +373,12 @@ class _Tick:
         else:
             fanout = max(1, cfg.fanout)
             transfer_s = wave_s([n for n, _ in room], min(fanout, len(room)))
+            single = transfer_s * safety > need  # a wave of fanout copies is too slow: one copy alone lands in time
+            if single:
+                transfer_s = room[0][1]
             parts = relay_parts(transfer_s, cfg.chunks, cfg.min_part_s)
-            if transfer_s * safety > need:  # a wave of fanout copies is too slow: one copy alone lands in time
-                transfer_s, reach = room[0][1], 1
-                parts = relay_parts(transfer_s, cfg.chunks, cfg.min_part_s)
+            if single:
+                reach = 1
             elif parts > 1:  # a chain of L relays lands in 1 + (L - 1) / parts copy times
                 reach = len(sources) * (1 + (int(need // (transfer_s * safety)) - 1) * parts)
             else:
@@ -450,8 +451,9 @@ def plan(
 
     ``candidates``: scored prefixes (any order; typically the rows of
     :func:`select_candidates` at ``cfg.keep_threshold``). ``nodes``: the
-    live nodes. ``bandwidth_bps``: the transport's measured per-link
-    bandwidth. ``speculative``: replicas already placed,
+    live nodes, each with its measured link rates and copies in flight.
+    ``bandwidth_bps``: the rate of a node whose ``NodeState`` carries none.
+    ``speculative``: replicas already placed,
     ``{(namespace, key of deepest block): {node: expires_at}}``.
     ``transfers_in_flight_bytes``: copy bytes still on the wire from earlier
     ticks; they are charged to this tick's byte budget. ``pending``: those
@@ -463,7 +465,7 @@ def plan(
     speculative = speculative if speculative is not None else {}
     live = _node_ticks(nodes, cfg, bandwidth_bps)
     budget = max(0, int(cfg.spec_bandwidth * cfg.tick_s) - int(transfers_in_flight_bytes))
-    tick = _Tick(cfg, live, speculative, bandwidth_bps, now, budget, PlanResult(bytes_budget=budget))
+    tick = _Tick(cfg, live, speculative, now, budget, PlanResult(bytes_budget=budget))
     for pid, targets in (pending or {}).items():
         tick.planned[pid] = set(targets)
     result = tick.result
