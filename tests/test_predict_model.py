@@ -128,6 +128,17 @@ def test_momentum_fallback_without_model(tmp_path: Path) -> None:
     assert q.score(0.0).source == "momentum" and q.stats()["load_error"]
 
 
+def test_positions_find_prefixes_in_a_scoring_pass_without_an_index_of_every_id() -> None:
+    p = Predictor(ONLINE)
+    drive(p, 60.0)
+    s = p.score(61.0)
+    assert len(s.rows) == len(s) > 10
+    some = [s.ids[i] for i in (0, len(s) // 2, len(s) - 1)]
+    assert p.positions(s, some + [("nowhere", b"x" * 16)]) == [0, len(s) // 2, len(s) - 1, -1]
+    later = p.score(10_000.0)  # all gone quiet: the earlier pass still knows its own rows
+    assert len(later) == 0 and p.positions(later, some) == [-1, -1, -1]
+
+
 def test_retrain_swaps_model_without_blocking_score(monkeypatch: pytest.MonkeyPatch) -> None:
     p = Predictor(ONLINE)
     t = drive(p, 240.0)

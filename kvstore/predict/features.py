@@ -95,6 +95,7 @@ class FeatureStore:
         self._hi = 0                               # rows [0, hi) have been used
         self._free: list[int] = []
         self._index: dict[PrefixId, int] = {}
+        self.snapshot_rows = np.zeros(0, dtype=np.int64)  # the rows of the last snapshot(), ascending
         self._chains: list[tuple[bytes, ...] | None] = []
         self._ids = np.empty(0, dtype=object)
         self._next_uid = 0
@@ -418,7 +419,14 @@ class FeatureStore:
         X = np.empty((n, len(cols)), dtype=np.float32)
         for i, c in enumerate(cols):
             X[:, i] = c
+        self.snapshot_rows = rows
         return self._ids[rows].tolist(), self._depth[rows].copy(), X
+
+    def rows_of(self, prefix_ids: Sequence[PrefixId]) -> np.ndarray:
+        """The rows of ``prefix_ids`` (-1 where untracked), as :attr:`snapshot_rows` numbers them."""
+        self._flush()
+        index = self._index
+        return np.fromiter((index.get(p, -1) for p in prefix_ids), dtype=np.int64, count=len(prefix_ids))
 
     def _relative(self, n_nodes: float, holders: np.ndarray, fanout: np.ndarray, dec: np.ndarray,
                   cluster: np.ndarray, mom: np.ndarray, since: np.ndarray) -> list[np.ndarray]:

@@ -54,6 +54,7 @@ class Scores:
     source: str                   # "lightgbm" | "momentum"
     fanout: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))      # distinct recent nodes
     page_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # bytes per page (0 = unknown)
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the feature store's rows, ascending
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -171,6 +172,16 @@ class Predictor:
         """Keys of blocks 1..depth of a scored prefix (for the planner)."""
         return self.fs.chain(prefix_id)
 
+    def positions(self, scores: Scores, prefix_ids: Sequence[PrefixId]) -> list[int]:
+        """Where each of ``prefix_ids`` is in ``scores`` (-1: not scored), without indexing every id."""
+        rows = self.fs.rows_of(prefix_ids)
+        at = np.searchsorted(scores.rows, rows).clip(0, max(len(scores.rows) - 1, 0))
+        out = []
+        for pid, r, i in zip(prefix_ids, rows.tolist(), at.tolist()):
+            ok = r >= 0 and len(scores.rows) and int(scores.rows[i]) == r and scores.ids[i] == pid  # a reused row
+            out.append(i if ok else -1)
+        return out
+
     def _use_model(self, slot: _Slot) -> bool:
         if slot.model is None:
             return False
@@ -179,9 +190,9 @@ class Predictor:
     def score(self, now: float | None = None) -> Scores:
         """Score every prefix seen within ``active_within_s``; log a labelled sample on schedule."""
         t_start = time.perf_counter()
-        now, ids, depths, X, slot, p_mom = self._prepare(now)
+        now, ids, depths, X, slot, p_mom, rows = self._prepare(now)
         p_model = slot.model.predict(X) if slot.model is not None else None
-        return self._finish(t_start, now, ids, depths, X, slot, p_mom, p_model)
+        return self._finish(t_start, now, ids, depths, X, slot, p_mom, p_model, rows)
 
     async def score_async(self, now: float | None = None) -> Scores:
         """:meth:`score` with LightGBM inference in a worker thread (it releases the GIL).
@@ -190,23 +201,24 @@ class Predictor:
         loop) thread, before and after the ``await``; only the model sees X.
         """
         t_start = time.perf_counter()
-        now, ids, depths, X, slot, p_mom = self._prepare(now)
+        now, ids, depths, X, slot, p_mom, rows = self._prepare(now)
         p_model = None
         if slot.model is not None:
             if len(ids) >= _THREAD_ROWS:
                 p_model = await asyncio.to_thread(slot.model.predict, X)
             else:
                 p_model = slot.model.predict(X)
-        return self._finish(t_start, now, ids, depths, X, slot, p_mom, p_model)
+        return self._finish(t_start, now, ids, depths, X, slot, p_mom, p_model, rows)
 
-    def _prepare(self, now: float | None) -> tuple[float, list[PrefixId], np.ndarray, np.ndarray, _Slot, np.ndarray]:
+    def _prepare(self, now: float | None
+                 ) -> tuple[float, list[PrefixId], np.ndarray, np.ndarray, _Slot, np.ndarray, np.ndarray]:
         now = self.clock() if now is None else float(now)
         ids, depths, X = self.fs.snapshot(now, active_within_s=self.cfg.active_within_s)
         slot = self._slot  # one read: a swap in the worker cannot tear this pass
-        return now, ids, depths, X, slot, momentum_prob(X[:, self._mom_col], self.cfg.momentum_min)
+        return now, ids, depths, X, slot, momentum_prob(X[:, self._mom_col], self.cfg.momentum_min), self.fs.snapshot_rows
 
     def _finish(self, t_start: float, now: float, ids: list[PrefixId], depths: np.ndarray, X: np.ndarray,
-                slot: _Slot, p_mom: np.ndarray, p_model: np.ndarray | None) -> Scores:
+                slot: _Slot, p_mom: np.ndarray, p_model: np.ndarray | None, rows: np.ndarray) -> Scores:
         cfg = self.cfg
         use = p_model is not None and self._use_model(slot)
         probs = p_mom
@@ -222,7 +234,7 @@ class Predictor:
         fan = X[:, self._fan_col].astype(np.int32)
         page = (X[:, self._bytes_col] / np.maximum(depths, 1)).astype(np.int64)
         out = Scores(ids, depths, probs.astype(np.float32, copy=False), need_in_s(X, cfg, self.names), source,
-                     fan, page)
+                     fan, page, rows)
         self.last_score_ms = (time.perf_counter() - t_start) * 1e3
         return out
 
