@@ -2,12 +2,18 @@
 
 Vectorised and pure (numpy only): the coordinator calls :func:`select_candidates` every tick over the
 scores of 100k+ prefixes and builds :class:`~kvstore.predict.planner_types.Candidate` objects only for
-the rows it returns (rule 1 of :mod:`kvstore.predict.planner`).
+the rows it returns (rule 1 of :mod:`kvstore.predict.planner`), less those :func:`gate` turns away.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
 import numpy as np
+
+from kvstore.predict.planner_types import Candidate, NodeState, PlannerConfig
 
 
 def select_candidates(probs: np.ndarray, threshold: float, limit: int) -> np.ndarray:
@@ -41,4 +47,136 @@ def select_candidates(probs: np.ndarray, threshold: float, limit: int) -> np.nda
     return idx[order].astype(np.intp, copy=False)
 
 
-__all__ = ["select_candidates"]
+GATE_REASONS = ("", "too_late", "no_room", "bandwidth", "no_target", "unknown_size")
+"""What :func:`gate` returns per row, by index: ``""`` (a copy may start) or the reason
+:func:`~kvstore.predict.planner.plan` would give for skipping it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """What any copy of this tick can get at best, before the planner books one."""
+
+    rate: float   # bytes/s of the fastest copy any source could send any target
+    room: int     # most speculative bytes any one node can take
+    budget: int   # copy bytes the tick may spend
+    nodes: int    # live nodes
+
+
+def bounds(nodes: Sequence[NodeState], bandwidth_bps: float, cfg: PlannerConfig,
+           transfers_in_flight_bytes: int = 0) -> Bounds:
+    """The cluster-wide bounds :func:`~kvstore.predict.planner.plan` starts a tick with (its
+    ``fastest_rate``, ``largest_room`` and byte budget, before any decision)."""
+    out = max(((n.egress_bps or bandwidth_bps) / (n.sending + 1) for n in nodes), default=0.0)
+    into = max(((n.ingress_bps or bandwidth_bps) / (n.receiving + 1) for n in nodes), default=0.0)
+    room = max((min(int(cfg.spec_budget * n.capacity_bytes) - n.spec_bytes, n.capacity_bytes - n.used_bytes)
+                for n in nodes), default=0)
+    budget = max(0, int(cfg.spec_bandwidth * cfg.tick_s) - int(transfers_in_flight_bytes))
+    return Bounds(min(out, into), max(room, 0), budget, len(nodes))
+
+
+def gate(least_bytes: np.ndarray, need_in_s: np.ndarray, b: Bounds, safety: float) -> np.ndarray:
+    """Per row, the index in :data:`GATE_REASONS` of why no copy of it can start this tick, 0 when one may.
+
+    ``least_bytes``: its shallowest usable copy (the smallest depth option within its chain, times its
+    page bytes; 0 when no depth is usable, -1 when the page size is unknown). The planner's cheap checks
+    (rule 3 and 6 of :mod:`kvstore.predict.planner`), in its order. Room, rate and budget only shrink as
+    a tick books copies, so a row turned away here is turned away by :func:`plan` wherever it comes in
+    the order: the caller need not build its candidate unless another candidate reads its demand or
+    score (a prefix of the same chain)."""
+    least = np.asarray(least_bytes, dtype=np.float64)
+    need = np.asarray(need_in_s, dtype=np.float64)
+    out = np.zeros(least.shape, dtype=np.int8)
+    if b.budget <= 0:  # plan() checks its budget before anything else
+        out[:] = 3
+        return out
+    if b.nodes == 0:
+        out[:] = 4
+        return out
+    out[least > b.budget] = 3
+    out[least > b.room] = 2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        late = (least == 0) | (b.rate <= 0) | (least / b.rate * safety > need)
+    out[late] = 1
+    out[least < 0] = 5
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    """Candidates built only as far as a tick gets (``plan(..., ranked=)``): most of a busy tick's
+    candidates are turned away once the cluster's room or the byte budget is spent, so there is no
+    need to build them.
+
+    A row is a chain: the candidates sharing its first block, built together (they read each other's
+    scores and demands). Rows in nonincreasing ``prob`` order, the best of the chain's; for the gate,
+    its smallest ``least_bytes`` and its longest ``need_in_s`` (so a row turned away has every
+    candidate turned away), and ``count``, its candidates at the copy threshold. ``build(lo, hi)``
+    returns the candidates of rows ``lo`` to ``hi - 1``. A row shares no chain with another row or
+    with the eagerly passed candidates, and is not under review: only its copies are at stake."""
+
+    prob: np.ndarray
+    need_in_s: np.ndarray
+    least_bytes: np.ndarray            # as gate() takes it
+    count: np.ndarray
+    build: Callable[[int, int], Sequence[Candidate]]
+
+    def __len__(self) -> int:
+        return len(self.prob)
+
+
+RANK_CHUNK = 32
+"""Rows of :class:`Ranked` built at once."""
+
+
+def unfold(ranked: Ranked, threshold: float, state: Callable[[], Bounds | str], safety: float,
+           skip: Callable[[str, int], None], built: Callable[[Sequence[Candidate]], None],
+           order: Callable[[Candidate], tuple]) -> Iterator[Candidate]:  # type: ignore[type-arg]
+    """The candidates of ``ranked``'s rows at ``prob >= threshold``, in ``order``, built a chunk of rows
+    at a time, only once the next row could hold the next candidate in that order. Before each chunk
+    ``state()`` gives either a reason for every row left (``"cap"``, ``"bandwidth"``) or the tick's
+    bounds now; rows the :func:`gate` turns away are counted with ``skip`` (``count`` each) and never
+    built (the bounds only shrink, so they would be turned away at their turn too), and ``built`` sees
+    each chunk before any of it is yielded."""
+    n = int(np.searchsorted(-ranked.prob, -threshold, side="right"))  # rows with prob >= threshold
+    ready: list[tuple[tuple, int, Candidate]] = []  # type: ignore[type-arg]
+    lo = seq = 0
+    while lo < n or ready:
+        # a candidate not built yet has prob <= prob[lo]: build until the best ready one beats that
+        while lo < n and (not ready or -ready[0][0][0] <= ranked.prob[lo]):
+            now = state()
+            if isinstance(now, str):
+                skip(now, int(ranked.count[lo:n].sum()))
+                n = lo
+                break
+            hi = min(n, lo + RANK_CHUNK)
+            codes = gate(ranked.least_bytes[lo:hi], ranked.need_in_s[lo:hi], now, safety)
+            for i, count in enumerate(np.bincount(codes, weights=ranked.count[lo:hi],
+                                                  minlength=len(GATE_REASONS)).tolist()):
+                if i and count:
+                    skip(GATE_REASONS[i], int(count))
+            keep = np.flatnonzero(codes == 0)
+            if keep.size:
+                chunk: list[Candidate] = []
+                for a, b in _runs(keep + lo):
+                    chunk.extend(ranked.build(a, b))
+                built(chunk)
+                for c in chunk:
+                    heapq.heappush(ready, (order(c), seq, c))
+                    seq += 1
+            lo = hi
+        if ready:
+            yield heapq.heappop(ready)[2]
+
+
+def _runs(rows: np.ndarray) -> Iterator[tuple[int, int]]:
+    """``[lo, hi)`` runs of consecutive rows."""
+    start = prev = int(rows[0])
+    for r in rows[1:].tolist():
+        if r != prev + 1:
+            yield start, prev + 1
+            start = r
+        prev = r
+    yield start, prev + 1
+
+
+__all__ = ["GATE_REASONS", "RANK_CHUNK", "Bounds", "Ranked", "bounds", "gate", "select_candidates", "unfold"]

@@ -19,10 +19,10 @@ Rules, and why:
    :class:`Candidate` objects for. The caller should select with
    ``cfg.keep_threshold`` (not ``cfg.threshold``) so that candidates between
    the two keep their existing replicas alive (hysteresis); :func:`plan` only
-   *copies* for ``prob >= cfg.threshold``. A replica whose prefix is absent
-   from ``candidates`` counts as decayed, so the caller must pass the
-   candidates of the prefixes it holds replicas of (a large enough
-   ``limit`` does it).
+   *copies* for ``prob >= cfg.threshold``. A replica under review whose
+   prefix is absent from ``candidates`` counts as decayed, so the caller
+   passes the candidates of the prefixes under review (``to_review``: a
+   slice of the placed chains a tick, and those due).
 2. **Order.** Candidates are planned by probability, highest first (ties:
    sooner need, then namespace and keys), so the byte and room budgets go to
    the surest bets.
@@ -77,14 +77,16 @@ that failed and why.
 from __future__ import annotations
 
 import functools
+import heapq
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.predict.candidates import select_candidates
+from kvstore.predict.candidates import Bounds, Ranked, select_candidates, unfold
 from kvstore.predict.copytree import chunk_bounds, copy_times, copy_tree, relay_parts
+from kvstore.predict.holderwalk import HolderWalk
 from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig, PlanResult
-from kvstore.predict.renewals import Speculative, chain_demand, renew_or_drop
+from kvstore.predict.renewals import Coverage, Speculative, renew_or_drop
 from kvstore.predict.types import PrefixId
 from kvstore.units import format_size
 
@@ -174,59 +176,6 @@ def _depths(options: tuple[int, ...], chain_len: int) -> tuple[int, ...]:
     return tuple(sorted({d for d in options if 1 <= d <= chain_len}, reverse=True))
 
 
-class _HolderWalk:
-    """Live nodes holding the first ``d`` blocks of a candidate, asked for
-    deepest ``d`` first.
-
-    Holding a deeper prefix implies holding every shallower one (chained
-    keys), so holders accumulate from the deepest known block up, and only
-    as far as the planner asks; unexpired speculative replicas count as
-    holders too (the directory may lag behind the copies). Copies planned
-    earlier in this tick (another candidate naming the same blocks, e.g. the
-    depth-4 and depth-8 prefixes of one chain) are tracked apart: they make
-    a node no target, but not yet a source.
-    """
-
-    __slots__ = ("_c", "_live", "_spec", "_planned", "_now", "_acc", "_pending", "_next")
-
-    def __init__(
-        self,
-        c: Candidate,
-        live: Mapping[str, _NodeTick],
-        speculative: Speculative,
-        planned: Mapping[PrefixId, set[str]],
-        now: float,
-    ) -> None:
-        self._c, self._live, self._spec, self._planned, self._now = c, live, speculative, planned, now
-        n = len(c.chain)
-        self._acc: set[str] = set().union(*(h for d, h in c.holders.items() if d > n))  # beyond the known keys
-        self._pending: set[str] = set()
-        self._next = n  # next depth to fold in
-
-    def at(self, depth: int) -> tuple[set[str], set[str]]:
-        """(live holders, live nodes with a copy planned this tick) of the
-        first ``depth`` blocks; ``depth`` never increases between calls."""
-        c, acc = self._c, self._acc
-        while self._next >= depth:
-            d = self._next
-            acc.update(c.holders.get(d, ()))
-            pid = (c.namespace, c.chain[d - 1])
-            placed = self._spec.get(pid)
-            if placed:
-                acc.update(node for node, exp in placed.items() if exp > self._now)
-            pending = self._planned.get(pid)
-            if pending:
-                self._pending.update(pending)
-            self._next -= 1
-        live = self._live
-        held = {n for n in acc if n in live}
-        return held, {n for n in self._pending if n in live and n not in held}
-
-
-def _fmt_node(n: _NodeTick) -> str:
-    return f"{n.node_id} (headroom {format_size(n.headroom)})"
-
-
 @dataclass(slots=True)
 class _Tick:
     """Mutable state of one planning pass: nodes, budgets, result."""
@@ -240,10 +189,10 @@ class _Tick:
     max_room: int = -1      # most bytes any live node can still take; < 0 = recompute
     max_rate: float = -1.0  # fastest rate any copy could get now; < 0 = recompute
     planned: dict[PrefixId, set[str]] = field(default_factory=dict)  # block key -> targets copied to this tick
-    demand: dict[str, dict[bytes, float]] = field(default_factory=dict)  # [ns][block key] -> demand (chain_demand)
+    demand: dict[str, dict[bytes, float]] = field(default_factory=dict)  # [ns][block key] -> demand (Coverage)
 
-    def skip(self, reason: str) -> None:
-        self.result.skipped[reason] = self.result.skipped.get(reason, 0) + 1
+    def skip(self, reason: str, n: int = 1) -> None:
+        self.result.skipped[reason] = self.result.skipped.get(reason, 0) + n
 
     def largest_room(self) -> int:
         """Most speculative bytes any one live node can still take this tick
@@ -256,6 +205,14 @@ class _Tick:
             )
             self.max_room = max(self.max_room, 0)
         return self.max_room
+
+    def bounds(self) -> Bounds | str:
+        """What any further copy can get at best now, or why none can start (``unfold``'s state)."""
+        if len(self.result.decisions) >= self.cfg.max_decisions:
+            return "cap"
+        if self.budget_left <= 0:
+            return "bandwidth"
+        return Bounds(self.fastest_rate(), self.largest_room(), self.budget_left, len(self.live))
 
     def fastest_rate(self) -> float:
         """The rate of the fastest copy any source could send any target now (cached until the next
@@ -301,7 +258,7 @@ class _Tick:
                 viable.append((d, nbytes, t))
             elif not viable:
                 notes.append((d, "no_room" if nbytes > room_max else "bandwidth"))
-        walk = _HolderWalk(c, self.live, self.speculative, self.planned, self.now)
+        walk = HolderWalk(c, self.live, self.speculative, self.planned, self.now)
         reason = "too_late"
         for d, nbytes, _ in viable:
             held, pending = walk.at(d)
@@ -395,7 +352,7 @@ class _Tick:
         why = (
             f"p={c.prob:.2f} need_in={c.need_in_s:.1f}s depth={depth}/{len(c.chain)} "
             f"transfer {transfer_s:.3f}s x{waves} wave(s) x{cfg.safety:g} fits; src {sources[0].node_id}; "
-            f"targets {', '.join(_fmt_node(n) for n in targets)}"
+            f"targets {', '.join(f'{n.node_id} (headroom {format_size(n.headroom)})' for n in targets)}"
         )
         if wanted is not None:
             why += (f"; demand {self.demand[c.namespace][c.chain[depth - 1]]:.1f} req/{cfg.demand_window_s:g}s "
@@ -446,6 +403,8 @@ def plan(
     speculative: Speculative | None = None,
     transfers_in_flight_bytes: int = 0,
     pending: Mapping[PrefixId, Collection[str]] | None = None,
+    review: Collection[PrefixId] | None = None,
+    ranked: Ranked | None = None,
 ) -> PlanResult:
     """One planner tick: copy decisions, renewals and drops.
 
@@ -459,8 +418,12 @@ def plan(
     ticks; they are charged to this tick's byte budget. ``pending``: those
     copies' targets, ``{(namespace, key of deepest block copied): nodes}``;
     a node with a copy in flight is no target (no second copy while the
-    first is on the wire) and no source yet. ``now`` is on the same clock as
-    the expiries. Same inputs, same result.
+    first is on the wire) and no source yet. ``review``: the placed prefixes
+    whose replicas this tick renews or drops (``renewals.to_review``; None:
+    all). ``ranked``: more candidates, built only as far as the tick gets
+    (``candidates.Ranked``; a row turned away before its turn counts under
+    the reason it had then). ``now`` is on the same clock as the expiries.
+    Same inputs, same result.
     """
     speculative = speculative if speculative is not None else {}
     live = _node_ticks(nodes, cfg, bandwidth_bps)
@@ -471,9 +434,14 @@ def plan(
     result = tick.result
 
     ordered = sorted(candidates, key=_order_key)
+    coverage = Coverage.of(ordered, speculative)  # one pass: the demand along chains, and the placed keys' scores
     if cfg.node_rate > 0:
-        tick.demand = chain_demand(ordered)
-    for c in ordered:
+        tick.demand = coverage.demand
+    stream: Iterable[Candidate] = ordered
+    if ranked is not None and len(ranked):
+        later = unfold(ranked, cfg.threshold, tick.bounds, cfg.safety, tick.skip, coverage.add, _order_key)
+        stream = heapq.merge(ordered, later, key=_order_key)
+    for c in stream:
         if c.prob < cfg.threshold:
             break  # ordered by prob: the rest only keep existing replicas alive
         if len(result.decisions) >= cfg.max_decisions:
@@ -489,7 +457,7 @@ def plan(
             result.decisions.append(outcome)
             result.bytes_planned += outcome.bytes
 
-    result.renewals, result.drops = renew_or_drop(ordered, speculative, live, cfg, now, tick.demand)
+    result.renewals, result.drops = renew_or_drop(ordered, speculative, live, cfg, now, coverage, review)
     return result
 
 

@@ -7,8 +7,47 @@ predictor's scores and :class:`NodeState`\\ s from heartbeats; the planner
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+
+class LazyHolders(Mapping[int, frozenset[str]]):
+    """``Candidate.holders`` looked up on first read of each depth.
+
+    Most candidates of a busy tick are turned away by the planner's cheap gates (too late, no room,
+    no budget) before it reads a holder, so the caller need not look up every depth of every
+    candidate: ``lookup(depth)`` runs at most once per depth, when the planner asks. It reads the
+    directory at planning time, so build the candidates and plan in the same synchronous step."""
+
+    __slots__ = ("_depths", "_lookup", "_seen")
+
+    def __init__(self, depths: tuple[int, ...], lookup: Callable[[int], frozenset[str]]) -> None:
+        self._depths, self._lookup = depths, lookup
+        self._seen: dict[int, frozenset[str]] = {}
+
+    def __getitem__(self, depth: int) -> frozenset[str]:
+        seen = self._seen.get(depth)
+        if seen is None:
+            if depth not in self._depths:
+                raise KeyError(depth)
+            seen = self._seen[depth] = self._lookup(depth)
+        return seen
+
+    def get(self, depth: int, default: Any = None) -> Any:  # the planner's hot path: no KeyError round trip
+        seen = self._seen.get(depth)
+        if seen is None:
+            if depth not in self._depths:
+                return default
+            seen = self._seen[depth] = self._lookup(depth)
+        return seen
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._depths)
+
+    def __len__(self) -> int:
+        return len(self._depths)
+
 
 @dataclass(slots=True)
 class NodeState:
@@ -37,7 +76,7 @@ class Candidate:
     namespace: str
     chain: tuple[bytes, ...]
     depth_options: tuple[int, ...]
-    holders: dict[int, frozenset[str]]
+    holders: Mapping[int, frozenset[str]]  # a dict, or LazyHolders
     prob: float                        # P(needed on a node lacking it within H)
     need_in_s: float                   # predicted seconds until the next request
     page_bytes: int
@@ -82,6 +121,7 @@ class PlannerConfig:
     fanout: int = 2                    # copies one node sends per wave of a copy tree
     chunks: int = 1                    # > 1: a copy long enough relays along chains in up to this many parts
     min_part_s: float = 0.02           # ... each part taking at least this long (copytree.relay_parts)
+    review_slices: int = 4             # a tick reviews the placed chains of one slice in turn, and those due (to_review)
 
     @property
     def keep_threshold(self) -> float:

@@ -10,7 +10,8 @@ copies than are placed (the replica set shrinks in quiet periods).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 from kvstore.predict.planner_types import Candidate, Drop, PlannerConfig, Renewal
 from kvstore.predict.types import PrefixId
@@ -25,24 +26,64 @@ def chain_demand(candidates: Sequence[Candidate]) -> dict[str, dict[bytes, float
     and the forecaster scores only the keys it tracks, so a shorter prefix takes its longer prefixes'
     demand instead of counting as unknown (0). The planner sizes a copy (``_wanted``) and a placed set
     (the surplus rule) by it."""
-    out: dict[str, dict[bytes, float]] = {}
-    for c in candidates:
-        want = c.demand
-        if want > 0:
-            mine = out.setdefault(c.namespace, {})
-            chain, n = c.chain, len(c.chain)
+    return Coverage.of(candidates, {}).demand
+
+
+@dataclass(slots=True)
+class Coverage:
+    """What the candidates say of the prefix keys, from one pass over them (:meth:`of`, then
+    :meth:`add` for candidates built later).
+
+    * ``demand[ns][key]``: :func:`chain_demand`;
+    * ``hot[ns][key]``: for a placed key, the best score of any candidate whose chain holds it (a
+      deeper hot prefix keeps its shallower replicas hot too), whatever the candidates' order;
+    * ``sized[ns][key]``: for a placed key with a demand, the first candidate holding it at one of
+      its depth options, and that depth: the holders the surplus rule counts (read only for a set
+      that could be too large)."""
+
+    demand: dict[str, dict[bytes, float]]
+    hot: dict[str, dict[bytes, float]]
+    sized: dict[str, dict[bytes, tuple[Candidate, int]]]
+    placed: dict[str, set[bytes]]      # the placed keys, by namespace
+
+    @classmethod
+    def of(cls, candidates: Sequence[Candidate], speculative: Speculative) -> Coverage:
+        placed: dict[str, set[bytes]] = {}
+        for ns, key in speculative:
+            placed.setdefault(ns, set()).add(key)
+        out = cls({}, {ns: {} for ns in placed}, {ns: {} for ns in placed}, placed)
+        out.add(candidates)
+        return out
+
+    def add(self, candidates: Sequence[Candidate]) -> None:
+        """Fold more candidates in (in the order given)."""
+        demand, hot, sized, placed = self.demand, self.hot, self.sized, self.placed
+        for c in candidates:
+            ns, chain, want = c.namespace, c.chain, c.demand
+            n = len(chain)
+            if want > 0:
+                mine = demand.get(ns)
+                if mine is None:
+                    mine = demand[ns] = {}
+                for d in c.depth_options:
+                    if d <= n and mine.get(chain[d - 1], 0.0) < want:
+                        mine[chain[d - 1]] = want
+            keys = placed.get(ns)
+            if not keys:
+                continue
+            common = keys.intersection(chain)
+            if not common:
+                continue
+            best, prob = hot[ns], c.prob
+            for key in common:
+                if best.get(key, -1.0) < prob:
+                    best[key] = prob
+            sizes = sized[ns]
             for d in c.depth_options:
-                if d <= n and mine.get(chain[d - 1], 0.0) < want:
-                    mine[chain[d - 1]] = want
-    return out
-
-
-def _placed_keys(speculative: Speculative) -> dict[str, set[bytes]]:
-    """The keys of the placed prefixes, by namespace."""
-    out: dict[str, set[bytes]] = {}
-    for ns, key in speculative:
-        out.setdefault(ns, set()).add(key)
-    return out
+                if d <= n:
+                    key = chain[d - 1]
+                    if key in common and key not in sizes:
+                        sizes[key] = (c, d)
 
 
 def renew_or_drop(
@@ -51,7 +92,8 @@ def renew_or_drop(
     live: Mapping[str, object],
     cfg: PlannerConfig,
     now: float,
-    demand: Mapping[str, Mapping[bytes, float]] | None = None,
+    coverage: Coverage | None = None,
+    review: Collection[PrefixId] | None = None,
 ) -> tuple[list[Renewal], list[Drop]]:
     """Renew hot speculative replicas, drop expired and decayed ones.
 
@@ -60,29 +102,44 @@ def renew_or_drop(
     * best score of the prefix ``< cfg.keep_threshold`` (or the prefix is not
       among ``candidates``) -> drop ``decayed``;
     * more than :data:`SURPLUS_SLACK` times the replicas the prefix's
-      forecast demand asks for (with ``cfg.node_rate`` and ``demand``, the
-      :func:`chain_demand` of ``candidates`` unless given) -> drop
-      ``surplus``, the soonest to expire first: fewer copies in quiet periods;
+      forecast demand asks for (with ``cfg.node_rate``; the demand is the
+      :func:`chain_demand` of ``candidates``), counting the live holders
+      nobody placed -> drop ``surplus``, the soonest to expire first: fewer
+      copies in quiet periods;
     * otherwise, once less than ``cfg.renew_when_left * cfg.ttl_s`` is left,
       renew to ``now + cfg.ttl_s`` (not every tick: fewer control messages).
 
-    Replicas on nodes not in ``live`` are left to expire (no renewal, no drop:
-    a node that comes back drops its own expired replicas).
+    ``coverage``: :meth:`Coverage.of` ``(candidates, speculative)`` when the
+    caller has it already. ``review``: the placed prefixes to look at this
+    tick (:func:`to_review`; ``None``: all); the others are left as they are,
+    so their candidates need not be passed. Replicas on nodes not in ``live``
+    are left to expire (no renewal, no drop: a node that comes back drops its
+    own expired replicas).
     """
-    if cfg.node_rate > 0 and demand is None:
-        demand = chain_demand(candidates)
-    hot, sized = _covered(candidates, _placed_keys(speculative), cfg, demand if cfg.node_rate > 0 else None)
+    if coverage is None:
+        coverage = Coverage.of(candidates, speculative)
+    hot, sized, demand = coverage.hot, coverage.sized, coverage.demand
+    per_node = cfg.node_rate * cfg.demand_window_s
+    n_live = len(live)
     keep = cfg.keep_threshold
     renew_at = cfg.renew_when_left * cfg.ttl_s
     renewals: list[Renewal] = []
     drops: list[Drop] = []
     no_scores: dict[bytes, float] = {}
-    no_sizes: dict[bytes, Sized] = {}
+    no_sizes: dict[bytes, tuple[Candidate, int]] = {}
     for (ns, key), placed in speculative.items():
+        if review is not None and (ns, key) not in review:
+            continue
         score = hot.get(ns, no_scores).get(key, -1.0)
-        size = sized.get(ns, no_sizes).get(key)
-        surplus = _surplus(placed, size, live, now) if size is not None and len(placed) > size[0] - len(size[1]) \
-            else ()
+        surplus: Collection[str] = ()
+        if per_node > 0 and score >= keep:  # (a decayed set goes whole)
+            size = sized.get(ns, no_sizes).get(key)
+            want = demand.get(ns, no_scores).get(key, 0.0) if size is not None else 0.0
+            if want > 0:
+                want = max(1, math.ceil(SURPLUS_SLACK * want / per_node))
+                if want < n_live:  # else the live replicas and holders together never exceed it
+                    c, depth = size  # type: ignore[misc]
+                    surplus = _surplus(placed, want, c.holders.get(depth, ()), live, now)
         if score >= keep and not surplus and min(placed.values()) - now >= renew_at > 0:
             continue  # hot, wanted, and none due for renewal: the common case, one check for the set
         for node, expires_at in placed.items():
@@ -99,6 +156,29 @@ def renew_or_drop(
     return renewals, drops
 
 
+def to_review(speculative: Speculative, chain_of: Callable[[PrefixId], int], turn: int, cfg: PlannerConfig,
+              now: float) -> set[PrefixId]:
+    """The placed prefixes a tick reviews when a review covers only part of them (``cfg.review_slices``
+    > 1): the chains in slice ``turn % review_slices``, and every chain with a replica due for renewal
+    or expiry before that slice comes round again. So a renewal is never late, and a tick's cost does
+    not grow with every replica placed; a decayed or surplus replica waits at most ``review_slices``
+    ticks for its drop.
+
+    A chain is the placed prefixes sharing a first block; ``chain_of(pid)`` names it with a stable
+    non-negative integer (e.g. the first 8 bytes of block 1's key; two chains sharing one merely
+    share their turn). They are reviewed together, because a deeper prefix's score keeps its
+    shallower replicas hot, so the caller passes the candidates of every prefix reviewed."""
+    slices = max(1, cfg.review_slices)
+    if slices == 1:
+        return set(speculative)
+    due_by = now + cfg.renew_when_left * cfg.ttl_s + slices * cfg.tick_s
+    turn %= slices
+    chains = [chain_of(pid) for pid in speculative]
+    chosen = {chain for chain, placed in zip(chains, speculative.values())
+              if chain % slices == turn or (placed and min(placed.values()) < due_by)}
+    return {pid for pid, chain in zip(speculative, chains) if chain in chosen}
+
+
 SURPLUS_SLACK = 2.0
 """Hysteresis of the replica-set size: a set shrinks only once it is more
 than this many times what the demand asks for (as a replica outlives a
@@ -108,55 +188,19 @@ copies it again the next: each round trip costs a whole copy on the link,
 while keeping the replica costs only speculative memory, which primaries
 evict first anyway."""
 
-Sized = tuple[int, frozenset[str]]
-"""(nodes that may keep a placed prefix, nodes that hold it)."""
 
-
-def _covered(candidates: Sequence[Candidate], placed: Mapping[str, set[bytes]], cfg: PlannerConfig,
-             demand: Mapping[str, Mapping[bytes, float]] | None,
-             ) -> tuple[dict[str, dict[bytes, float]], dict[str, dict[bytes, Sized]]]:
-    """For the placed prefix keys, in one pass over the candidates (one set intersection each):
-
-    * the best score of any candidate covering the key (a deeper hot prefix keeps its shallower
-      replicas hot too), whatever the candidates' order;
-    * with a demand forecast (``demand``: per key, the largest of the candidates covering it), the
-      size of its set: ``SURPLUS_SLACK`` times the nodes the demand asks for, and who holds it."""
-    hot: dict[str, dict[bytes, float]] = {ns: {} for ns in placed}
-    sized: dict[str, dict[bytes, Sized]] = {ns: {} for ns in placed}
-    per_node = cfg.node_rate * cfg.demand_window_s
-    for c in candidates:
-        keys = placed.get(c.namespace)
-        if not keys:
-            continue
-        common = keys.intersection(c.chain)
-        if not common:
-            continue
-        best, prob = hot[c.namespace], c.prob
-        for key in common:
-            if best.get(key, -1.0) < prob:
-                best[key] = prob
-        wants = demand.get(c.namespace) if demand else None
-        if wants:
-            sizes, chain = sized[c.namespace], c.chain
-            for d in c.depth_options:
-                if d <= len(chain) and (key := chain[d - 1]) in common and key not in sizes:
-                    want = wants.get(key, 0.0)
-                    if want > 0:
-                        sizes[key] = (max(1, math.ceil(SURPLUS_SLACK * want / per_node)),
-                                      frozenset(c.holders.get(d, ())))
-    return hot, sized
-
-
-def _surplus(placed: Mapping[str, float], size: Sized, live: Mapping[str, object], now: float) -> set[str]:
-    """Speculative replicas beyond what the forecast demand asks for: the
-    set shrinks as the demand decays (the ones closest to expiry go first)."""
-    want, holders = size
-    others = sum(1 for n in holders if n not in placed)  # primaries and replicas nobody placed
+def _surplus(placed: Mapping[str, float], want: int, holders: Collection[str], live: Mapping[str, object],
+             now: float) -> set[str]:
+    """Speculative replicas beyond what the forecast demand asks for (``want`` nodes, ``holders``
+    holding it now): the set shrinks as the demand decays (the ones closest to expiry go first).
+    Only live holders count: a dead node's copy serves nothing."""
+    others = sum(1 for n in holders if n in live and n not in placed)  # primaries and replicas nobody placed
     keep = max(0, want - others)
-    if len(placed) <= keep:
+    mine = [n for n, exp in placed.items() if n in live and exp > now]
+    if len(mine) <= keep:
         return set()
-    mine = sorted((n for n, exp in placed.items() if n in live and exp > now), key=lambda n: (placed[n], n))
-    return set(mine[: max(0, len(mine) - keep)])
+    mine.sort(key=lambda n: (placed[n], n))
+    return set(mine[: len(mine) - keep])
 
 
-__all__ = ["Speculative", "chain_demand", "renew_or_drop"]
+__all__ = ["Coverage", "Speculative", "chain_demand", "renew_or_drop", "to_review"]

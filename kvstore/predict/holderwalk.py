@@ -1,0 +1,65 @@
+"""Who holds a candidate's prefix, depth by depth: the planner's walk from the deepest depth up.
+
+Pure logic over a :class:`~kvstore.predict.planner_types.Candidate`, the live nodes, the speculative
+replicas and the copies planned this tick; used by :func:`kvstore.predict.planner.plan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvstore.predict.planner_types import Candidate
+from kvstore.predict.renewals import Speculative
+from kvstore.predict.types import PrefixId
+
+
+class HolderWalk:
+    """Live nodes holding the first ``d`` blocks of a candidate, asked for
+    deepest ``d`` first.
+
+    Holding a deeper prefix implies holding every shallower one (chained
+    keys), so holders accumulate from the deepest known block up, and only
+    as far as the planner asks; unexpired speculative replicas count as
+    holders too (the directory may lag behind the copies). Copies planned
+    earlier in this tick (another candidate naming the same blocks, e.g. the
+    depth-4 and depth-8 prefixes of one chain) are tracked apart: they make
+    a node no target, but not yet a source.
+    """
+
+    __slots__ = ("_c", "_live", "_spec", "_planned", "_now", "_acc", "_pending", "_next")
+
+    def __init__(
+        self,
+        c: Candidate,
+        live: Mapping[str, object],
+        speculative: Speculative,
+        planned: Mapping[PrefixId, set[str]],
+        now: float,
+    ) -> None:
+        self._c, self._live, self._spec, self._planned, self._now = c, live, speculative, planned, now
+        n = len(c.chain)
+        self._acc: set[str] = set().union(*(c.holders[d] for d in c.holders if d > n))  # beyond the known keys
+        self._pending: set[str] = set()
+        self._next = n  # next depth to fold in
+
+    def at(self, depth: int) -> tuple[set[str], set[str]]:
+        """(live holders, live nodes with a copy planned this tick) of the
+        first ``depth`` blocks; ``depth`` never increases between calls."""
+        c, acc = self._c, self._acc
+        while self._next >= depth:
+            d = self._next
+            acc.update(c.holders.get(d, ()))
+            pid = (c.namespace, c.chain[d - 1])
+            placed = self._spec.get(pid)
+            if placed:
+                acc.update(node for node, exp in placed.items() if exp > self._now)
+            pending = self._planned.get(pid)
+            if pending:
+                self._pending.update(pending)
+            self._next -= 1
+        live = self._live
+        held = {n for n in acc if n in live}
+        return held, {n for n in self._pending if n in live and n not in held}
+
+
+__all__ = ["HolderWalk"]
