@@ -14,8 +14,9 @@ Each candidate carries a forecast demand (requests in the next
 One timed tick is what the coordinator does each tick:
 
 1. ``select_candidates`` over the score vector (at ``cfg.keep_threshold``),
-   plus the rows of prefixes that hold speculative replicas (so their
-   renewals see their scores);
+   plus the rows of the placed prefixes this tick reviews (``to_review``:
+   one slice of the placed chains in turn, and those due for renewal), so
+   their renewals see their scores;
 2. build the :class:`Candidate` objects of those rows;
 3. ``plan``.
 
@@ -29,6 +30,7 @@ the tick and of each step; writes ``planner.json`` and ``planner.md`` to
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import platform
@@ -42,12 +44,14 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvstore.predict.candidates import select_candidates  # noqa: E402
+from kvstore.predict.candidates import Ranked, select_candidates  # noqa: E402
 from kvstore.predict.planner import plan  # noqa: E402
-from kvstore.predict.planner_types import Candidate, NodeState, PlannerConfig, PlanResult  # noqa: E402
+from kvstore.predict.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig, PlanResult  # noqa: E402
+from kvstore.predict.renewals import to_review  # noqa: E402
 from kvstore.predict.types import PrefixId  # noqa: E402
 
 DEPTHS = (1, 2, 4, 8)
+DEPTH_COLUMN = {d: i for i, d in enumerate(DEPTHS)}
 NAMESPACES = ("llama-8b", "llama-70b", "qwen-32b", "mistral-7b")
 PAGE_BYTES = (2 << 20, 10 << 20, 6 << 20, 2 << 20)  # per namespace (block of 16 tokens, all layers, K+V)
 GiB = 1 << 30
@@ -69,6 +73,7 @@ class Cluster:
         # daemon's default --node-rate does: most prefixes a request or two, a few a burst's worth.
         self.demand = rng.exponential(4.0, n_prefixes)
         self.ns_idx = rng.integers(0, len(NAMESPACES), n_prefixes)
+        self.least_bytes = min(DEPTHS) * np.asarray(PAGE_BYTES, dtype=np.int64)[self.ns_idx]  # shallowest copy
         # Primary holders per depth as node bitmasks: one owner of the whole
         # prefix, sometimes a second node holding its first blocks.
         owner = rng.integers(0, n_nodes, n_prefixes)
@@ -98,19 +103,26 @@ class Cluster:
         self.probs[cool] = self.base[cool]
         self.need_in = np.maximum(0.05, self.need_in + rng.normal(0.0, 0.5, self.n))
 
-    def candidate(self, row: int) -> Candidate:
-        ns = int(self.ns_idx[row])
-        sets, masks = self.sets, self.masks[row]
-        return Candidate(
-            namespace=NAMESPACES[ns],
-            chain=self.chains[row],
-            depth_options=DEPTHS,
-            holders={d: sets[int(masks[i])] for i, d in enumerate(DEPTHS)},
-            prob=float(self.probs[row]),
-            need_in_s=float(self.need_in[row]),
-            page_bytes=PAGE_BYTES[ns],
-            demand=float(self.demand[row]),
-        )
+    def candidates(self, rows: np.ndarray) -> list[Candidate]:
+        """The planner's view of ``rows``, as the coordinator builds it: the scores gathered in one
+        vectorised step, and holders looked up only for the depths the planner reads (most
+        candidates are turned away before it reads any)."""
+        holders = self.holders
+        return [
+            Candidate(namespace=NAMESPACES[ns], chain=self.chains[row], depth_options=DEPTHS,
+                      holders=LazyHolders(DEPTHS, functools.partial(holders, row)), prob=prob,
+                      need_in_s=need_in, page_bytes=PAGE_BYTES[ns], demand=demand)
+            for row, ns, prob, need_in, demand in zip(
+                rows.tolist(), self.ns_idx[rows].tolist(), self.probs[rows].tolist(),
+                self.need_in[rows].tolist(), self.demand[rows].tolist())
+        ]
+
+    def chain_of(self, pid: PrefixId) -> int:
+        """The chain of a placed prefix, for the review slices: its row (no two rows share blocks)."""
+        return self.spec_row[pid][0]
+
+    def holders(self, row: int, depth: int) -> frozenset[str]:
+        return self.sets[int(self.masks[row, DEPTH_COLUMN[depth]])]
 
     def nodes(self) -> list[NodeState]:
         return [
@@ -143,7 +155,8 @@ class Cluster:
 def run(args: argparse.Namespace) -> dict[str, object]:
     cluster = Cluster(args.prefixes, args.nodes, args.seed)
     cfg = PlannerConfig(spec_bandwidth=args.spec_bandwidth, spec_budget=args.spec_budget,
-                        max_decisions=args.max_decisions, node_rate=args.node_rate)
+                        max_decisions=args.max_decisions, node_rate=args.node_rate,
+                        review_slices=args.review_slices)
     bandwidth = args.bandwidth
     ticks: list[float] = []
     steps: dict[str, list[float]] = {"select": [], "build": [], "plan": []}
@@ -158,29 +171,40 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         # is still collected as usual.
         gc.freeze()
     gen2_before = gc.get_stats()[2]["collections"]
-    for _ in tqdm(range(args.ticks), desc="planner ticks", unit="tick"):
+    for turn in tqdm(range(args.ticks), desc="planner ticks", unit="tick"):
         cluster.drift()
         nodes = cluster.nodes()
         spec = cluster.speculative
         t0 = time.perf_counter()
-        rows = select_candidates(cluster.probs, cfg.keep_threshold, args.limit)
-        if cluster.spec_row:
-            held = np.fromiter((r for r, _ in cluster.spec_row.values()), dtype=np.intp, count=len(cluster.spec_row))
-            rows = np.union1d(rows, held)
+        top = select_candidates(cluster.probs, cfg.keep_threshold, args.limit)
+        review = to_review(spec, cluster.chain_of, turn, cfg, now)
+        held = np.unique(np.fromiter((cluster.spec_row[pid][0] for pid in review), dtype=np.intp, count=len(review)))
+        # As the coordinator splits them (kvstore/cluster/tickplan.py): the rows under review are built
+        # now; the other rows at the copy threshold, one chain each here, only as far as the tick gets.
+        later = top[(cluster.probs[top] >= cfg.threshold) & ~np.isin(top, held)]
         t1 = time.perf_counter()
-        cands = [cluster.candidate(int(r)) for r in rows]
+        cands = cluster.candidates(held)
+        built = [len(cands)]
+
+        def build(lo: int, hi: int, rows: np.ndarray = later, built: list[int] = built) -> list[Candidate]:
+            built[0] += hi - lo
+            return cluster.candidates(rows[lo:hi])
+
+        ranked = Ranked(cluster.probs[later].astype(np.float64), cluster.need_in[later], cluster.least_bytes[later],
+                        np.ones(later.size, dtype=np.int64), build)
         t2 = time.perf_counter()
-        result = plan(cands, nodes, bandwidth, cfg, now, spec, transfers_in_flight_bytes=0)
+        result = plan(cands, nodes, bandwidth, cfg, now, spec, transfers_in_flight_bytes=0, review=review,
+                      ranked=ranked)
         t3 = time.perf_counter()
         ticks.append((t3 - t0) * 1e3)
         steps["select"].append((t1 - t0) * 1e3)
         steps["build"].append((t2 - t1) * 1e3)
         steps["plan"].append((t3 - t2) * 1e3)
-        key_row = {(c.namespace, c.chain[d - 1]): int(r) for c, r in zip(cands, rows) for d in DEPTHS}
+        key_row = {(d.namespace, d.keys[-1]): int.from_bytes(d.keys[0][:8], "little") for d in result.decisions}
         for k, v in result.skipped.items():
             skipped[k] = skipped.get(k, 0) + v
         bytes_planned += result.bytes_planned
-        for name, v in (("candidates", len(cands)), ("decisions", len(result.decisions)),
+        for name, v in (("candidates", built[0]), ("decisions", len(result.decisions)),
                         ("renewals", len(result.renewals)), ("drops", len(result.drops)),
                         ("replicas", sum(len(p) for p in spec.values()))):
             counts[name].append(v)
@@ -253,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-rate", type=float, default=2.0,
                     help="requests/s a node serves: sizes replica sets from the candidates' demand (kvstored's "
                          "default; 0: unsized, max_targets copies a tick)")
+    ap.add_argument("--review-slices", type=int, default=PlannerConfig().review_slices,
+                    help="a tick reviews one slice of the placed chains and those due (1: all, every tick)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the setup heap to the cyclic GC (shows full-collection pauses)")

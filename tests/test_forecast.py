@@ -160,10 +160,36 @@ def test_the_coordinator_considers_a_recurring_prefix_before_its_burst() -> None
                                                  outcome=Outcome.MISS, page_bytes=4096, total_blocks=8))
     pid = ("m", chain[-1])
     scores = coordinator.predictor.score(200.0)  # quiet, momentum has forgotten it, the next burst 70 s away
-    idle = {c.chain[-1]: c for c in coordinator._candidates(scores, {}, 200.0)}
+    idle = {c.chain[-1]: c for c in coordinator.tick_planner.candidates(scores, {}, 200.0)}
     assert chain[-1] not in idle
     scores = coordinator.predictor.score(255.0)  # the next burst is due at ~270
-    soon = {(c.namespace, c.chain[-1]): c for c in coordinator._candidates(scores, {}, 255.0)}
+    soon = {(c.namespace, c.chain[-1]): c for c in coordinator.tick_planner.candidates(scores, {}, 255.0)}
     assert pid in soon and soon[pid].prob > 0.5 and 5 < soon[pid].need_in_s < 20
-    assert coordinator._scorer[pid] == "forecast"
+    assert coordinator.tick_planner.scorer[pid] == "forecast"
     assert CLUSTER not in soon
+
+
+def test_a_tick_builds_the_chains_under_review_and_ranks_the_others_by_chain() -> None:
+    """Each tracked depth of a chain is scored apart; the tick keeps a chain's prefixes together: built at
+    once when one is under review, else ranked as one row the planner builds only if it gets there."""
+    members = Membership(pb.MemberInfo(node_id="a", address="127.0.0.1:1", incarnation="1"), 2.0)
+    config = NodeConfig(listen="127.0.0.1:0", replication="predictive")
+    coordinator = Coordinator(config, Directory(), members, PeerClient(members), NodeMetrics(NoNamespaces()),
+                              page_bytes=lambda ns: 4096)
+    a, b, c = (tuple(hash_key(h) for h in range(base, base + 8)) for base in (1, 101, 201))
+    p = coordinator.predictor
+    p.observe(Access(t=1.0, namespace="m", node="b", keys=c, outcome=Outcome.MISS, page_bytes=4096, total_blocks=8))
+    for i in range(12):
+        for keys in (a, a[:4], b):
+            p.observe(Access(t=10 + i * 0.3, namespace="m", node="b", keys=keys, outcome=Outcome.MISS,
+                             page_bytes=4096, total_blocks=len(keys)))
+    scores = p.score(14.0)
+    hot = {pid: float(prob) for pid, prob in zip(scores.ids, scores.probs)}
+    assert hot[("m", a[-1])] >= coordinator.plan_cfg.threshold > hot[("m", c[-1])]
+    eager, ranked = coordinator.tick_planner.split(scores, {("m", c[-1])}, 14.0)
+    assert {x.chain[0] for x in eager} == {c[0]} and ("m", c[-1]) in {(x.namespace, x.chain[-1]) for x in eager}
+    assert ranked is not None and len(ranked) == 2  # chains a and b, one row each
+    rows = [{x.chain[0] for x in ranked.build(i, i + 1)} for i in range(2)]
+    assert sorted(map(min, rows)) == sorted([a[0], b[0]])
+    whole = [x for x in ranked.build(0, 2) if x.chain[0] == a[0]]
+    assert {x.chain[-1] for x in whole} >= {a[3], a[-1]}  # every tracked depth of a, built together

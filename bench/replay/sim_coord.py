@@ -6,8 +6,8 @@ same ``NodeConfig`` the daemons get (``ClusterSpec.args`` plus every
 cluster's real :class:`~kvstore.cluster.directory.Directory` and a
 membership shim. Its pure parts run as they are: the
 :class:`~kvstore.predict.online.Predictor` it builds (same model file, same
-config), ``_candidates`` / ``_candidate`` / ``_node_states``, and
-:func:`kvstore.predict.planner.plan`. What lives in the coordinator entangled
+config), ``_node_states``, and the tick's candidates and plan
+(:class:`kvstore.cluster.tickplan.TickPlanner`). What lives in the coordinator entangled
 with the wall clock or with RPCs is replicated here, line for line in
 behaviour, on the daemons' clock (``SimCluster.dnow``):
 
@@ -123,22 +123,17 @@ class SimCoordinator:
         if self.policy == "full":
             self._tick_full()
             return
-        from kvstore.predict.planner import plan
-
         c, now = self.coord, self.cluster.dnow()
-        assert self.predictor is not None
+        assert self.predictor is not None and c.tick_planner is not None
         speculative = self.speculative()
         scores = self.predictor.score(now)
         if self.predictor.maybe_retrain(now):
             self.predictor.wait_retrain()
-        candidates = c._candidates(scores, speculative, now)
-        nodes = c._node_states()
-        pending = c.planner_pending()
-        result = plan(candidates, nodes, c.bandwidth, c.plan_cfg, now, speculative, c._in_flight_bytes,
-                      pending=pending)
+        result = c.tick_planner.plan(scores, speculative, now, c._node_states(), c.bandwidth, c._in_flight_bytes,
+                                     c.planner_pending())
         for d in result.decisions:
             self.decisions["replicate"] += 1
-            c.decision_sources[c._scorer.get((d.namespace, d.keys[-1]), scores.source)] += 1
+            c.decision_sources[c.tick_planner.scorer.get((d.namespace, d.keys[-1]), scores.source)] += 1
             per_target = d.bytes // max(1, len(d.targets))
             if d.tree:
                 self._copy_tree(d, per_target)

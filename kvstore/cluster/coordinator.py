@@ -37,13 +37,14 @@ from kvstore.cluster.directory import Directory
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.peers import PeerClient
 from kvstore.cluster.relay import relay
+from kvstore.cluster.tickplan import TickPlanner
 from kvstore.config import NodeConfig
 from kvstore.errors import KvError
 from kvstore.metrics import NodeMetrics
 from kvstore.pool.pool import PageKind
 from kvstore.predict.copytree import chunk_bounds, relay_parts
 from kvstore.predict.links import LinkRates
-from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig
+from kvstore.predict.planner_types import Decision, NodeState, PlannerConfig
 from kvstore.predict.types import Access, Outcome, PredictorConfig
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -77,6 +78,8 @@ class Coordinator:
             model = config.predictor_model or (str(DEFAULT_MODEL_PATH) if DEFAULT_MODEL_PATH.is_file() else "")
             self.predictor = Predictor(self.pcfg, model_path=None if model in ("", "none") else model,
                                        holders_count=self._holders_count)
+        self.tick_planner = (TickPlanner(self.predictor, directory, membership, self.pcfg, self.plan_cfg, page_bytes)
+                             if self.predictor is not None else None)
         # prefixes this coordinator placed: (namespace, deepest key) -> when last copied or renewed
         self._placed: dict[tuple[str, bytes], float] = {}
         # (namespace, deepest key) -> {node: expected ready time}: copies in flight
@@ -90,7 +93,6 @@ class Coordinator:
         self.decision_sources: Counter[str] = Counter()  # replicate decisions by the scorer behind them
         self.egress_saved_bytes = 0  # holder egress copy trees saved against copying all from one source
         self.pages_from: Counter[str] = Counter()  # speculative pages copied, by the node that sent them
-        self._scorer: dict[tuple[str, bytes], str] = {}
 
     # ---- inputs (the agent's Placement calls) --------------------------------
     def _holders_count(self, namespace: str, key: bytes) -> int:
@@ -200,23 +202,18 @@ class Coordinator:
         if self.policy == "full":
             self._tick_full()
             return
-        from kvstore.predict.planner import plan  # only the predictive policy needs it
-
-        assert self.predictor is not None
+        assert self.predictor is not None and self.tick_planner is not None
         now = time.monotonic()
         speculative = self.speculative
         scores = await self.predictor.score_async(now)
         self.predictor.maybe_retrain(now)
-        candidates = self._candidates(scores, speculative, now)
-        nodes = self._node_states()
-        pending = self.planner_pending()
-        result = plan(candidates, nodes, self.bandwidth, self.plan_cfg, now, speculative,
-                      self._in_flight_bytes, pending=pending)
+        result = self.tick_planner.plan(scores, speculative, now, self._node_states(), self.bandwidth,
+                                        self._in_flight_bytes, self.planner_pending())
         for decision in result.decisions:
             decision_log.info("replicate %s depth=%d %s -> %s: %s", decision.keys[-1].hex()[:12], decision.depth,
                               decision.source, ",".join(decision.targets), decision.reason)
             self.metrics.decisions.labels("replicate").inc()
-            scorer = self._scorer.get((decision.namespace, decision.keys[-1]), scores.source)
+            scorer = self.tick_planner.scorer.get((decision.namespace, decision.keys[-1]), scores.source)
             self.decision_sources[scorer] += 1
             self.metrics.decisions.labels(f"scorer_{scorer}").inc()
             per_target = decision.bytes // max(1, len(decision.targets))
@@ -234,68 +231,6 @@ class Coordinator:
             self._spawn(self._drop(node, namespace, key))
         for reason, count in result.skipped.items():
             self.metrics.decisions.labels(f"skip_{reason}").inc(count)
-
-    def _candidates(self, scores: Any, speculative: dict[tuple[str, bytes], dict[str, float]],
-                    now: float) -> list[Candidate]:
-        """What the planner considers this tick, from three scorers.
-
-        The classifier (LightGBM or momentum): prefixes at the keep threshold
-        (hysteresis) plus every prefix holding replicas now, so hot replicas
-        are renewed, not dropped. The rate forecaster: prefixes whose next
-        burst is due within ``forecast_lead_s`` (copied before its first
-        request), and placed prefixes whose next burst is due within a TTL
-        (kept alive between the bursts of a recurring prefix). Per prefix the
-        most confident scorer wins; ``_scorer`` remembers which, for the
-        decision counts."""
-        from kvstore.predict.candidates import select_candidates
-
-        assert self.predictor is not None
-        keep = self.plan_cfg.keep_threshold
-        self._scorer = {}
-        chosen: dict[tuple[str, bytes], tuple[float, float, str]] = {}  # pid -> (prob, need_in_s, scorer)
-        rows = set(select_candidates(scores.probs, keep, self.plan_cfg.max_decisions * 2).tolist())
-        if speculative:
-            index = {pid: i for i, pid in enumerate(scores.ids)}
-            rows.update(index[pid] for pid in speculative if pid in index)
-        for i in rows:
-            chosen[scores.ids[i]] = (float(scores.probs[i]), float(scores.need_in_s[i]), scores.source)
-        soon = self.predictor.forecast(now)
-        later = self.predictor.forecast(now, self.plan_cfg.ttl_s, keys=list(speculative))
-        floor = self.pcfg.need_in_floor_s
-        for fc in (soon, later):
-            for j in np.flatnonzero(fc.p_onset >= keep):
-                pid, prob = fc.keys[j], float(fc.p_onset[j])
-                if prob > chosen.get(pid, (-1.0, 0.0, ""))[0]:
-                    need_in = max(float(fc.onset_in_s[j] - fc.sigma_s[j]), floor)
-                    chosen[pid] = (prob, need_in, "forecast")
-        demand: dict[tuple[str, bytes], float] = {}
-        if self.plan_cfg.node_rate > 0 and chosen:  # size each replica set from the forecast demand
-            pids = list(chosen)
-            window = self.predictor.forecast(now, self.plan_cfg.demand_window_s, keys=pids)
-            demand = {pid: float(e) for pid, e in zip(pids, window.expected)}  # plan() spreads it along chains
-        out = []
-        live = frozenset(self.membership.live_ids())
-        for pid, (prob, need_in, scorer) in chosen.items():
-            c = self._candidate(pid, prob, need_in, demand.get(pid, 0.0), live)
-            if c is not None:
-                out.append(c)
-                for d in c.depth_options:
-                    self._scorer[(c.namespace, c.chain[d - 1])] = scorer
-        return out
-
-    def _candidate(self, pid: tuple[str, bytes], prob: float, need_in_s: float,
-                   demand: float = 0.0, live: frozenset[str] | None = None) -> Candidate | None:
-        namespace, _ = pid
-        chain = self.predictor.chain(pid) if self.predictor is not None else ()
-        page_bytes = self._page_bytes(namespace)
-        if not chain or not page_bytes:
-            return None
-        depth = len(chain)
-        options = tuple(d for d in self.pcfg.depths if d <= depth) or (depth,)
-        live = frozenset(self.membership.live_ids()) if live is None else live
-        holders = {d: frozenset(self.directory.holders(namespace, chain[d - 1]) & live) for d in options}
-        return Candidate(namespace=namespace, chain=tuple(chain), depth_options=options, holders=holders,
-                         prob=prob, need_in_s=need_in_s, page_bytes=page_bytes, demand=demand)
 
     def _node_states(self) -> list[NodeState]:
         """Live nodes as their heartbeats describe them, plus the speculative

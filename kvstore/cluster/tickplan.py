@@ -1,0 +1,180 @@
+"""One planner tick's inputs, from the predictor's scores, the directory and the membership, and its plan.
+
+The coordinator (and the simulated replay's, ``bench/replay/sim_coord.py``) call :meth:`TickPlanner.plan`
+once a tick, on the event loop: it keeps that step short at 100k scored prefixes by building
+:class:`~kvstore.predict.planner_types.Candidate` objects only where the planner reads them.
+
+* Candidates come from three scorers (:meth:`TickPlanner.chosen`): the classifier's best rows at the
+  keep threshold, the placed prefixes under review this tick (``renewals.to_review``: a slice of the
+  placed chains in turn, and those due for renewal), and the rate forecaster's due bursts.
+* They are grouped by chain (the prefixes sharing a first block, scored apart at each tracked depth:
+  they read each other's scores and demands). A chain under review is built at once; the others go
+  to the planner as :class:`~kvstore.predict.candidates.Ranked` rows, one a chain, that it builds
+  only as far as its room and byte budget last. A chain with nothing under review and no prefix at
+  the copy threshold is not built at all.
+* Holders are looked up lazily (:class:`~kvstore.predict.planner_types.LazyHolders`), in the same
+  synchronous step as the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import numpy as np
+
+from kvstore.cluster.directory import Directory
+from kvstore.cluster.membership import Membership
+from kvstore.predict.candidates import Ranked, select_candidates
+from kvstore.predict.planner import plan
+from kvstore.predict.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig, PlanResult
+from kvstore.predict.renewals import Speculative, to_review
+from kvstore.predict.types import PredictorConfig, PrefixId
+
+Chosen = dict[PrefixId, tuple[float, float, str]]
+"""pid -> (prob, need_in_s, scorer)."""
+Row = tuple[PrefixId, tuple[bytes, ...], int]
+"""(pid, its chain, its page bytes)."""
+
+
+class TickPlanner:
+    """Builds a tick's candidates and plans it; remembers which scorer chose each prefix."""
+
+    def __init__(self, predictor: Any, directory: Directory, membership: Membership, pcfg: PredictorConfig,
+                 plan_cfg: PlannerConfig, page_bytes: Callable[[str], int]) -> None:
+        self.predictor, self.directory, self.membership = predictor, directory, membership
+        self.pcfg, self.plan_cfg, self._page_bytes = pcfg, plan_cfg, page_bytes
+        self.scorer: dict[PrefixId, str] = {}  # (namespace, key at a depth option) -> the scorer behind it
+        self.turn = 0                          # review slice of the next tick
+        self._chains: dict[PrefixId, int] = {}  # placed pid -> its chain's number (to_review)
+
+    # ---- the tick ----------------------------------------------------------------------------------
+    def plan(self, scores: Any, speculative: Speculative, now: float, nodes: list[NodeState], bandwidth: float,
+             in_flight_bytes: int, pending: Mapping[PrefixId, Collection[str]]) -> PlanResult:
+        """Plan one tick: review a slice of the placed chains, build what the planner reads, plan."""
+        cfg = self.plan_cfg
+        review = to_review(speculative, self._chain_of, self.turn, cfg, now)
+        self.turn += 1
+        if len(self._chains) > 2 * len(speculative) + 1024:
+            self._chains = {pid: n for pid, n in self._chains.items() if pid in speculative}
+        eager, ranked = self.split(scores, review, now)
+        return plan(eager, nodes, bandwidth, cfg, now, speculative, in_flight_bytes, pending=pending,
+                    review=review, ranked=ranked)
+
+    def candidates(self, scores: Any, speculative: Speculative, now: float) -> list[Candidate]:
+        """Every candidate of a tick reviewing all of ``speculative``, built (for tests and tools)."""
+        chosen, demand, live, rows = self._rows(scores, set(speculative), now)
+        return [self._candidate(row, chosen, demand, live) for row in rows]
+
+    def _chain_of(self, pid: PrefixId) -> int:
+        """A placed prefix's chain: the first 8 bytes of its block 1's key (its own key if untracked)."""
+        n = self._chains.get(pid)
+        if n is None:
+            chain = self.predictor.chain(pid)
+            n = self._chains[pid] = int.from_bytes((chain[0] if chain else pid[1])[:8], "little")
+        return n
+
+    # ---- candidates --------------------------------------------------------------------------------
+    def chosen(self, scores: Any, review: Collection[PrefixId], now: float) -> Chosen:
+        """What the planner considers, from three scorers.
+
+        The classifier (LightGBM or momentum): prefixes at the keep threshold
+        (hysteresis) plus the placed prefixes under review, so hot replicas
+        are renewed, not dropped. The rate forecaster: prefixes whose next
+        burst is due within ``forecast_lead_s`` (copied before its first
+        request), and placed prefixes under review whose next burst is due
+        within a TTL (kept alive between the bursts of a recurring prefix).
+        Per prefix the most confident scorer wins."""
+        cfg, predictor = self.plan_cfg, self.predictor
+        keep = cfg.keep_threshold
+        chosen: Chosen = {}
+        rows = set(select_candidates(scores.probs, keep, cfg.max_decisions * 2).tolist())
+        if review:
+            rows.update(i for i in predictor.positions(scores, list(review)) if i >= 0)
+        if rows:
+            ordered = np.fromiter(rows, dtype=np.intp, count=len(rows))
+            for i, prob, need_in in zip(ordered.tolist(), scores.probs[ordered].tolist(),
+                                        scores.need_in_s[ordered].tolist()):
+                chosen[scores.ids[i]] = (prob, need_in, scores.source)
+        soon = predictor.forecast(now)
+        later = predictor.forecast(now, cfg.ttl_s, keys=list(review))
+        floor = self.pcfg.need_in_floor_s
+        for fc in (soon, later):
+            for j in np.flatnonzero(fc.p_onset >= keep):
+                pid, prob = fc.keys[j], float(fc.p_onset[j])
+                if prob > chosen.get(pid, (-1.0, 0.0, ""))[0]:
+                    need_in = max(float(fc.onset_in_s[j] - fc.sigma_s[j]), floor)
+                    chosen[pid] = (prob, need_in, "forecast")
+        return chosen
+
+    def split(self, scores: Any, review: Collection[PrefixId], now: float) -> tuple[list[Candidate], Ranked | None]:
+        """The candidates to build now, and the rows the planner builds as it goes (module docstring)."""
+        cfg = self.plan_cfg
+        chosen, demand, live, rows = self._rows(scores, review, now)
+        chains: dict[tuple[str, bytes], list[Row]] = {}
+        for row in rows:
+            chains.setdefault((row[0][0], row[1][0]), []).append(row)
+        eager: list[Candidate] = []
+        later: list[tuple[float, list[Row]]] = []
+        for members in chains.values():
+            best = max(chosen[pid][0] for pid, _, _ in members)
+            if any(pid in review for pid, _, _ in members):
+                eager.extend(self._candidate(row, chosen, demand, live) for row in members)
+            elif best >= cfg.threshold:
+                later.append((best, members))  # nothing to review: built only if the tick gets to it
+        if not later:
+            return eager, None
+        later.sort(key=lambda entry: -entry[0])
+        depths = self.pcfg.depths
+
+        def least(chain: tuple[bytes, ...], page: int) -> int:
+            return min((d for d in depths if d <= len(chain)), default=len(chain)) * page
+
+        def build(lo: int, hi: int) -> list[Candidate]:
+            return [self._candidate(row, chosen, demand, live) for _, members in later[lo:hi] for row in members]
+
+        ranked = Ranked(
+            prob=np.array([best for best, _ in later], dtype=np.float64),
+            need_in_s=np.array([max(chosen[pid][1] for pid, _, _ in m) for _, m in later], dtype=np.float64),
+            least_bytes=np.array([min(least(chain, page) for _, chain, page in m) for _, m in later], dtype=np.int64),
+            count=np.array([sum(chosen[pid][0] >= cfg.threshold for pid, _, _ in m) for _, m in later], dtype=np.int64),
+            build=build,
+        )
+        return eager, ranked
+
+    def _rows(self, scores: Any, review: Collection[PrefixId], now: float
+              ) -> tuple[Chosen, dict[PrefixId, float], frozenset[str], list[Row]]:
+        """The chosen prefixes, their forecast demand, the live nodes, and a row per prefix with a chain."""
+        self.scorer = {}
+        chosen = self.chosen(scores, review, now)
+        demand: dict[PrefixId, float] = {}
+        if self.plan_cfg.node_rate > 0 and chosen:  # size each replica set from the forecast demand
+            pids = list(chosen)
+            window = self.predictor.forecast(now, self.plan_cfg.demand_window_s, keys=pids)
+            demand = {pid: float(e) for pid, e in zip(pids, window.expected)}  # plan() spreads it along chains
+        rows: list[Row] = []
+        for pid in chosen:
+            chain, page = self.predictor.chain(pid), self._page_bytes(pid[0])
+            if chain and page:
+                rows.append((pid, tuple(chain), page))
+        return chosen, demand, frozenset(self.membership.live_ids()), rows
+
+    def _candidate(self, row: Row, chosen: Chosen,
+                   demand: Mapping[PrefixId, float], live: frozenset[str]) -> Candidate:
+        pid, chain, page_bytes = row
+        namespace = pid[0]
+        prob, need_in_s, scorer = chosen[pid]
+        depth = len(chain)
+        options = tuple(d for d in self.pcfg.depths if d <= depth) or (depth,)
+        for d in options:
+            self.scorer[(namespace, chain[d - 1])] = scorer
+        holders = self.directory.holders
+
+        def held(d: int) -> frozenset[str]:  # read by plan() in this same step, for the few it gets far with
+            return frozenset(holders(namespace, chain[d - 1]) & live)
+
+        return Candidate(namespace=namespace, chain=chain, depth_options=options, holders=LazyHolders(options, held),
+                         prob=prob, need_in_s=need_in_s, page_bytes=page_bytes, demand=demand.get(pid, 0.0))
+
+
+__all__ = ["TickPlanner"]
