@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.predict.planner_types import Candidate, NodeState, PlannerConfig
+from kvstore.predict.planner_types import Candidate
 
 
 def select_candidates(probs: np.ndarray, threshold: float, limit: int) -> np.ndarray:
@@ -54,24 +54,12 @@ GATE_REASONS = ("", "too_late", "no_room", "bandwidth", "no_target", "unknown_si
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """What any copy of this tick can get at best, before the planner books one."""
+    """What any further copy of a tick can get at best (``planner.tick_bounds``, ``_Tick.limits``)."""
 
     rate: float   # bytes/s of the fastest copy any source could send any target
     room: int     # most speculative bytes any one node can take
     budget: int   # copy bytes the tick may spend
     nodes: int    # live nodes
-
-
-def bounds(nodes: Sequence[NodeState], bandwidth_bps: float, cfg: PlannerConfig,
-           transfers_in_flight_bytes: int = 0) -> Bounds:
-    """The cluster-wide bounds :func:`~kvstore.predict.planner.plan` starts a tick with (its
-    ``fastest_rate``, ``largest_room`` and byte budget, before any decision)."""
-    out = max(((n.egress_bps or bandwidth_bps) / (n.sending + 1) for n in nodes), default=0.0)
-    into = max(((n.ingress_bps or bandwidth_bps) / (n.receiving + 1) for n in nodes), default=0.0)
-    room = max((min(int(cfg.spec_budget * n.capacity_bytes) - n.spec_bytes, n.capacity_bytes - n.used_bytes)
-                for n in nodes), default=0)
-    budget = max(0, int(cfg.spec_bandwidth * cfg.tick_s) - int(transfers_in_flight_bytes))
-    return Bounds(min(out, into), max(room, 0), budget, len(nodes))
 
 
 def gate(least_bytes: np.ndarray, need_in_s: np.ndarray, b: Bounds, safety: float) -> np.ndarray:
@@ -179,4 +167,4 @@ def _runs(rows: np.ndarray) -> Iterator[tuple[int, int]]:
     yield start, prev + 1
 
 
-__all__ = ["GATE_REASONS", "RANK_CHUNK", "Bounds", "Ranked", "bounds", "gate", "select_candidates", "unfold"]
+__all__ = ["GATE_REASONS", "RANK_CHUNK", "Bounds", "Ranked", "gate", "select_candidates", "unfold"]

@@ -212,6 +212,10 @@ class _Tick:
             return "cap"
         if self.budget_left <= 0:
             return "bandwidth"
+        return self.limits()
+
+    def limits(self) -> Bounds:
+        """The cluster-wide bounds of any further copy now (``candidates.gate`` takes them)."""
         return Bounds(self.fastest_rate(), self.largest_room(), self.budget_left, len(self.live))
 
     def fastest_rate(self) -> float:
@@ -394,6 +398,20 @@ class _Tick:
 # --------------------------------------------------------------------------
 
 
+def _start(nodes: Sequence[NodeState], bandwidth_bps: float, cfg: PlannerConfig, now: float,
+           speculative: Speculative, transfers_in_flight_bytes: int) -> _Tick:
+    """A tick before any decision: the live nodes, and the byte budget less the copies in flight."""
+    budget = max(0, int(cfg.spec_bandwidth * cfg.tick_s) - int(transfers_in_flight_bytes))
+    return _Tick(cfg, _node_ticks(nodes, cfg, bandwidth_bps), speculative, now, budget,
+                 PlanResult(bytes_budget=budget))
+
+
+def tick_bounds(nodes: Sequence[NodeState], bandwidth_bps: float, cfg: PlannerConfig,
+                transfers_in_flight_bytes: int = 0) -> Bounds:
+    """The bounds :func:`plan` starts a tick with, for ``candidates.gate``."""
+    return _start(nodes, bandwidth_bps, cfg, 0.0, {}, transfers_in_flight_bytes).limits()
+
+
 def plan(
     candidates: Sequence[Candidate],
     nodes: Sequence[NodeState],
@@ -425,16 +443,14 @@ def plan(
     the reason it had then). ``now`` is on the same clock as the expiries.
     Same inputs, same result.
     """
-    speculative = speculative if speculative is not None else {}
-    live = _node_ticks(nodes, cfg, bandwidth_bps)
-    budget = max(0, int(cfg.spec_bandwidth * cfg.tick_s) - int(transfers_in_flight_bytes))
-    tick = _Tick(cfg, live, speculative, now, budget, PlanResult(bytes_budget=budget))
+    tick = _start(nodes, bandwidth_bps, cfg, now, speculative if speculative is not None else {},
+                  transfers_in_flight_bytes)
     for pid, targets in (pending or {}).items():
         tick.planned[pid] = set(targets)
     result = tick.result
 
     ordered = sorted(candidates, key=_order_key)
-    coverage = Coverage.of(ordered, speculative)  # one pass: the demand along chains, and the placed keys' scores
+    coverage = Coverage.of(ordered, tick.speculative)  # one pass: the demand along chains, and the placed keys' scores
     if cfg.node_rate > 0:
         tick.demand = coverage.demand
     stream: Iterable[Candidate] = ordered
@@ -457,9 +473,9 @@ def plan(
             result.decisions.append(outcome)
             result.bytes_planned += outcome.bytes
 
-    result.renewals, result.drops = renew_or_drop(ordered, speculative, live, cfg, now, coverage, review)
+    result.renewals, result.drops = renew_or_drop(ordered, tick.speculative, tick.live, cfg, now, coverage, review)
     return result
 
 
 __all__ = ["SKIP_REASONS", "Speculative", "chunk_bounds", "copy_times", "copy_tree", "plan", "relay_parts",
-           "renew_or_drop", "select_candidates"]
+           "renew_or_drop", "select_candidates", "tick_bounds"]

@@ -27,11 +27,9 @@ class LazyHolders(Mapping[int, frozenset[str]]):
         self._seen: dict[int, frozenset[str]] = {}
 
     def __getitem__(self, depth: int) -> frozenset[str]:
-        seen = self._seen.get(depth)
+        seen = self.get(depth)
         if seen is None:
-            if depth not in self._depths:
-                raise KeyError(depth)
-            seen = self._seen[depth] = self._lookup(depth)
+            raise KeyError(depth)
         return seen
 
     def get(self, depth: int, default: Any = None) -> Any:  # the planner's hot path: no KeyError round trip
