@@ -125,10 +125,6 @@ class TickPlanner:
         if not later:
             return eager, None
         later.sort(key=lambda entry: -entry[0])
-        depths = self.pcfg.depths
-
-        def least(chain: tuple[bytes, ...], page: int) -> int:
-            return min((d for d in depths if d <= len(chain)), default=len(chain)) * page
 
         def build(lo: int, hi: int) -> list[Candidate]:
             return [self._candidate(row, chosen, demand, live) for _, members in later[lo:hi] for row in members]
@@ -136,7 +132,8 @@ class TickPlanner:
         ranked = Ranked(
             prob=np.array([best for best, _ in later], dtype=np.float64),
             need_in_s=np.array([max(chosen[pid][1] for pid, _, _ in m) for _, m in later], dtype=np.float64),
-            least_bytes=np.array([min(least(chain, page) for _, chain, page in m) for _, m in later], dtype=np.int64),
+            least_bytes=np.array([min(self._options(chain)[0] * page for _, chain, page in m) for _, m in later],
+                                 dtype=np.int64),
             count=np.array([sum(chosen[pid][0] >= cfg.threshold for pid, _, _ in m) for _, m in later], dtype=np.int64),
             build=build,
         )
@@ -159,13 +156,16 @@ class TickPlanner:
                 rows.append((pid, tuple(chain), page))
         return chosen, demand, frozenset(self.membership.live_ids()), rows
 
+    def _options(self, chain: tuple[bytes, ...]) -> tuple[int, ...]:
+        """A prefix's depth options, shallowest first: the tracked depths within its chain, else its own."""
+        return tuple(d for d in self.pcfg.depths if d <= len(chain)) or (len(chain),)
+
     def _candidate(self, row: Row, chosen: Chosen,
                    demand: Mapping[PrefixId, float], live: frozenset[str]) -> Candidate:
         pid, chain, page_bytes = row
         namespace = pid[0]
         prob, need_in_s, scorer = chosen[pid]
-        depth = len(chain)
-        options = tuple(d for d in self.pcfg.depths if d <= depth) or (depth,)
+        options = self._options(chain)
         for d in options:
             self.scorer[(namespace, chain[d - 1])] = scorer
         holders = self.directory.holders
