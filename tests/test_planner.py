@@ -542,6 +542,15 @@ def test_demand_sizes_the_set_and_the_tree_spreads_the_holder_egress() -> None:
     assert len(legacy.targets) == 2 and legacy.tree == ()  # without a demand forecast: as before
 
 
+
+def test_copies_in_flight_count_toward_the_demand_sized_set() -> None:
+    """Four nodes' worth of demand, one holder and two copies still on the wire: one more copy, not
+    three (the set would overshoot the demand by the copies in flight)."""
+    c = replace(cand(need=60.0), demand=40.0)
+    pending = {("ns", c.chain[7]): ["b", "c"]}
+    d = only(plan([c], nodes(*EIGHT), 10 * GB, SIZED, NOW, pending=pending))
+    assert d.targets == ("d",) and "wants 1 more" in d.reason
+
 def test_a_shorter_prefix_takes_the_demand_of_its_longer_prefixes() -> None:
     """The forecaster counts only the keys it tracks: a depth-2 prefix it has no number for (0) is read by
     every request of the depth-4 and depth-8 prefixes, so it is sized by their demand, not left unknown."""

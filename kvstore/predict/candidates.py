@@ -116,18 +116,20 @@ RANK_CHUNK = 32
 """Rows of :class:`Ranked` built at once."""
 
 
-def unfold(ranked: Ranked, threshold: float, state: Callable[[], Bounds | str], safety: float,
-           skip: Callable[[str, int], None], built: Callable[[Sequence[Candidate]], None],
+def unfold(ranked: Ranked, built_already: Sequence[Candidate], threshold: float, state: Callable[[], Bounds | str],
+           safety: float, skip: Callable[[str, int], None], built: Callable[[Sequence[Candidate]], None],
            order: Callable[[Candidate], tuple]) -> Iterator[Candidate]:  # type: ignore[type-arg]
-    """The candidates of ``ranked``'s rows at ``prob >= threshold``, in ``order``, built a chunk of rows
-    at a time, only once the next row could hold the next candidate in that order. Before each chunk
-    ``state()`` gives either a reason for every row left (``"cap"``, ``"bandwidth"``) or the tick's
+    """``built_already`` and the candidates of ``ranked``'s rows at ``prob >= threshold``, in ``order``;
+    the rows are built a chunk at a time, only once the next row could hold the next candidate in that
+    order (ties: ``built_already`` first). Before each chunk ``state()`` gives either a reason for every row left (``"cap"``, ``"bandwidth"``) or the tick's
     bounds now; rows the :func:`gate` turns away are counted with ``skip`` (``count`` each) and never
     built (the bounds only shrink, so they would be turned away at their turn too), and ``built`` sees
     each chunk before any of it is yielded."""
     n = int(np.searchsorted(-ranked.prob, -threshold, side="right"))  # rows with prob >= threshold
-    ready: list[tuple[tuple, int, Candidate]] = []  # type: ignore[type-arg]
-    lo = seq = 0
+    ready: list[tuple[tuple, int, Candidate]]  # type: ignore[type-arg]
+    ready = [(order(c), i, c) for i, c in enumerate(built_already)]
+    heapq.heapify(ready)
+    lo, seq = 0, len(ready)
     while lo < n or ready:
         # a candidate not built yet has prob <= prob[lo]: build until the best ready one beats that
         while lo < n and (not ready or -ready[0][0][0] <= ranked.prob[lo]):

@@ -57,9 +57,9 @@ class HolderWalk:
             if pending:
                 self._pending.update(pending)
             self._next -= 1
-        live = self._live
-        held = {n for n in acc if n in live}
-        return held, {n for n in self._pending if n in live and n not in held}
+        live = self._live.keys()
+        held = acc & live
+        return held, (self._pending & live) - held
 
 
 __all__ = ["HolderWalk"]

@@ -76,8 +76,6 @@ that failed and why.
 
 from __future__ import annotations
 
-import functools
-import heapq
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -85,7 +83,7 @@ from dataclasses import dataclass, field
 from kvstore.predict.candidates import Bounds, Ranked, select_candidates, unfold
 from kvstore.predict.copytree import chunk_bounds, copy_times, copy_tree, relay_parts
 from kvstore.predict.holderwalk import HolderWalk
-from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig, PlanResult
+from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig, PlanResult, usable_depths
 from kvstore.predict.renewals import Coverage, Speculative, renew_or_drop
 from kvstore.predict.types import PrefixId
 from kvstore.units import format_size
@@ -113,6 +111,10 @@ class _NodeTick:
     planned_out: int = 0    # bytes planned out of it (as a source) this tick
     sends: int = 0          # copies planned out of it this tick
     receives: int = 0       # copies planned into it this tick
+    room: int = 0           # speculative bytes it can still take (``book`` keeps it)
+
+    def __post_init__(self) -> None:
+        self.book(0)
 
     @property
     def node_id(self) -> str:
@@ -123,10 +125,13 @@ class _NodeTick:
         """Free bytes left after what this tick already planned onto it."""
         return self.state.capacity_bytes - self.state.used_bytes - self.planned_in
 
-    def room_for(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more of speculative replicas fit both budgets."""
-        spec_ok = self.state.spec_bytes + self.planned_in + nbytes <= self.spec_limit
-        return spec_ok and nbytes <= self.headroom
+    def book(self, nbytes: int) -> None:
+        """Plan a copy of ``nbytes`` onto it (0: none, only set ``room``): ``room`` is what fits both
+        its speculative share (``spec_bytes + planned <= spec_limit``) and its free space."""
+        if nbytes:
+            self.planned_in += nbytes
+            self.receives += 1
+        self.room = max(0, min(self.spec_limit - self.state.spec_bytes - self.planned_in, self.headroom))
 
     def out_share(self, at_once: int = 1) -> float:
         """Bytes/s each of ``at_once`` more copies out of it would get: its egress shared with the copies
@@ -167,15 +172,6 @@ def _order_key(c: Candidate) -> tuple[float, float, str, tuple[bytes, ...]]:
     return (-c.prob, c.need_in_s, c.namespace, c.chain)
 
 
-@functools.lru_cache(maxsize=256)
-def _depths(options: tuple[int, ...], chain_len: int) -> tuple[int, ...]:
-    """Usable depth options, deepest first (a depth needs its key in the chain).
-
-    Cached: candidates of one predictor share a handful of option tuples.
-    """
-    return tuple(sorted({d for d in options if 1 <= d <= chain_len}, reverse=True))
-
-
 @dataclass(slots=True)
 class _Tick:
     """Mutable state of one planning pass: nodes, budgets, result."""
@@ -186,25 +182,25 @@ class _Tick:
     now: float
     budget_left: int
     result: PlanResult
-    max_room: int = -1      # most bytes any live node can still take; < 0 = recompute
-    max_rate: float = -1.0  # fastest rate any copy could get now; < 0 = recompute
+    room: int = 0           # most bytes any live node can still take (``refresh``)
+    rate: float = 0.0       # fastest rate any copy could get now (``refresh``)
     planned: dict[PrefixId, set[str]] = field(default_factory=dict)  # block key -> targets copied to this tick
     demand: dict[str, dict[bytes, float]] = field(default_factory=dict)  # [ns][block key] -> demand (Coverage)
 
     def skip(self, reason: str, n: int = 1) -> None:
         self.result.skipped[reason] = self.result.skipped.get(reason, 0) + n
 
-    def largest_room(self) -> int:
-        """Most speculative bytes any one live node can still take this tick
-        (cached until the next decision). Lets a full cluster reject a
-        candidate in O(depths) instead of O(depths x nodes)."""
-        if self.max_room < 0:
-            self.max_room = max(
-                (min(n.spec_limit - n.state.spec_bytes - n.planned_in, n.headroom) for n in self.live.values()),
-                default=0,
-            )
-            self.max_room = max(self.max_room, 0)
-        return self.max_room
+    def refresh(self) -> None:
+        """Recompute the cluster-wide bounds, at the start and after each decision.
+
+        ``room``: the most speculative bytes any one live node can still take, which lets a full
+        cluster reject a candidate in O(depths) instead of O(depths x nodes). ``rate``: the rate of
+        the fastest copy any source could send any target now: no copy lands sooner, so a depth too
+        late at it is too late everywhere."""
+        nodes = self.live.values()
+        self.room = max((n.room for n in nodes), default=0)
+        self.rate = min(max((n.out_share() for n in nodes), default=0.0),
+                        max((n.in_share for n in nodes), default=0.0))
 
     def bounds(self) -> Bounds | str:
         """What any further copy can get at best now, or why none can start (``unfold``'s state)."""
@@ -216,16 +212,7 @@ class _Tick:
 
     def limits(self) -> Bounds:
         """The cluster-wide bounds of any further copy now (``candidates.gate`` takes them)."""
-        return Bounds(self.fastest_rate(), self.largest_room(), self.budget_left, len(self.live))
-
-    def fastest_rate(self) -> float:
-        """The rate of the fastest copy any source could send any target now (cached until the next
-        decision): no copy lands sooner, so a depth too late at it is too late everywhere."""
-        if self.max_rate < 0:
-            nodes = self.live.values()
-            self.max_rate = min(max((n.out_share() for n in nodes), default=0.0),
-                                max((n.in_share for n in nodes), default=0.0))
-        return self.max_rate
+        return Bounds(self.rate, self.room, self.budget_left, len(self.live))
 
     def plan_one(self, c: Candidate) -> Decision | str:
         """A decision for candidate ``c``, or the reason it is skipped."""
@@ -234,14 +221,14 @@ class _Tick:
         page = c.page_bytes
         if page <= 0:
             return "unknown_size"
-        bandwidth = self.fastest_rate()
+        bandwidth = self.rate
         if bandwidth <= 0:
             return "too_late"
         # Depth gate, then the cheap cluster-wide checks: most candidates of a
         # busy tick stop here, before any per-node work.
         need, safety = c.need_in_s, self.cfg.safety
-        room_max, budget = self.largest_room(), self.budget_left
-        depths = _depths(c.depth_options, len(c.chain))
+        room_max, budget = self.room, self.budget_left
+        depths = usable_depths(c.depth_options, len(c.chain))
         if not depths:
             return "too_late"
         least = depths[-1] * page  # the shallowest copy: when it does not fit, no deeper one does
@@ -271,11 +258,11 @@ class _Tick:
                 break
             if not held:
                 reason = "no_source"
-            elif self._wanted(c, d, len(held) + len(pending)) == 0:
-                return "enough_copies"  # the replica set already serves the forecast demand
+            elif (wanted := self._wanted(c, d, len(held) + len(pending))) == 0:
+                return "enough_copies"  # the replica set (copies in flight too) already serves the forecast demand
             else:
                 room = [n for n in self.live.values()
-                        if n.node_id not in held and n.node_id not in pending and n.room_for(nbytes)]
+                        if n.room >= nbytes and n.node_id not in held and n.node_id not in pending]
                 reason = "no_room"
                 if room:
                     sources = sorted((self.live[n] for n in held), key=_NodeTick.source_key)
@@ -283,7 +270,7 @@ class _Tick:
                     rates = [(n, min(send, n.in_share)) for n in room]
                     in_time = [(n, nbytes / r) for n, r in rates if r > 0 and nbytes / r * safety <= need]
                     if in_time:
-                        return self._decide(c, d, nbytes, sources, in_time, notes)
+                        return self._decide(c, d, nbytes, sources, in_time, wanted, notes)
                     reason = "too_late"  # at the links' measured rates and their copies in flight
             notes.append((d, reason))
         return reason
@@ -306,10 +293,12 @@ class _Tick:
         nbytes: int,
         sources: list[_NodeTick],
         room: list[tuple[_NodeTick, float]],
+        wanted: int | None,
         notes: list[tuple[int, str]],
     ) -> Decision:
         """Pick targets for ``c`` at ``depth`` among ``room`` (nodes with room whose copy from the best
         of ``sources`` lands in time, with that copy's seconds) and book their bytes and copies.
+        ``wanted``: the new copies the forecast demand asks for (``_wanted``), None when unknown.
 
         Without a demand forecast: up to ``max_targets`` targets, all copied
         from one source. With one: as many targets as the demand asks for,
@@ -318,7 +307,6 @@ class _Tick:
         the waves that land in time (at the slowest chosen target's rate)."""
         cfg = self.cfg
         room.sort(key=lambda pair: pair[0].target_key())
-        wanted = self._wanted(c, depth, len(sources))
         src, need, safety = sources[0], c.need_in_s, cfg.safety
 
         def wave_s(targets: Sequence[_NodeTick], at_once: int) -> float:
@@ -365,13 +353,12 @@ class _Tick:
             why += "; deeper: " + ", ".join(f"depth {d} {r}" for d, r in notes)
         total = nbytes * k
         for n in targets:
-            n.planned_in += nbytes
-            n.receives += 1
+            n.book(nbytes)
         for sender, _ in edges:
             self.live[sender].planned_out += nbytes
             self.live[sender].sends += 1
         self.budget_left -= total
-        self.max_room, self.max_rate = -1, -1.0
+        self.refresh()
         names = {n.node_id for n in targets}
         for key in c.chain[:depth]:
             self.planned.setdefault((c.namespace, key), set()).update(names)
@@ -402,8 +389,9 @@ def _start(nodes: Sequence[NodeState], bandwidth_bps: float, cfg: PlannerConfig,
            speculative: Speculative, transfers_in_flight_bytes: int) -> _Tick:
     """A tick before any decision: the live nodes, and the byte budget less the copies in flight."""
     budget = max(0, int(cfg.spec_bandwidth * cfg.tick_s) - int(transfers_in_flight_bytes))
-    return _Tick(cfg, _node_ticks(nodes, cfg, bandwidth_bps), speculative, now, budget,
-                 PlanResult(bytes_budget=budget))
+    tick = _Tick(cfg, _node_ticks(nodes, cfg, bandwidth_bps), speculative, now, budget, PlanResult(bytes_budget=budget))
+    tick.refresh()
+    return tick
 
 
 def tick_bounds(nodes: Sequence[NodeState], bandwidth_bps: float, cfg: PlannerConfig,
@@ -450,13 +438,13 @@ def plan(
     result = tick.result
 
     ordered = sorted(candidates, key=_order_key)
-    coverage = Coverage.of(ordered, tick.speculative)  # one pass: the demand along chains, and the placed keys' scores
+    # one pass: the demand along chains, and the scores of the placed keys under review
+    coverage = Coverage.of(ordered, tick.speculative if review is None else review)
     if cfg.node_rate > 0:
         tick.demand = coverage.demand
     stream: Iterable[Candidate] = ordered
     if ranked is not None and len(ranked):
-        later = unfold(ranked, cfg.threshold, tick.bounds, cfg.safety, tick.skip, coverage.add, _order_key)
-        stream = heapq.merge(ordered, later, key=_order_key)
+        stream = unfold(ranked, ordered, cfg.threshold, tick.bounds, cfg.safety, tick.skip, coverage.add, _order_key)
     for c in stream:
         if c.prob < cfg.threshold:
             break  # ordered by prob: the rest only keep existing replicas alive

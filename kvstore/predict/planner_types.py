@@ -7,6 +7,7 @@ predictor's scores and :class:`NodeState`\\ s from heartbeats; the planner
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -45,6 +46,15 @@ class LazyHolders(Mapping[int, frozenset[str]]):
 
     def __len__(self) -> int:
         return len(self._depths)
+
+
+@functools.lru_cache(maxsize=256)
+def usable_depths(options: tuple[int, ...], chain_len: int) -> tuple[int, ...]:
+    """A candidate's usable depth options, deepest first (a depth needs its key in the chain).
+
+    Cached: candidates of one predictor share a handful of option tuples.
+    """
+    return tuple(sorted({d for d in options if 1 <= d <= chain_len}, reverse=True))
 
 
 @dataclass(slots=True)

@@ -10,10 +10,10 @@ copies than are placed (the replica set shrinks in quiet periods).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, KeysView, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvstore.predict.planner_types import Candidate, Drop, PlannerConfig, Renewal
+from kvstore.predict.planner_types import Candidate, Drop, PlannerConfig, Renewal, usable_depths
 from kvstore.predict.types import PrefixId
 
 Speculative = Mapping[PrefixId, Mapping[str, float]]
@@ -47,9 +47,11 @@ class Coverage:
     placed: dict[str, set[bytes]]      # the placed keys, by namespace
 
     @classmethod
-    def of(cls, candidates: Sequence[Candidate], speculative: Speculative) -> Coverage:
+    def of(cls, candidates: Sequence[Candidate], placed_ids: Iterable[PrefixId]) -> Coverage:
+        """The coverage of ``candidates``, with scores and sizes kept for the keys of ``placed_ids`` (the
+        placed prefixes whose replicas are reviewed: a ``Speculative``'s keys, or ``to_review``'s)."""
         placed: dict[str, set[bytes]] = {}
-        for ns, key in speculative:
+        for ns, key in placed_ids:
             placed.setdefault(ns, set()).add(key)
         out = cls({}, {ns: {} for ns in placed}, {ns: {} for ns in placed}, placed)
         out.add(candidates)
@@ -60,14 +62,15 @@ class Coverage:
         demand, hot, sized, placed = self.demand, self.hot, self.sized, self.placed
         for c in candidates:
             ns, chain, want = c.namespace, c.chain, c.demand
-            n = len(chain)
+            depths = usable_depths(c.depth_options, len(chain))
             if want > 0:
                 mine = demand.get(ns)
                 if mine is None:
                     mine = demand[ns] = {}
-                for d in c.depth_options:
-                    if d <= n and mine.get(chain[d - 1], 0.0) < want:
-                        mine[chain[d - 1]] = want
+                for d in depths:
+                    key = chain[d - 1]
+                    if mine.get(key, 0.0) < want:
+                        mine[key] = want
             keys = placed.get(ns)
             if not keys:
                 continue
@@ -79,11 +82,10 @@ class Coverage:
                 if best.get(key, -1.0) < prob:
                     best[key] = prob
             sizes = sized[ns]
-            for d in c.depth_options:
-                if d <= n:
-                    key = chain[d - 1]
-                    if key in common and key not in sizes:
-                        sizes[key] = (c, d)
+            for d in depths:
+                key = chain[d - 1]
+                if key in common and key not in sizes:
+                    sizes[key] = (c, d)
 
 
 def renew_or_drop(
@@ -109,16 +111,18 @@ def renew_or_drop(
     * otherwise, once less than ``cfg.renew_when_left * cfg.ttl_s`` is left,
       renew to ``now + cfg.ttl_s`` (not every tick: fewer control messages).
 
-    ``coverage``: :meth:`Coverage.of` ``(candidates, speculative)`` when the
-    caller has it already. ``review``: the placed prefixes to look at this
-    tick (:func:`to_review`; ``None``: all); the others are left as they are,
-    so their candidates need not be passed. Replicas on nodes not in ``live``
-    are left to expire (no renewal, no drop: a node that comes back drops its
-    own expired replicas).
+    ``coverage``: :meth:`Coverage.of` ``(candidates, review)`` (``speculative``
+    when ``review`` is None) when the caller has it already. ``review``: the
+    placed prefixes to look at this tick (:func:`to_review`; ``None``: all),
+    in their order; the others are left as they are, so their candidates need
+    not be passed. Replicas on nodes not in ``live`` are left to expire (no
+    renewal, no drop: a node that comes back drops its own expired replicas).
     """
     if coverage is None:
-        coverage = Coverage.of(candidates, speculative)
+        coverage = Coverage.of(candidates, speculative if review is None else review)
     hot, sized, demand = coverage.hot, coverage.sized, coverage.demand
+    placed_sets = speculative.items() if review is None else (
+        (pid, speculative[pid]) for pid in review if pid in speculative)
     per_node = cfg.node_rate * cfg.demand_window_s
     n_live = len(live)
     keep = cfg.keep_threshold
@@ -127,9 +131,7 @@ def renew_or_drop(
     drops: list[Drop] = []
     no_scores: dict[bytes, float] = {}
     no_sizes: dict[bytes, tuple[Candidate, int]] = {}
-    for (ns, key), placed in speculative.items():
-        if review is not None and (ns, key) not in review:
-            continue
+    for (ns, key), placed in placed_sets:
         score = hot.get(ns, no_scores).get(key, -1.0)
         surplus: Collection[str] = ()
         if per_node > 0 and score >= keep:  # (a decayed set goes whole)
@@ -157,7 +159,7 @@ def renew_or_drop(
 
 
 def to_review(speculative: Speculative, chain_of: Callable[[PrefixId], int], turn: int, cfg: PlannerConfig,
-              now: float) -> set[PrefixId]:
+              now: float) -> KeysView[PrefixId]:
     """The placed prefixes a tick reviews when a review covers only part of them (``cfg.review_slices``
     > 1): the chains in slice ``turn % review_slices``, and every chain with a replica due for renewal
     or expiry before that slice comes round again. So a renewal is never late, and a tick's cost does
@@ -167,16 +169,18 @@ def to_review(speculative: Speculative, chain_of: Callable[[PrefixId], int], tur
     A chain is the placed prefixes sharing a first block; ``chain_of(pid)`` names it with a stable
     non-negative integer (e.g. the first 8 bytes of block 1's key; two chains sharing one merely
     share their turn). They are reviewed together, because a deeper prefix's score keeps its
-    shallower replicas hot, so the caller passes the candidates of every prefix reviewed."""
+    shallower replicas hot, so the caller passes the candidates of every prefix reviewed.
+
+    A set, in ``speculative``'s order (the order of the tick's renewals and drops)."""
     slices = max(1, cfg.review_slices)
     if slices == 1:
-        return set(speculative)
+        return speculative.keys()
     due_by = now + cfg.renew_when_left * cfg.ttl_s + slices * cfg.tick_s
     turn %= slices
     chains = [chain_of(pid) for pid in speculative]
     chosen = {chain for chain, placed in zip(chains, speculative.values())
               if chain % slices == turn or (placed and min(placed.values()) < due_by)}
-    return {pid for pid, chain in zip(speculative, chains) if chain in chosen}
+    return dict.fromkeys(pid for pid, chain in zip(speculative, chains) if chain in chosen).keys()
 
 
 SURPLUS_SLACK = 2.0
