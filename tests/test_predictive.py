@@ -172,17 +172,19 @@ def test_demand_sized_fanout_is_copied_as_a_tree(make_server, chunks) -> None:  
     sent = sent_now()
     assert sum(sent.values()) == 5 * 8, sent
     assert sent.get("a", 0) < 5 * 8, f"every page went out of the primary: {sent}"
-    # every node that sent a copy has its egress measured, and no copy is still counted on a link once the
-    # copies of later ticks (which find the pages there and move none) have had their replies
+    # the copies were measured, and no copy is still counted on a link once the copies of later ticks
+    # (which find the pages there and move none) have had their replies. Which end a copy measures is
+    # its more contended one (tests/test_links.py): a sender whose target was busier (a later tick's
+    # copy to it still in flight) has no egress sample, so only "some end of the copies" is certain
     def links_now():  # type: ignore[no-untyped-def]
         return a.call(lambda: (coordinator.links.stats(), dict(coordinator.links.sending),
                                dict(coordinator.links.receiving)))
 
     wait_until(lambda: not any(links_now()[1].values()), 5, "the copies in flight to end", state=links_now)
     rates, sending, receiving = links_now()
-    assert set(sent) <= set(rates) and not sending and not receiving, (rates, sending, receiving)
+    assert rates and set(rates) <= set("abcdef") and not sending and not receiving, (rates, sending, receiving)
     assert sum(sent_now().values()) == 5 * 8, f"a later copy moved pages again: {sent_now()}"
-    assert all(r["egress_bps"] > 0 for r in rates.values())
+    assert all(r["egress_bps"] > 0 and r["ingress_bps"] > 0 for r in rates.values())
     if chunks > 1:
         assert sent.get("a") == 8, f"relayed: the primary heads one chain and sends one copy: {sent}"
     for srv in servers:
