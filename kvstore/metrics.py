@@ -108,8 +108,11 @@ class NodeMetrics:
                                          registry=self.registry)
         self.decisions = Counter("kvstore_planner_decisions", "Planner decisions by kind (replicate, drop, "
                                  "full, skip_<reason>)", ["kind"], registry=self.registry)
-        self.tick_latency = Histogram("kvstore_planner_tick_seconds", "Coordinator planner tick latency",
+        self.tick_latency = Histogram("kvstore_planner_tick_seconds", "Coordinator planner tick latency "
+                                      "(wall time, scoring off the loop included)",
                                       buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tick_slice = Histogram("kvstore_planner_tick_slice_seconds", "Longest stretch a planner tick "
+                                    "held the event loop", buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.spec_bytes = Counter("kvstore_replication_bytes", "Bytes the coordinator had copied, by kind "
                                   "(speculative, replica for the full policy)", ["kind"], registry=self.registry)
         self.auth_rejected = Counter("kvstore_auth_rejected", "Calls refused for their credentials, by plane "

@@ -5,7 +5,9 @@
 * ``gate`` with ``tick_bounds`` turns a row away for the very reason ``plan`` gives;
 * ``to_review``: a slice of the placed chains a tick, whole chains, every due one, all of them within
   ``review_slices`` ticks; what is not under review is left as it is;
-* ``LazyHolders`` looks a depth up once, and only when read.
+* ``LazyHolders`` looks a depth up once, and only when read;
+* ``plan_steps``, the tick a step at a time, plans what ``plan`` plans, and a placed prefix that goes
+  between its steps is passed over.
 
 Pure: no sockets, no clocks.
 """
@@ -21,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.predict.candidates import GATE_REASONS, RANK_CHUNK, Ranked, gate
-from kvstore.predict.planner import plan, tick_bounds
+from kvstore.predict.planner import PLAN_STEP, plan, plan_steps, tick_bounds
 from kvstore.predict.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig
 from kvstore.predict.renewals import renew_or_drop, to_review
 
@@ -194,6 +196,29 @@ def test_replicas_not_under_review_are_left_as_they_are() -> None:
     assert renew_or_drop([cold], spec, live, SLICED, NOW, review=set()) == ([], [])
     _, drops = renew_or_drop([cold], spec, live, SLICED, NOW, review={("ns", chain_of("d")[-1])})
     assert [(d.key, d.reason) for d in drops] == [(chain_of("d")[-1], "decayed")]
+
+
+def test_the_tick_in_steps_plans_what_plan_plans_and_passes_over_a_replica_gone_meanwhile() -> None:
+    sized = PlannerConfig(threshold=0.5, node_rate=1.0, demand_window_s=10.0, review_slices=1)
+    cands = [cand(f"c{i:03d}", 0.9 - i * 1e-3, 60.0, 10 * MB, {8: frozenset({"a"})}, demand=30.0)
+             for i in range(3 * PLAN_STEP)]
+    spec = {("ns", c.chain[-1]): {"b": NOW + 1.0} for c in cands[:3]}  # due for renewal
+    ns = [NodeState(n, 100 * GB, 0) for n in "abcd"]
+    whole = plan(cands, ns, 10 * GB, sized, NOW, spec)
+    steps = plan_steps(cands, ns, 10 * GB, sized, NOW, spec)
+    next(steps)
+    next(steps)  # the first PLAN_STEP - 1 candidates are planned
+    del spec[("ns", cands[0].chain[-1])]  # then its replica goes (evicted) while the tick is off the loop
+    for n in range(10 * PLAN_STEP):
+        try:
+            next(steps)
+        except StopIteration as done:
+            stepped = done.value
+            break
+    assert n >= 2  # it did yield on the way
+    assert stepped.decisions == whole.decisions
+    assert [r.key for r in whole.renewals] == [c.chain[-1] for c in cands[:3]]
+    assert [r.key for r in stepped.renewals] == [c.chain[-1] for c in cands[1:3]]
 
 
 def test_a_dead_holder_does_not_make_a_replica_surplus() -> None:

@@ -5,6 +5,7 @@ bulk of the burst arrives there, and tells routers where they are."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import numpy as np
@@ -121,6 +122,13 @@ def test_daemon_loads_a_trained_model_and_exposes_predictor_metrics(tmp_path, da
         time.sleep(0.1)
         text = urllib.request.urlopen(url, timeout=5).read().decode()
     assert "kvstore_planner_tick_seconds_count" in text
+
+    def slices_seen() -> float:  # ticks that recorded their longest stretch on the loop
+        body = urllib.request.urlopen(url, timeout=5).read().decode()
+        found = re.search(r"^kvstore_planner_tick_slice_seconds_count (\S+)$", body, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    wait_until(lambda: slices_seen() >= 2, 10, "planner ticks on the loop", state=slices_seen)
 
 
 @pytest.mark.parametrize("chunks", [1, 4])

@@ -40,6 +40,7 @@ from kvstore.cluster.relay import relay
 from kvstore.cluster.tickplan import TickPlanner
 from kvstore.config import NodeConfig
 from kvstore.errors import KvError
+from kvstore.loops.slices import Steps, on_loop, sliced
 from kvstore.metrics import NodeMetrics
 from kvstore.pool.pool import PageKind
 from kvstore.predict.copytree import chunk_bounds, relay_parts
@@ -50,6 +51,12 @@ from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
 decision_log = logging.getLogger("kvstore.decisions")
+
+TICK_SLICE_S = 0.002
+"""A planner tick holds the event loop for slices of about this long (``kvstore.loops.slices``):
+a request that arrives during a tick waits behind one slice, not the whole tick."""
+CARRY_STEP = 32
+"""Decisions, renewals or drops the tick carries out between two yields."""
 
 
 class Coordinator:
@@ -89,7 +96,8 @@ class Coordinator:
         self._in_flight_bytes = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._full_queue: deque[tuple[str, str, list[bytes]]] = deque(maxlen=100_000)
-        self.tick_seconds: list[float] = []
+        self.tick_seconds: list[float] = []  # each tick's wall time, scoring off the loop included
+        self.tick_slices: list[float] = []   # each tick's longest stretch on the loop
         self.decision_sources: Counter[str] = Counter()  # replicate decisions by the scorer behind them
         self.egress_saved_bytes = 0  # holder egress copy trees saved against copying all from one source
         self.pages_from: Counter[str] = Counter()  # speculative pages copied, by the node that sent them
@@ -204,12 +212,23 @@ class Coordinator:
             return
         assert self.predictor is not None and self.tick_planner is not None
         now = time.monotonic()
-        speculative = self.speculative
         scores = await self.predictor.score_async(now)
         self.predictor.maybe_retrain(now)
-        result = self.tick_planner.plan(scores, speculative, now, self._node_states(), self.bandwidth,
-                                        self._in_flight_bytes, self.planner_pending())
-        for decision in result.decisions:
+        slices: list[float] = []
+        await on_loop(sliced(self._tick_steps(scores, now), TICK_SLICE_S, slices))
+        longest = max(slices)
+        self.metrics.tick_slice.observe(longest)
+        self.tick_slices.append(longest)
+        del self.tick_slices[:-1000]
+
+    def _tick_steps(self, scores: Any, now: float) -> Steps[None]:
+        """Plan the tick and carry it out, a step at a time (``kvstore.loops.slices``)."""
+        assert self.tick_planner is not None
+        result = yield from self.tick_planner.steps(scores, self.speculative, now, self._node_states(),
+                                                    self.bandwidth, self._in_flight_bytes, self.planner_pending())
+        for i, decision in enumerate(result.decisions, 1):
+            if i % CARRY_STEP == 0:
+                yield
             decision_log.info("replicate %s depth=%d %s -> %s: %s", decision.keys[-1].hex()[:12], decision.depth,
                               decision.source, ",".join(decision.targets), decision.reason)
             self.metrics.decisions.labels("replicate").inc()
@@ -223,9 +242,13 @@ class Coordinator:
             for target in decision.targets:
                 self._spawn(self._copy(target, decision.namespace, list(decision.keys), decision.source,
                                        PageKind.SPECULATIVE, decision.ttl_s, per_target))
-        for namespace, key, node, expires in result.renewals:
+        for i, (namespace, key, node, expires) in enumerate(result.renewals, 1):
+            if i % CARRY_STEP == 0:
+                yield
             self._spawn(self._renew(node, namespace, key, expires - now))
-        for namespace, key, node, reason in result.drops:
+        for i, (namespace, key, node, reason) in enumerate(result.drops, 1):
+            if i % CARRY_STEP == 0:
+                yield
             decision_log.info("drop %s on %s: %s", key.hex()[:12], node, reason)
             self.metrics.decisions.labels("drop").inc()
             self._spawn(self._drop(node, namespace, key))
@@ -416,9 +439,12 @@ class Coordinator:
 
     def stats(self) -> dict[str, Any]:
         ticks = np.array(self.tick_seconds) if self.tick_seconds else np.zeros(1)
+        slices = np.array(self.tick_slices) if self.tick_slices else np.zeros(1)
         out = {"policy": self.policy, "speculative_prefixes": len(self.speculative), "pending": len(self.pending),
                "bandwidth_bps": self.bandwidth, "links": self.links.stats(), "tick_p50_ms": float(np.percentile(ticks, 50) * 1e3),
-               "tick_p99_ms": float(np.percentile(ticks, 99) * 1e3)}
+               "tick_p99_ms": float(np.percentile(ticks, 99) * 1e3),
+               "tick_slice_p50_ms": float(np.percentile(slices, 50) * 1e3),
+               "tick_slice_p99_ms": float(np.percentile(slices, 99) * 1e3)}
         if self.predictor is not None:
             out.update(self.predictor.stats())
         out["egress_saved_bytes"] = self.egress_saved_bytes

@@ -12,8 +12,11 @@ once a tick, on the event loop: it keeps that step short at 100k scored prefixes
   to the planner as :class:`~kvstore.predict.candidates.Ranked` rows, one a chain, that it builds
   only as far as its room and byte budget last. A chain with nothing under review and no prefix at
   the copy threshold is not built at all.
-* Holders are looked up lazily (:class:`~kvstore.predict.planner_types.LazyHolders`), in the same
-  synchronous step as the plan.
+* Holders are looked up lazily (:class:`~kvstore.predict.planner_types.LazyHolders`), when the
+  planner reads them.
+* The tick runs a step at a time (:meth:`TickPlanner.steps`, :mod:`kvstore.loops.slices`): the
+  coordinator gives the loop back between slices of a few milliseconds, so a long tick delays no
+  request by more than one slice.
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ import numpy as np
 from kvstore.cluster.directory import Directory
 from kvstore.cluster.membership import Membership
 from kvstore.predict.candidates import Ranked, select_candidates
-from kvstore.predict.planner import plan
+from kvstore.loops.slices import Steps, finish
+from kvstore.predict.planner import plan_steps
 from kvstore.predict.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig, PlanResult
 from kvstore.predict.renewals import Speculative, to_review
 from kvstore.predict.types import PredictorConfig, PrefixId
 
+BUILD_STEP = 64
+"""Candidates built between two yields of :meth:`TickPlanner.steps`."""
 Chosen = dict[PrefixId, tuple[float, float, str]]
 """pid -> (prob, need_in_s, scorer)."""
 Row = tuple[PrefixId, tuple[bytes, ...], int]
@@ -51,19 +57,27 @@ class TickPlanner:
     # ---- the tick ----------------------------------------------------------------------------------
     def plan(self, scores: Any, speculative: Speculative, now: float, nodes: list[NodeState], bandwidth: float,
              in_flight_bytes: int, pending: Mapping[PrefixId, Collection[str]]) -> PlanResult:
-        """Plan one tick: review a slice of the placed chains, build what the planner reads, plan."""
+        """Plan one tick in one go: :meth:`steps` run to the end."""
+        return finish(self.steps(scores, speculative, now, nodes, bandwidth, in_flight_bytes, pending))
+
+    def steps(self, scores: Any, speculative: Speculative, now: float, nodes: list[NodeState], bandwidth: float,
+              in_flight_bytes: int, pending: Mapping[PrefixId, Collection[str]]) -> Steps[PlanResult]:
+        """Plan one tick, a step at a time (``kvstore.loops.slices``): review a slice of the placed
+        chains, build what the planner reads, plan (``planner.plan_steps``). Between steps
+        ``speculative`` and the directory may change; a candidate reads its holders when planned."""
         cfg = self.plan_cfg
         review = to_review(speculative, self._chain_of, self.turn, cfg, now)
         self.turn += 1
         if len(self._chains) > 2 * len(speculative) + 1024:
             self._chains = {pid: n for pid, n in self._chains.items() if pid in speculative}
-        eager, ranked = self.split(scores, review, now)
-        return plan(eager, nodes, bandwidth, cfg, now, speculative, in_flight_bytes, pending=pending,
-                    review=review, ranked=ranked)
+        yield
+        eager, ranked = yield from self._split_steps(scores, review, now)
+        return (yield from plan_steps(eager, nodes, bandwidth, cfg, now, speculative, in_flight_bytes,
+                                      pending=pending, review=review, ranked=ranked))
 
     def candidates(self, scores: Any, speculative: Speculative, now: float) -> list[Candidate]:
         """Every candidate of a tick reviewing all of ``speculative``, built (for tests and tools)."""
-        chosen, demand, live, rows = self._rows(scores, set(speculative), now)
+        chosen, demand, live, rows = finish(self._rows(scores, set(speculative), now))
         return [self._candidate(row, chosen, demand, live) for row in rows]
 
     def _chain_of(self, pid: PrefixId) -> int:
@@ -109,8 +123,13 @@ class TickPlanner:
 
     def split(self, scores: Any, review: Collection[PrefixId], now: float) -> tuple[list[Candidate], Ranked | None]:
         """The candidates to build now, and the rows the planner builds as it goes (module docstring)."""
+        return finish(self._split_steps(scores, review, now))
+
+    def _split_steps(self, scores: Any, review: Collection[PrefixId], now: float
+                     ) -> Steps[tuple[list[Candidate], Ranked | None]]:
         cfg = self.plan_cfg
-        chosen, demand, live, rows = self._rows(scores, review, now)
+        chosen, demand, live, rows = yield from self._rows(scores, review, now)
+        yield
         chains: dict[tuple[str, bytes], list[Row]] = {}
         for row in rows:
             chains.setdefault((row[0][0], row[1][0]), []).append(row)
@@ -119,7 +138,10 @@ class TickPlanner:
         for members in chains.values():
             best = max(chosen[pid][0] for pid, _, _ in members)
             if any(pid in review for pid, _, _ in members):
+                before = len(eager)
                 eager.extend(self._candidate(row, chosen, demand, live) for row in members)
+                if before // BUILD_STEP != len(eager) // BUILD_STEP:
+                    yield
             elif best >= cfg.threshold:
                 later.append((best, members))  # nothing to review: built only if the tick gets to it
         if not later:
@@ -140,10 +162,11 @@ class TickPlanner:
         return eager, ranked
 
     def _rows(self, scores: Any, review: Collection[PrefixId], now: float
-              ) -> tuple[Chosen, dict[PrefixId, float], frozenset[str], list[Row]]:
+              ) -> Steps[tuple[Chosen, dict[PrefixId, float], frozenset[str], list[Row]]]:
         """The chosen prefixes, their forecast demand, the live nodes, and a row per prefix with a chain."""
         self.scorer = {}
         chosen = self.chosen(scores, review, now)
+        yield
         demand: dict[PrefixId, float] = {}
         if self.plan_cfg.node_rate > 0 and chosen:  # size each replica set from the forecast demand
             pids = list(chosen)
@@ -170,7 +193,7 @@ class TickPlanner:
             self.scorer[(namespace, chain[d - 1])] = scorer
         holders = self.directory.holders
 
-        def held(d: int) -> frozenset[str]:  # read by plan() in this same step, for the few it gets far with
+        def held(d: int) -> frozenset[str]:  # read when plan() gets that far with it (few do): as of then
             return frozenset(holders(namespace, chain[d - 1]) & live)
 
         return Candidate(namespace=namespace, chain=chain, depth_options=options, holders=LazyHolders(options, held),

@@ -80,6 +80,7 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvstore.loops.slices import Steps, finish
 from kvstore.predict.candidates import Bounds, Ranked, select_candidates, unfold
 from kvstore.predict.copytree import chunk_bounds, copy_times, copy_tree, relay_parts
 from kvstore.predict.holderwalk import HolderWalk
@@ -431,6 +432,31 @@ def plan(
     the reason it had then). ``now`` is on the same clock as the expiries.
     Same inputs, same result.
     """
+    return finish(plan_steps(candidates, nodes, bandwidth_bps, cfg, now, speculative, transfers_in_flight_bytes,
+                             pending, review, ranked))
+
+
+PLAN_STEP = 16
+"""Candidates :func:`plan_steps` plans between two yields (a step of tens to hundreds of microseconds)."""
+
+
+def plan_steps(
+    candidates: Sequence[Candidate],
+    nodes: Sequence[NodeState],
+    bandwidth_bps: float,
+    cfg: PlannerConfig,
+    now: float,
+    speculative: Speculative | None = None,
+    transfers_in_flight_bytes: int = 0,
+    pending: Mapping[PrefixId, Collection[str]] | None = None,
+    review: Collection[PrefixId] | None = None,
+    ranked: Ranked | None = None,
+) -> Steps[PlanResult]:
+    """:func:`plan` a step at a time (:mod:`kvstore.loops.slices`): it yields after the coverage, every
+    :data:`PLAN_STEP` candidates, and before the renewals, and returns plan()'s result. Between two
+    steps ``speculative`` may change (the coordinator's, as copies land and replicas go): each step
+    reads it as it is then, and a prefix under review that is gone by the renewals is passed over.
+    """
     tick = _start(nodes, bandwidth_bps, cfg, now, speculative if speculative is not None else {},
                   transfers_in_flight_bytes)
     for pid, targets in (pending or {}).items():
@@ -442,10 +468,13 @@ def plan(
     coverage = Coverage.of(ordered, tick.speculative if review is None else review)
     if cfg.node_rate > 0:
         tick.demand = coverage.demand
+    yield
     stream: Iterable[Candidate] = ordered
     if ranked is not None and len(ranked):
         stream = unfold(ranked, ordered, cfg.threshold, tick.bounds, cfg.safety, tick.skip, coverage.add, _order_key)
-    for c in stream:
+    for i, c in enumerate(stream, 1):
+        if i % PLAN_STEP == 0:
+            yield
         if c.prob < cfg.threshold:
             break  # ordered by prob: the rest only keep existing replicas alive
         if len(result.decisions) >= cfg.max_decisions:
@@ -461,9 +490,10 @@ def plan(
             result.decisions.append(outcome)
             result.bytes_planned += outcome.bytes
 
+    yield
     result.renewals, result.drops = renew_or_drop(ordered, tick.speculative, tick.live, cfg, now, coverage, review)
     return result
 
 
-__all__ = ["SKIP_REASONS", "Speculative", "chunk_bounds", "copy_times", "copy_tree", "plan", "relay_parts",
-           "renew_or_drop", "select_candidates", "tick_bounds"]
+__all__ = ["PLAN_STEP", "SKIP_REASONS", "Speculative", "chunk_bounds", "copy_times", "copy_tree", "plan", "plan_steps",
+           "relay_parts", "renew_or_drop", "select_candidates", "tick_bounds"]

@@ -19,7 +19,7 @@ class LazyHolders(Mapping[int, frozenset[str]]):
     Most candidates of a busy tick are turned away by the planner's cheap gates (too late, no room,
     no budget) before it reads a holder, so the caller need not look up every depth of every
     candidate: ``lookup(depth)`` runs at most once per depth, when the planner asks. It reads the
-    directory at planning time, so build the candidates and plan in the same synchronous step."""
+    directory then: the holders are as of that step of the plan, not of the candidate's building."""
 
     __slots__ = ("_depths", "_lookup", "_seen")
 
