@@ -126,6 +126,24 @@ def test_batched_fold_equals_one_by_one() -> None:
     np.testing.assert_allclose(Xa, Xb, rtol=1e-5, equal_nan=True)
 
 
+def test_rows_taken_are_copies_the_store_moving_on_leaves_alone() -> None:
+    """The coordinator computes a snapshot's X in a worker thread while the loop folds more requests into
+    the store: X comes from what ``take`` copied, as it was then, not from the rows as they are now."""
+    accesses = simulate(load_mooncake(SAMPLE, limit=400), nodes=3, router="random", depths=(1, 2, 4, 8))
+    fs = FeatureStore(replace(PredictorConfig(), max_prefixes=300))  # the rest evicts and reuses rows
+    half = len(accesses) // 2
+    for x in accesses[:half]:
+        fs.observe(x)
+    now = accesses[half - 1].t + 1.0
+    ids, depths, X = fs.snapshot(now)
+    taken = fs.take(now)
+    for x in accesses[half:]:
+        fs.observe(x)
+    assert len(fs) <= 300 + 300 // 32 and fs.dropped_full > 0  # folded in: rows changed, some reused
+    assert taken.ids == ids and np.array_equal(taken.depth, depths)
+    np.testing.assert_array_equal(taken.features(), X)
+
+
 def test_memory_is_bounded() -> None:
     cfg = PredictorConfig(depths=(1,), max_prefixes=500, idle_drop_s=100.0)
     fs = FeatureStore(cfg)

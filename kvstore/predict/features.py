@@ -20,26 +20,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvstore.predict.snapshot import RowsTaken, feature_names, momentum_seen
 from kvstore.predict.types import Access, Outcome, PredictorConfig, PrefixId
 
 HoldersCount = Callable[[str, bytes], int]
 _NO_EPOCH = -(1 << 40)
 _FLUSH_AT = 4096  # queued accesses that trigger a fold into the arrays
-
-
-def feature_names(cfg: PredictorConfig) -> tuple[str, ...]:
-    """Column names of ``snapshot``'s X for ``cfg`` (windows name some columns)."""
-    w = [f"cnt_{x:g}s" for x in cfg.windows_s]
-    r = [f"rate_{x:g}s" for x in cfg.windows_s]
-    m = f"{cfg.momentum_window_s:g}s"
-    return ("depth", "prefix_tokens", "prefix_bytes", "req_blocks", "depth_frac", "count", *w,
-            f"seen_{m}", "age_s", "since_last_s", "since_prev_s", "gap_mean_s", "gap_std_s", "gap_nz_mean_s",
-            "last_gap_s", "overdue", "fanout", "nodes_ever", "holders", "lacking_nodes", "last_outcome",
-            "last_lacked", "parent_count", f"parent_cnt_{m}", "share_of_parent", "children_active", *r,
-            "rate_trend", "active_keys_depth", "active_keys", "momentum",
-            # scale-free: shares of the cluster, fractions of the nodes, ranks in this snapshot
-            "holders_frac", "fanout_frac", *[f"share_{x:g}s" for x in cfg.windows_s[1:]], "burst_ratio",
-            "rank_momentum", f"rank_cnt_{cfg.windows_s[-1]:g}s", "rank_recency")
 
 
 FEATURE_NAMES: tuple[str, ...] = feature_names(PredictorConfig())
@@ -346,9 +332,7 @@ class FeatureStore:
         return np.flatnonzero(m)
 
     def _momentum(self, rows: np.ndarray, now: float, since: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        w = self.cfg.momentum_window_s
-        seen = (self._ring[rows] > now - w).sum(axis=1).astype(np.float64)
-        return seen, seen + 0.5 * np.exp(-since / w)
+        return momentum_seen(self._ring[rows], now, since, self.cfg.momentum_window_s)
 
     def momentum_scores(self, now: float, active_within_s: float | None = None
                         ) -> tuple[list[PrefixId], np.ndarray, np.ndarray]:
@@ -360,89 +344,46 @@ class FeatureStore:
     def snapshot(self, now: float, active_within_s: float | None = None
                  ) -> tuple[list[PrefixId], np.ndarray, np.ndarray]:
         """(ids, depths, X[n, F] float32) for every tracked row (seen within ``active_within_s``)."""
+        taken = self.take(now, active_within_s)
+        return taken.ids, taken.depth.copy(), taken.features()
+
+    def take(self, now: float, active_within_s: float | None = None) -> RowsTaken:
+        """What a snapshot reads of every tracked row (seen within ``active_within_s``), copied out.
+
+        The only part of a snapshot that reads the store, so the only part that must run on the thread
+        that owns it (the event loop): :meth:`RowsTaken.features` computes X from the copies alone, on
+        any thread, while the store takes more requests."""
         rows = self._rows(now, active_within_s)
-        cfg, win, hi = self.cfg, self._win, self._hi
-        nan = np.nan
-        cols: list[np.ndarray] = []
-        depth = self._depth[rows].astype(np.float64)
-        last_t, first_t, count = self._last_t[rows], self._first_t[rows], self._count[rows]
-        since = np.maximum(now - last_t, 0.0)
-        req_blocks = self._req_blocks[rows].astype(np.float64)
-        cols += [depth, depth * self._block_tokens[rows], depth * self._page_bytes[rows], req_blocks,
-                 depth / np.maximum(req_blocks, 1.0), count]
-        decay = np.exp(-since[:, None] / win[None, :])
-        dec = self._dec[rows] * decay
-        cols += [dec[:, i] for i in range(len(cfg.windows_s))]
-        seen, mom = self._momentum(rows, now, since)
-        prev_t = self._ring[rows, 1]
-        n_g = count - 1
-        with np.errstate(divide="ignore", invalid="ignore"):
-            span = last_t - first_t
-            gap_mean = np.where(n_g > 0, span / n_g, nan)
-            gap_std = np.sqrt(np.maximum(self._sum_gap2[rows] / n_g - gap_mean * gap_mean, 0.0))
-            gap_nz = np.where(self._n_nz[rows] > 0, span / self._n_nz[rows], nan)
-        cols += [seen, now - first_t, since, np.where(np.isfinite(prev_t), now - prev_t, nan), gap_mean,
-                 np.where(n_g > 0, gap_std, nan), gap_nz, self._last_gap[rows], since / np.maximum(gap_nz, 1.0)]
-        # fan-out and holders
-        ep_now = math.floor(now / cfg.fanout_window_s)
-        ep = self._mask_ep[rows]
-        zero = np.uint64(0)
-        recent = np.where(ep == ep_now, self._mask_cur[rows] | self._mask_prev[rows],
-                          np.where(ep == ep_now - 1, self._mask_cur[rows], zero))
-        holders = self._holders[rows].astype(np.float64)
-        n_nodes = float(len(self._nodes))
-        cols += [np.bitwise_count(recent).astype(np.float64), np.bitwise_count(self._mask_all[rows]).astype(np.float64),
-                 holders, np.maximum(n_nodes - holders, 0.0), self._outcome[rows].astype(np.float64),
-                 self._lacked[rows].astype(np.float64)]
-        # parent prefix (previous tracked depth of the last request) and children
+        cfg, hi = self.cfg, self._hi
         pr = self._parent_row[rows]
         prc = np.maximum(pr, 0)
-        pvalid = (pr >= 0) & (self._uid[prc] == self._parent_uid[rows]) & self._alive[prc]
-        p_since = np.maximum(now - self._last_t[prc], 0.0)
-        p_count = np.where(pvalid, self._count[prc], nan)
-        p_mom = np.where(pvalid, self._dec[prc, self._mom_col] * np.exp(-p_since / cfg.momentum_window_s), nan)
         all_pr = self._parent_row[:hi]
-        act = self._alive[:hi] & (self._last_t[:hi] >= now - cfg.momentum_window_s) & (all_pr >= 0)
-        children = np.bincount(all_pr[act], minlength=hi)[rows].astype(np.float64)
-        cols += [p_count, p_mom, count / p_count, children]
-        # cluster-wide: request rate and trend, active keys
-        g = self._g_dec * np.exp(-max(now - self._g_t, 0.0) / win) / win
-        nw = len(cfg.windows_s)
-        n = rows.size
-        cols += [np.full(n, g[i]) for i in range(nw)]
-        cols.append(np.full(n, g[0] / g[nw - 1] if g[nw - 1] > 0 else nan))
         act_all = self._alive[:hi] & (self._last_t[:hi] >= now - cfg.momentum_window_s)
+        act = act_all & (all_pr >= 0)
+        depth = self._depth[rows]
         per_depth = np.bincount(self._depth[:hi][act_all], minlength=max(self.depths) + 1)
-        cols += [per_depth[self._depth[rows]].astype(np.float64), np.full(n, float(act_all.sum())), mom]
-        cols += self._relative(n_nodes, holders, cols[self.names.index("fanout")], dec, g * win, mom, since)
-        assert len(cols) == len(self.names)
-        X = np.empty((n, len(cols)), dtype=np.float32)
-        for i, c in enumerate(cols):
-            X[:, i] = c
         self.snapshot_rows = rows
-        return self._ids[rows].tolist(), self._depth[rows].copy(), X
+        return RowsTaken(
+            cfg=cfg, names=self.names, now=now, rows=rows, ids=self._ids[rows].tolist(), depth=depth,
+            block_tokens=self._block_tokens[rows], page_bytes=self._page_bytes[rows],
+            req_blocks=self._req_blocks[rows], last_t=self._last_t[rows], first_t=self._first_t[rows],
+            count=self._count[rows], dec=self._dec[rows], ring=self._ring[rows], sum_gap2=self._sum_gap2[rows],
+            n_nz=self._n_nz[rows], last_gap=self._last_gap[rows], mask_ep=self._mask_ep[rows],
+            mask_cur=self._mask_cur[rows], mask_prev=self._mask_prev[rows], mask_all=self._mask_all[rows],
+            holders=self._holders[rows], outcome=self._outcome[rows], lacked=self._lacked[rows],
+            n_nodes=float(len(self._nodes)),
+            parent_ok=(pr >= 0) & (self._uid[prc] == self._parent_uid[rows]) & self._alive[prc],
+            parent_last_t=self._last_t[prc], parent_count=self._count[prc],
+            parent_dec_mom=self._dec[prc, self._mom_col],
+            children=np.bincount(all_pr[act], minlength=hi)[rows], active_at_depth=per_depth[depth],
+            active=float(act_all.sum()), g_dec=self._g_dec.copy(), g_t=self._g_t,
+        )
 
     def rows_of(self, prefix_ids: Sequence[PrefixId]) -> np.ndarray:
         """The rows of ``prefix_ids`` (-1 where untracked), as :attr:`snapshot_rows` numbers them."""
         self._flush()
         index = self._index
         return np.fromiter((index.get(p, -1) for p in prefix_ids), dtype=np.int64, count=len(prefix_ids))
-
-    def _relative(self, n_nodes: float, holders: np.ndarray, fanout: np.ndarray, dec: np.ndarray,
-                  cluster: np.ndarray, mom: np.ndarray, since: np.ndarray) -> list[np.ndarray]:
-        """Features that mean the same on any trace: fractions of the nodes,
-        the prefix's share of the cluster's requests per window, its own
-        short/long trend, and percentile ranks among the rows scored now."""
-        nn = max(n_nodes, 1.0)
-        out = [holders / nn, fanout / nn]
-        out += [dec[:, i] / max(float(cluster[i]), 1e-9) for i in range(1, len(self.cfg.windows_s))]
-        out.append(dec[:, 0] / np.maximum(dec[:, len(self.cfg.windows_s) - 1], 1e-9))
-        n = mom.size
-        for v in (mom, dec[:, len(self.cfg.windows_s) - 1], -since):
-            r = np.empty(n, dtype=np.float64)
-            r[np.argsort(v.astype(np.float32), kind="stable")] = (np.arange(n) + 0.5) / max(n, 1)
-            out.append(r)
-        return out
 
     def chain(self, prefix_id: PrefixId) -> tuple[bytes, ...]:
         """Keys of blocks 1..depth of a tracked prefix, from its last request (() if untracked)."""

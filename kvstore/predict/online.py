@@ -1,9 +1,12 @@
 """The coordinator's predictor: features, scores, a self-labelled log, retraining, fallback.
 
 Threading: ``observe``, ``score``, ``maybe_retrain`` and ``stats`` run on the
-event-loop thread. Only LightGBM training runs in a worker thread, on arrays
-copied out of the labelled log; the finished model is installed by one
-reference assignment (a frozen :class:`_Slot`), so ``score`` never waits.
+event-loop thread. ``score_async`` copies the rows it scores out of the
+feature store on it (``FeatureStore.take``) and computes their features and
+the model's probabilities in a worker thread. LightGBM training runs in a
+worker thread too, on arrays copied out of the labelled log; the finished
+model is installed by one reference assignment (a frozen :class:`_Slot`), so
+scoring never waits.
 
 Labels online: every ``log_every_s`` seconds, ``score`` records a random
 subset of the scored rows (features, the model's and momentum's
@@ -35,12 +38,13 @@ from kvstore.predict.features import FeatureStore, HoldersCount, momentum_prob, 
 from kvstore.predict.forecast import Forecast, RateForecaster
 from kvstore.predict.labels import EventLog, make_labels
 from kvstore.predict.model import BurstModel, ModelError
+from kvstore.predict.snapshot import RowsTaken
 from kvstore.predict.types import Access, PredictorConfig, PrefixId
 
 log = logging.getLogger(__name__)
 _MIN_EVAL_ROWS = 200
 _MIN_EVAL_POS = 10
-_THREAD_ROWS = 2048  # score_async runs inference in a thread from this many rows
+_THREAD_ROWS = 2048  # score_async computes the features and runs inference in a thread from this many rows
 
 
 @dataclass
@@ -68,6 +72,19 @@ class _Slot:
     version: int
     gate_ok: bool
     valid: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class _Scored:
+    """What a scoring pass computes from the rows taken alone (on any thread)."""
+
+    X: np.ndarray
+    p_model: np.ndarray | None         # the model's raw probabilities (None: no model)
+    p_calibrated: np.ndarray | None    # ... mapped to its operating point
+    p_mom: np.ndarray
+    need_in_s: np.ndarray
+    fanout: np.ndarray
+    page_bytes: np.ndarray
 
 
 @dataclass
@@ -190,51 +207,54 @@ class Predictor:
     def score(self, now: float | None = None) -> Scores:
         """Score every prefix seen within ``active_within_s``; log a labelled sample on schedule."""
         t_start = time.perf_counter()
-        now, ids, depths, X, slot, p_mom, rows = self._prepare(now)
-        p_model = slot.model.predict(X) if slot.model is not None else None
-        return self._finish(t_start, now, ids, depths, X, slot, p_mom, p_model, rows)
+        now = self.clock() if now is None else float(now)
+        taken, slot = self.fs.take(now, active_within_s=self.cfg.active_within_s), self._slot
+        return self._finish(t_start, now, taken, slot, self._score_rows(taken, slot))
 
     async def score_async(self, now: float | None = None) -> Scores:
-        """:meth:`score` with LightGBM inference in a worker thread (it releases the GIL).
+        """:meth:`score` with the features and LightGBM inference in a worker thread.
 
-        The feature store is read and the log written on the calling (event
-        loop) thread, before and after the ``await``; only the model sees X.
+        Only the feature store's copy of the rows it scores (``FeatureStore.take``) and the log run
+        on the calling (event loop) thread, before and after the ``await``: the store takes requests
+        meanwhile, and the features are computed from the copy alone.
         """
         t_start = time.perf_counter()
-        now, ids, depths, X, slot, p_mom, rows = self._prepare(now)
-        p_model = None
-        if slot.model is not None:
-            if len(ids) >= _THREAD_ROWS:
-                p_model = await asyncio.to_thread(slot.model.predict, X)
-            else:
-                p_model = slot.model.predict(X)
-        return self._finish(t_start, now, ids, depths, X, slot, p_mom, p_model, rows)
-
-    def _prepare(self, now: float | None
-                 ) -> tuple[float, list[PrefixId], np.ndarray, np.ndarray, _Slot, np.ndarray, np.ndarray]:
         now = self.clock() if now is None else float(now)
-        ids, depths, X = self.fs.snapshot(now, active_within_s=self.cfg.active_within_s)
-        slot = self._slot  # one read: a swap in the worker cannot tear this pass
-        return now, ids, depths, X, slot, momentum_prob(X[:, self._mom_col], self.cfg.momentum_min), self.fs.snapshot_rows
+        taken, slot = self.fs.take(now, active_within_s=self.cfg.active_within_s), self._slot  # one slot read
+        if len(taken) >= _THREAD_ROWS:
+            scored = await asyncio.to_thread(self._score_rows, taken, slot)
+        else:
+            scored = self._score_rows(taken, slot)
+        return self._finish(t_start, now, taken, slot, scored)
 
-    def _finish(self, t_start: float, now: float, ids: list[PrefixId], depths: np.ndarray, X: np.ndarray,
-                slot: _Slot, p_mom: np.ndarray, p_model: np.ndarray | None, rows: np.ndarray) -> Scores:
+    def _score_rows(self, taken: RowsTaken, slot: _Slot) -> _Scored:
+        """The features of ``taken`` and what follows from them alone: thread-safe (it reads ``taken``,
+        ``slot`` and settings fixed at construction)."""
         cfg = self.cfg
-        use = p_model is not None and self._use_model(slot)
-        probs = p_mom
-        if use and p_model is not None:
+        X = taken.features()
+        p_model = p_cal = None
+        if slot.model is not None:
+            p_model = slot.model.predict(X)
             calibrate = getattr(slot.model, "calibrate", None)  # models without an operating point: raw
-            probs = calibrate(p_model) if calibrate is not None else p_model
+            p_cal = calibrate(p_model) if calibrate is not None else p_model
+        return _Scored(X, p_model, p_cal, momentum_prob(X[:, self._mom_col], cfg.momentum_min),
+                       need_in_s(X, cfg, self.names), X[:, self._fan_col].astype(np.int32),
+                       (X[:, self._bytes_col] / np.maximum(taken.depth, 1)).astype(np.int64))
+
+    def _finish(self, t_start: float, now: float, taken: RowsTaken, slot: _Slot, scored: _Scored) -> Scores:
+        """Choose the scores, log a sample on schedule, label what is due (on the loop)."""
+        cfg = self.cfg
+        ids = taken.ids
+        use = scored.p_calibrated is not None and self._use_model(slot)
+        probs = scored.p_calibrated if use and scored.p_calibrated is not None else scored.p_mom
         source = "lightgbm" if use else "momentum"
         if now - self._last_log >= cfg.log_every_s and len(ids):
             self._last_log = now
-            self._record(now, ids, X, p_model, p_mom, slot.version)
+            self._record(now, ids, scored.X, scored.p_model, scored.p_mom, slot.version)
         self._resolve(now)
         self.last_source = source
-        fan = X[:, self._fan_col].astype(np.int32)
-        page = (X[:, self._bytes_col] / np.maximum(depths, 1)).astype(np.int64)
-        out = Scores(ids, depths, probs.astype(np.float32, copy=False), need_in_s(X, cfg, self.names), source,
-                     fan, page, rows)
+        out = Scores(ids, taken.depth, probs.astype(np.float32, copy=False), scored.need_in_s, source,
+                     scored.fanout, scored.page_bytes, taken.rows)
         self.last_score_ms = (time.perf_counter() - t_start) * 1e3
         return out
 
