@@ -4,7 +4,9 @@ Speed (synthetic stream, ~100k tracked prefixes at depths 1, 2, 4, 8):
 
 * feature update: microseconds per request (all depths together), queueing
   plus the amortised vectorised fold, with a directory stub for holders;
-* snapshot: milliseconds for every tracked row; momentum scores likewise;
+* snapshot: milliseconds for every tracked row, and of it the copy of the rows
+  (``take``: what the coordinator's loop runs) and the features computed from
+  it (its worker thread); momentum scores likewise;
 * model inference: microseconds per prefix for one batch of all rows;
 * ``Predictor.score``: one full scoring pass.
 
@@ -89,6 +91,17 @@ def bench_speed(model: BurstModel, threads: int) -> dict[str, Any]:
         snaps.append(time.perf_counter() - t0)
     res["snapshot_ms"] = float(np.median(snaps)) * 1e3
     res["snapshot_rows"] = len(ids)
+    # the part of a snapshot on the coordinator's loop (the copy of the rows), and the rest (its worker thread)
+    takes, computes = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        taken = fs.take(now)
+        t1 = time.perf_counter()
+        taken.features()
+        takes.append(t1 - t0)
+        computes.append(time.perf_counter() - t1)
+    res["take_ms"] = float(np.median(takes)) * 1e3
+    res["features_ms"] = float(np.median(computes)) * 1e3
     t0 = time.perf_counter()
     fs.momentum_scores(now)
     res["momentum_scores_ms"] = (time.perf_counter() - t0) * 1e3

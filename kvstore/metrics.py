@@ -112,7 +112,8 @@ class NodeMetrics:
                                       "(wall time, scoring off the loop included)",
                                       buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.tick_slice = Histogram("kvstore_planner_tick_slice_seconds", "Longest stretch a planner tick "
-                                    "held the event loop", buckets=_LATENCY_BUCKETS, registry=self.registry)
+                                    "(scoring included) held the event loop", buckets=_LATENCY_BUCKETS,
+                                    registry=self.registry)
         self.spec_bytes = Counter("kvstore_replication_bytes", "Bytes the coordinator had copied, by kind "
                                   "(speculative, replica for the full policy)", ["kind"], registry=self.registry)
         self.auth_rejected = Counter("kvstore_auth_rejected", "Calls refused for their credentials, by plane "

@@ -97,7 +97,7 @@ class Coordinator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._full_queue: deque[tuple[str, str, list[bytes]]] = deque(maxlen=100_000)
         self.tick_seconds: list[float] = []  # each tick's wall time, scoring off the loop included
-        self.tick_slices: list[float] = []   # each tick's longest stretch on the loop
+        self.tick_slices: list[float] = []   # each tick's longest stretch on the loop (scoring's too)
         self.decision_sources: Counter[str] = Counter()  # replicate decisions by the scorer behind them
         self.egress_saved_bytes = 0  # holder egress copy trees saved against copying all from one source
         self.pages_from: Counter[str] = Counter()  # speculative pages copied, by the node that sent them
@@ -213,8 +213,10 @@ class Coordinator:
         assert self.predictor is not None and self.tick_planner is not None
         now = time.monotonic()
         scores = await self.predictor.score_async(now)
+        slices = list(self.predictor.loop_stretches)  # scoring's own stretches on the loop count too
+        start = time.perf_counter()
         self.predictor.maybe_retrain(now)
-        slices: list[float] = []
+        slices.append(time.perf_counter() - start)
         await on_loop(sliced(self._tick_steps(scores, now), TICK_SLICE_S, slices))
         longest = max(slices)
         self.metrics.tick_slice.observe(longest)

@@ -140,6 +140,7 @@ class Predictor:
         self.train_error: str | None = None
         self.last_train_s = 0.0
         self.last_score_ms = 0.0
+        self.loop_stretches: tuple[float, ...] = ()  # seconds the last score_async held the loop, stretch by stretch
         self.last_source = "momentum"
 
     # -- model -------------------------------------------------------------
@@ -221,11 +222,17 @@ class Predictor:
         t_start = time.perf_counter()
         now = self.clock() if now is None else float(now)
         taken, slot = self.fs.take(now, active_within_s=self.cfg.active_within_s), self._slot  # one slot read
-        if len(taken) >= _THREAD_ROWS:
-            scored = await asyncio.to_thread(self._score_rows, taken, slot)
-        else:
+        if len(taken) < _THREAD_ROWS:
             scored = self._score_rows(taken, slot)
-        return self._finish(t_start, now, taken, slot, scored)
+            out = self._finish(t_start, now, taken, slot, scored)
+            self.loop_stretches = (time.perf_counter() - t_start,)
+            return out
+        took = time.perf_counter() - t_start
+        scored = await asyncio.to_thread(self._score_rows, taken, slot)
+        t_back = time.perf_counter()
+        out = self._finish(t_start, now, taken, slot, scored)
+        self.loop_stretches = (took, time.perf_counter() - t_back)
+        return out
 
     def _score_rows(self, taken: RowsTaken, slot: _Slot) -> _Scored:
         """The features of ``taken`` and what follows from them alone: thread-safe (it reads ``taken``,
