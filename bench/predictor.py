@@ -46,6 +46,7 @@ from kvstore.predict.features import FeatureStore  # noqa: E402
 from kvstore.predict.model import DEFAULT_MODEL_PATH, BurstModel  # noqa: E402
 from kvstore.predict.online import Predictor  # noqa: E402
 from kvstore.predict.trace import Simulator, load_mooncake  # noqa: E402
+from kvstore.hostmem import keep_freed_heap  # noqa: E402
 from kvstore.predict.types import Access, Outcome, PredictorConfig  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
@@ -171,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-eval", action="store_true", help="skip the cross-trace evaluation")
     ap.add_argument("--speed-only", action="store_true", help="only the speed runs")
     ap.add_argument("--runs", type=int, default=3, help="speed runs (min / median / max reported)")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="leave glibc's malloc as it is (kvstored asks it to keep freed memory: hostmem.keep_freed_heap)")
     args = ap.parse_args(argv)
+    malloc_tuned = False if args.default_malloc else keep_freed_heap()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = PredictorConfig(num_threads=args.threads)
@@ -183,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     model = BurstModel.load(DEFAULT_MODEL_PATH, num_threads=args.threads)
     runs = [bench_speed(model, args.threads) for _ in tqdm(range(args.runs), desc="speed runs")]
     speed = {k: [r[k] for r in runs] for k in runs[0]}
+    speed["malloc_tuned"] = [float(malloc_tuned)] * len(runs)
     print(f"\n## Speed ({args.runs} runs: min / median / max)\n")
     speed_md = "\n".join(["| metric | min | median | max |", "|---|---|---|---|"] +
                          [f"| {k} | {min(v):.3f} | {float(np.median(v)):.3f} | {max(v):.3f} |" for k, v in speed.items()])

@@ -126,6 +126,25 @@ def test_batched_fold_equals_one_by_one() -> None:
     np.testing.assert_allclose(Xa, Xb, rtol=1e-5, equal_nan=True)
 
 
+def test_folding_in_batches_is_folding_at_once() -> None:
+    """The coordinator folds the queued requests 512 at a time before a snapshot, the loop given back
+    between batches: the features are those of one fold."""
+    accesses = simulate(load_mooncake(SAMPLE, limit=400), nodes=3, router="random", depths=(1, 2, 4, 8))
+    a, b = FeatureStore(PredictorConfig()), FeatureStore(PredictorConfig())
+    for x in accesses:
+        a.observe(x)
+        b.observe(x)
+    left = [b.fold(37) for _ in range(4)]
+    assert left == [len(accesses) - 37 * i for i in range(1, 5)]
+    while b.fold(37):
+        pass
+    now = accesses[-1].t + 1.0
+    ia, da, Xa = a.snapshot(now)
+    ib, db, Xb = b.snapshot(now)
+    assert ia == ib and np.array_equal(da, db)
+    np.testing.assert_allclose(Xa, Xb, rtol=1e-5, equal_nan=True)
+
+
 def test_rows_taken_are_copies_the_store_moving_on_leaves_alone() -> None:
     """The coordinator computes a snapshot's X in a worker thread while the loop folds more requests into
     the store: X comes from what ``take`` copied, as it was then, not from the rows as they are now."""
@@ -140,8 +159,19 @@ def test_rows_taken_are_copies_the_store_moving_on_leaves_alone() -> None:
     for x in accesses[half:]:
         fs.observe(x)
     assert len(fs) <= 300 + 300 // 32 and fs.dropped_full > 0  # folded in: rows changed, some reused
-    assert taken.ids == ids and np.array_equal(taken.depth, depths)
+    assert taken.ids() == ids and np.array_equal(taken.depth, depths)
     np.testing.assert_array_equal(taken.features(), X)
+
+
+def test_keeping_the_freed_heap_is_glibc_only_and_harmless() -> None:
+    """kvstored asks glibc's malloc to keep freed memory (the tick's arrays would fault in afresh each
+    tick); the store works as before with it, and where there is no mallopt nothing changes."""
+    import ctypes
+
+    from kvstore.hostmem import keep_freed_heap
+    glibc = hasattr(ctypes.CDLL(None), "mallopt")
+    assert keep_freed_heap() is glibc
+    test_rows_taken_are_copies_the_store_moving_on_leaves_alone()
 
 
 def test_memory_is_bounded() -> None:

@@ -175,12 +175,26 @@ class FeatureStore:
         if len(self._pending) >= _FLUSH_AT:
             self._flush()
 
-    def _flush(self) -> None:
+    def fold(self, limit: int) -> int:
+        """Fold the first ``limit`` queued requests into the arrays; how many are still queued.
+
+        Any read folds every queued request first, in one pass; a caller on the event loop folds in
+        batches of ``limit`` before it reads, giving the loop back between them (the coordinator, before
+        a snapshot: a second's requests take tens of milliseconds to fold). Folding in batches is
+        folding at once (tested)."""
+        self._flush(limit)
+        return len(self._pending)
+
+    def _flush(self, limit: int | None = None) -> None:
         acc = self._pending
         if not acc:
             return
         held = self._pending_h
-        self._pending, self._pending_h = [], []
+        if limit is not None and limit < len(acc):
+            acc, self._pending = acc[:limit], acc[limit:]
+            held, self._pending_h = held[:limit], held[limit:]
+        else:
+            self._pending, self._pending_h = [], []
         t_acc = np.array([a.t for a in acc], dtype=np.float64)
         t_acc = np.maximum.accumulate(np.maximum(t_acc, self._t_max))  # clamp late arrivals
         self._t_max = float(t_acc[-1])
@@ -345,7 +359,7 @@ class FeatureStore:
                  ) -> tuple[list[PrefixId], np.ndarray, np.ndarray]:
         """(ids, depths, X[n, F] float32) for every tracked row (seen within ``active_within_s``)."""
         taken = self.take(now, active_within_s)
-        return taken.ids, taken.depth.copy(), taken.features()
+        return taken.ids(), taken.depth.copy(), taken.features()
 
     def take(self, now: float, active_within_s: float | None = None) -> RowsTaken:
         """What a snapshot reads of every tracked row (seen within ``active_within_s``), copied out.
@@ -355,27 +369,30 @@ class FeatureStore:
         any thread, while the store takes more requests."""
         rows = self._rows(now, active_within_s)
         cfg, hi = self.cfg, self._hi
-        pr = self._parent_row[rows]
+
+        def at(a: np.ndarray, where: np.ndarray = rows) -> np.ndarray:  # np.take: 4x a[rows] on 2-D rows
+            return np.take(a, where, axis=0)
+
+        pr = at(self._parent_row)
         prc = np.maximum(pr, 0)
         all_pr = self._parent_row[:hi]
         act_all = self._alive[:hi] & (self._last_t[:hi] >= now - cfg.momentum_window_s)
         act = act_all & (all_pr >= 0)
-        depth = self._depth[rows]
+        depth = at(self._depth)
         per_depth = np.bincount(self._depth[:hi][act_all], minlength=max(self.depths) + 1)
         self.snapshot_rows = rows
         return RowsTaken(
-            cfg=cfg, names=self.names, now=now, rows=rows, ids=self._ids[rows].tolist(), depth=depth,
-            block_tokens=self._block_tokens[rows], page_bytes=self._page_bytes[rows],
-            req_blocks=self._req_blocks[rows], last_t=self._last_t[rows], first_t=self._first_t[rows],
-            count=self._count[rows], dec=self._dec[rows], ring=self._ring[rows], sum_gap2=self._sum_gap2[rows],
-            n_nz=self._n_nz[rows], last_gap=self._last_gap[rows], mask_ep=self._mask_ep[rows],
-            mask_cur=self._mask_cur[rows], mask_prev=self._mask_prev[rows], mask_all=self._mask_all[rows],
-            holders=self._holders[rows], outcome=self._outcome[rows], lacked=self._lacked[rows],
-            n_nodes=float(len(self._nodes)),
-            parent_ok=(pr >= 0) & (self._uid[prc] == self._parent_uid[rows]) & self._alive[prc],
-            parent_last_t=self._last_t[prc], parent_count=self._count[prc],
+            cfg=cfg, names=self.names, now=now, rows=rows, id_array=at(self._ids), depth=depth,
+            block_tokens=at(self._block_tokens), page_bytes=at(self._page_bytes), req_blocks=at(self._req_blocks),
+            last_t=at(self._last_t), first_t=at(self._first_t), count=at(self._count), dec=at(self._dec),
+            ring=at(self._ring), sum_gap2=at(self._sum_gap2), n_nz=at(self._n_nz), last_gap=at(self._last_gap),
+            mask_ep=at(self._mask_ep), mask_cur=at(self._mask_cur), mask_prev=at(self._mask_prev),
+            mask_all=at(self._mask_all), holders=at(self._holders), outcome=at(self._outcome),
+            lacked=at(self._lacked), n_nodes=float(len(self._nodes)),
+            parent_ok=(pr >= 0) & (at(self._uid, prc) == at(self._parent_uid)) & at(self._alive, prc),
+            parent_last_t=at(self._last_t, prc), parent_count=at(self._count, prc),
             parent_dec_mom=self._dec[prc, self._mom_col],
-            children=np.bincount(all_pr[act], minlength=hi)[rows], active_at_depth=per_depth[depth],
+            children=at(np.bincount(all_pr[act], minlength=hi)), active_at_depth=per_depth[depth],
             active=float(act_all.sum()), g_dec=self._g_dec.copy(), g_t=self._g_t,
         )
 

@@ -46,7 +46,7 @@ class RowsTaken:
     names: tuple[str, ...]
     now: float
     rows: np.ndarray                   # the store's row numbers, ascending
-    ids: list[PrefixId]
+    id_array: np.ndarray               # their PrefixIds (object array: ``ids()`` makes the list off the loop)
     depth: np.ndarray
     block_tokens: np.ndarray
     page_bytes: np.ndarray
@@ -78,7 +78,11 @@ class RowsTaken:
     g_t: float                         # ... at this time
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.id_array)
+
+    def ids(self) -> list[PrefixId]:
+        """The rows' PrefixIds, as a list."""
+        return self.id_array.tolist()  # type: ignore[no-any-return]
 
     def features(self) -> np.ndarray:
         """X[n, F] float32 (column-major: the planner and the log read it by column)."""
