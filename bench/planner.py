@@ -56,7 +56,6 @@ from kvstore.predict.candidates import Ranked, select_candidates  # noqa: E402
 from kvstore.predict.planner import plan_steps  # noqa: E402
 from kvstore.predict.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig, PlanResult  # noqa: E402
 from kvstore.predict.renewals import to_review  # noqa: E402
-from kvstore.hostmem import keep_freed_heap  # noqa: E402
 from kvstore.predict.types import PrefixId  # noqa: E402
 
 DEPTHS = (1, 2, 4, 8)
@@ -274,7 +273,7 @@ def write(report: dict[str, object], out: Path) -> None:
         f"limit {p['limit']} candidates (+ rows holding replicas); "
         f"Python {report['host']['python']}, numpy {report['host']['numpy']}; "
         f"gc.freeze() after setup: {report['gc_freeze']}, full GC collections during the run: "
-        f"{report['gen2_collections']}; malloc keeps freed memory as in kvstored: {report.get('malloc_tuned')}.",
+        f"{report['gen2_collections']}.",
         "",
         "| step | p50 ms | p99 ms | max ms |",
         "| --- | ---: | ---: | ---: |",
@@ -320,12 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the setup heap to the cyclic GC (shows full-collection pauses)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
-    ap.add_argument("--default-malloc", action="store_true",
-                    help="leave glibc's malloc as it is (kvstored asks it to keep freed memory: hostmem.keep_freed_heap)")
     args = ap.parse_args(argv)
-    malloc_tuned = False if args.default_malloc else keep_freed_heap()
     report = run(args)
-    report["malloc_tuned"] = malloc_tuned
     write(report, args.out)
     t = report["tick_ms"]
     print(f"tick p50 {t['p50']:.2f} ms  p99 {t['p99']:.2f} ms  max {t['max']:.2f} ms  "  # type: ignore[index]

@@ -8,7 +8,9 @@ Speed (synthetic stream, ~100k tracked prefixes at depths 1, 2, 4, 8):
   (``take``: what the coordinator's loop runs) and the features computed from
   it (its worker thread); momentum scores likewise;
 * model inference: microseconds per prefix for one batch of all rows;
-* ``Predictor.score``: one full scoring pass.
+* ``Predictor.score``: one full scoring pass;
+* ``Predictor.score_async`` as the coordinator runs it, 2,000 new requests a
+  tick: its longest stretch on the event loop and its total there.
 
 Accuracy: the time-ordered evaluation (train / validation / test) of
 LightGBM, the momentum rule and the gated policy on every trace given
@@ -25,6 +27,7 @@ Writes ``predictor.json``, ``predictor.md`` and ``predictor.png`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import platform
 import random
@@ -46,7 +49,6 @@ from kvstore.predict.features import FeatureStore  # noqa: E402
 from kvstore.predict.model import DEFAULT_MODEL_PATH, BurstModel  # noqa: E402
 from kvstore.predict.online import Predictor  # noqa: E402
 from kvstore.predict.trace import Simulator, load_mooncake  # noqa: E402
-from kvstore.hostmem import keep_freed_heap  # noqa: E402
 from kvstore.predict.types import Access, Outcome, PredictorConfig  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
@@ -120,6 +122,19 @@ def bench_speed(model: BurstModel, threads: int) -> dict[str, Any]:
     s = p.score(now)
     res["score_ms"] = (time.perf_counter() - t0) * 1e3
     res["score_rows"] = len(s)
+    # The coordinator's scoring pass on its loop: 2,000 more requests a tick (queued, as observe does),
+    # then score_async. Its longest stretch on the loop (the folds of the queue, the row copy, the log)
+    # is what a request arriving meanwhile waits; the features and the model run in the worker thread.
+    stream = synthetic_accesses(chains, chains + 10 * 2000, seed=1)[chains:]
+    longest, on_loop = [], []
+    for tick in range(10):
+        for a in stream[tick * 2000:(tick + 1) * 2000]:
+            p.observe(replace(a, t=now + tick + a.t / 1e3))
+        asyncio.run(p.score_async(now + tick + 1.0))
+        longest.append(max(p.loop_stretches))
+        on_loop.append(sum(p.loop_stretches))
+    res["score_async_longest_stretch_ms"] = float(np.median(longest[2:])) * 1e3
+    res["score_async_on_loop_ms"] = float(np.median(on_loop[2:])) * 1e3
     return res
 
 
@@ -172,10 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-eval", action="store_true", help="skip the cross-trace evaluation")
     ap.add_argument("--speed-only", action="store_true", help="only the speed runs")
     ap.add_argument("--runs", type=int, default=3, help="speed runs (min / median / max reported)")
-    ap.add_argument("--default-malloc", action="store_true",
-                    help="leave glibc's malloc as it is (kvstored asks it to keep freed memory: hostmem.keep_freed_heap)")
     args = ap.parse_args(argv)
-    malloc_tuned = False if args.default_malloc else keep_freed_heap()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = PredictorConfig(num_threads=args.threads)
@@ -187,7 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     model = BurstModel.load(DEFAULT_MODEL_PATH, num_threads=args.threads)
     runs = [bench_speed(model, args.threads) for _ in tqdm(range(args.runs), desc="speed runs")]
     speed = {k: [r[k] for r in runs] for k in runs[0]}
-    speed["malloc_tuned"] = [float(malloc_tuned)] * len(runs)
     print(f"\n## Speed ({args.runs} runs: min / median / max)\n")
     speed_md = "\n".join(["| metric | min | median | max |", "|---|---|---|---|"] +
                          [f"| {k} | {min(v):.3f} | {float(np.median(v)):.3f} | {max(v):.3f} |" for k, v in speed.items()])

@@ -10,7 +10,6 @@ host page pools use this.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 
@@ -57,27 +56,3 @@ def shared_empty(count: int, page_bytes: int, name: str = "kvstore-pool") -> tup
         raise
     array = np.frombuffer(region, dtype=np.uint8, count=nbytes).reshape(count, page_bytes)
     return array, fd
-
-
-HEAP_MMAP_THRESHOLD = 32 << 20
-HEAP_TRIM_THRESHOLD = 128 << 20
-
-
-def keep_freed_heap() -> bool:
-    """Have glibc's malloc keep freed memory for reuse instead of giving it back to the kernel at once.
-
-    By default an allocation above its mmap threshold (128 KiB, raised as such blocks are freed) is
-    mapped fresh and unmapped on free, and the heap is trimmed once its free top passes twice that: so
-    a coordinator's planner tick, which allocates and drops ~25-40 MiB of numpy arrays (the rows it
-    scores, their features), faults every page of them in again each tick. Measured on the CI kind of
-    machine: copying 102k rows out of the feature store took 24 ms with ~5,500 page faults, 8 ms with
-    none. Up to :data:`HEAP_TRIM_THRESHOLD` bytes of free heap are kept resident instead. Returns
-    False where the C library has no ``mallopt`` (not glibc): nothing changes there."""
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-    return bool(mallopt(m_mmap_threshold, HEAP_MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold,
-                                                                                HEAP_TRIM_THRESHOLD))

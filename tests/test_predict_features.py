@@ -163,17 +163,6 @@ def test_rows_taken_are_copies_the_store_moving_on_leaves_alone() -> None:
     np.testing.assert_array_equal(taken.features(), X)
 
 
-def test_keeping_the_freed_heap_is_glibc_only_and_harmless() -> None:
-    """kvstored asks glibc's malloc to keep freed memory (the tick's arrays would fault in afresh each
-    tick); the store works as before with it, and where there is no mallopt nothing changes."""
-    import ctypes
-
-    from kvstore.hostmem import keep_freed_heap
-    glibc = hasattr(ctypes.CDLL(None), "mallopt")
-    assert keep_freed_heap() is glibc
-    test_rows_taken_are_copies_the_store_moving_on_leaves_alone()
-
-
 def test_memory_is_bounded() -> None:
     cfg = PredictorConfig(depths=(1,), max_prefixes=500, idle_drop_s=100.0)
     fs = FeatureStore(cfg)

@@ -20,7 +20,6 @@ import sys
 from kvstore import __version__
 from kvstore.errors import KvError
 from kvstore.config import NodeConfig, add_arguments, build_config
-from kvstore.hostmem import keep_freed_heap
 from kvstore.loops import loop_factory, resolve_loop
 from kvstore.server.app import NodeServer
 
@@ -72,8 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not keep_freed_heap():
-        log.info("malloc tuning unavailable (not glibc): the planner tick's arrays fault in afresh each tick")
     log.info("event loop: %s", resolve_loop(config.loop))
     try:
         with asyncio.Runner(loop_factory=loop_factory(config.loop)) as runner:
