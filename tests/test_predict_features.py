@@ -111,44 +111,45 @@ def test_active_filter_momentum_and_need_in() -> None:
     assert need[K0] == pytest.approx(2.5)            # overdue by 0 s: a quarter of the 10 s mean gap
 
 
-def test_batched_fold_equals_one_by_one() -> None:
-    accesses = simulate(load_mooncake(SAMPLE, limit=400), nodes=3, router="random", depths=(1, 2, 4, 8))
-    cfg = PredictorConfig()
-    a, b = FeatureStore(cfg), FeatureStore(cfg)
-    for x in accesses:
-        a.observe(x)
-        b.observe(x)
-        b.snapshot(x.t)                              # forces a fold per request
-    now = accesses[-1].t + 1.0
+def sample_accesses() -> list[Access]:
+    return simulate(load_mooncake(SAMPLE, limit=400), nodes=3, router="random", depths=(1, 2, 4, 8))
+
+
+def assert_same_features(a: FeatureStore, b: FeatureStore, now: float) -> None:
     ia, da, Xa = a.snapshot(now)
     ib, db, Xb = b.snapshot(now)
     assert ia == ib and np.array_equal(da, db)
     np.testing.assert_allclose(Xa, Xb, rtol=1e-5, equal_nan=True)
+
+
+def test_batched_fold_equals_one_by_one() -> None:
+    accesses = sample_accesses()
+    a, b = FeatureStore(PredictorConfig()), FeatureStore(PredictorConfig())
+    for x in accesses:
+        a.observe(x)
+        b.observe(x)
+        b.snapshot(x.t)                              # forces a fold per request
+    assert_same_features(a, b, accesses[-1].t + 1.0)
 
 
 def test_folding_in_batches_is_folding_at_once() -> None:
     """The coordinator folds the queued requests 512 at a time before a snapshot, the loop given back
     between batches: the features are those of one fold."""
-    accesses = simulate(load_mooncake(SAMPLE, limit=400), nodes=3, router="random", depths=(1, 2, 4, 8))
+    accesses = sample_accesses()
     a, b = FeatureStore(PredictorConfig()), FeatureStore(PredictorConfig())
     for x in accesses:
         a.observe(x)
         b.observe(x)
-    left = [b.fold(37) for _ in range(4)]
-    assert left == [len(accesses) - 37 * i for i in range(1, 5)]
+    assert [b.fold(37) for _ in range(4)] == [len(accesses) - 37 * i for i in range(1, 5)]
     while b.fold(37):
         pass
-    now = accesses[-1].t + 1.0
-    ia, da, Xa = a.snapshot(now)
-    ib, db, Xb = b.snapshot(now)
-    assert ia == ib and np.array_equal(da, db)
-    np.testing.assert_allclose(Xa, Xb, rtol=1e-5, equal_nan=True)
+    assert_same_features(a, b, accesses[-1].t + 1.0)
 
 
 def test_rows_taken_are_copies_the_store_moving_on_leaves_alone() -> None:
     """The coordinator computes a snapshot's X in a worker thread while the loop folds more requests into
     the store: X comes from what ``take`` copied, as it was then, not from the rows as they are now."""
-    accesses = simulate(load_mooncake(SAMPLE, limit=400), nodes=3, router="random", depths=(1, 2, 4, 8))
+    accesses = sample_accesses()
     fs = FeatureStore(replace(PredictorConfig(), max_prefixes=300))  # the rest evicts and reuses rows
     half = len(accesses) // 2
     for x in accesses[:half]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvstore.loops.slices import Steps, finish, on_loop, sliced
+from kvstore.loops.slices import Steps, finish, in_one_go, on_loop, sliced
 
 
 def counting(n: int, log: list[str]) -> Steps[int]:
@@ -21,6 +21,7 @@ def test_finish_runs_every_step_and_returns_the_result() -> None:
     log: list[str] = []
     assert finish(counting(5, log)) == 10
     assert log == [f"step {i}" for i in range(5)]
+    assert in_one_go(counting)(4, log) == 6 and len(log) == 9
 
 
 def test_a_slice_ends_at_the_first_step_past_its_length() -> None:

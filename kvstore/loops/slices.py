@@ -4,7 +4,7 @@ The planner tick is pure Python over hundreds of candidates: run in one go it ho
 gRPC call of the node waits) for as long as it takes. Written as a generator of steps instead
 (``Steps``: it yields between steps and returns its result), the same code runs
 
-* to completion in one go (:func:`finish`: tests, the simulated replay, the benchmark), or
+* to completion in one go (:func:`finish`, :func:`in_one_go`: tests, the simulated replay), or
 * in slices of about ``slice_s`` each on the loop (:func:`sliced`, driven by :func:`on_loop`): a
   slice ends at the first step boundary past ``slice_s``, and the loop runs whatever is ready before
   the next slice starts. What a slice holds the loop for is recorded, so the longest one (the delay
@@ -17,11 +17,13 @@ so it reads shared state within a step, as it is then.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Generator
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 
 T = TypeVar("T")
+P = ParamSpec("P")
 Steps = Generator[None, None, T]
 """Work that yields between its steps and returns its result."""
 
@@ -33,6 +35,14 @@ def finish(steps: Steps[T]) -> T:
             next(steps)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
+
+
+def in_one_go(work: Callable[P, Steps[T]]) -> Callable[P, T]:
+    """``work``, a function returning steps, as a plain function that runs them all (:func:`finish`)."""
+    @functools.wraps(work)
+    def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        return finish(work(*args, **kwargs))
+    return run
 
 
 def sliced(steps: Steps[T], slice_s: float, lengths: list[float],
@@ -63,4 +73,4 @@ async def on_loop(steps: Steps[T]) -> T:
         await asyncio.sleep(0)
 
 
-__all__ = ["Steps", "finish", "on_loop", "sliced"]
+__all__ = ["Steps", "finish", "in_one_go", "on_loop", "sliced"]

@@ -80,7 +80,7 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.loops.slices import Steps, finish
+from kvstore.loops.slices import Steps, in_one_go
 from kvstore.predict.candidates import Bounds, Ranked, select_candidates, unfold
 from kvstore.predict.copytree import chunk_bounds, copy_times, copy_tree, relay_parts
 from kvstore.predict.holderwalk import HolderWalk
@@ -401,7 +401,11 @@ def tick_bounds(nodes: Sequence[NodeState], bandwidth_bps: float, cfg: PlannerCo
     return _start(nodes, bandwidth_bps, cfg, 0.0, {}, transfers_in_flight_bytes).limits()
 
 
-def plan(
+PLAN_STEP = 16
+"""Candidates :func:`plan_steps` plans between two yields (a step of tens to hundreds of microseconds)."""
+
+
+def plan_steps(
     candidates: Sequence[Candidate],
     nodes: Sequence[NodeState],
     bandwidth_bps: float,
@@ -412,7 +416,7 @@ def plan(
     pending: Mapping[PrefixId, Collection[str]] | None = None,
     review: Collection[PrefixId] | None = None,
     ranked: Ranked | None = None,
-) -> PlanResult:
+) -> Steps[PlanResult]:
     """One planner tick: copy decisions, renewals and drops.
 
     ``candidates``: scored prefixes (any order; typically the rows of
@@ -431,31 +435,13 @@ def plan(
     (``candidates.Ranked``; a row turned away before its turn counts under
     the reason it had then). ``now`` is on the same clock as the expiries.
     Same inputs, same result.
-    """
-    return finish(plan_steps(candidates, nodes, bandwidth_bps, cfg, now, speculative, transfers_in_flight_bytes,
-                             pending, review, ranked))
 
-
-PLAN_STEP = 16
-"""Candidates :func:`plan_steps` plans between two yields (a step of tens to hundreds of microseconds)."""
-
-
-def plan_steps(
-    candidates: Sequence[Candidate],
-    nodes: Sequence[NodeState],
-    bandwidth_bps: float,
-    cfg: PlannerConfig,
-    now: float,
-    speculative: Speculative | None = None,
-    transfers_in_flight_bytes: int = 0,
-    pending: Mapping[PrefixId, Collection[str]] | None = None,
-    review: Collection[PrefixId] | None = None,
-    ranked: Ranked | None = None,
-) -> Steps[PlanResult]:
-    """:func:`plan` a step at a time (:mod:`kvstore.loops.slices`): it yields after the coverage, every
-    :data:`PLAN_STEP` candidates, and before the renewals, and returns plan()'s result. Between two
-    steps ``speculative`` may change (the coordinator's, as copies land and replicas go): each step
-    reads it as it is then, and a prefix under review that is gone by the renewals is passed over.
+    The tick a step at a time (:mod:`kvstore.loops.slices`): it yields after
+    the coverage, every :data:`PLAN_STEP` candidates, and before the
+    renewals; :func:`plan` runs it in one go. Between two steps
+    ``speculative`` may change (the coordinator's, as copies land and
+    replicas go): each step reads it as it is then, and a prefix under
+    review that is gone by the renewals is passed over.
     """
     tick = _start(nodes, bandwidth_bps, cfg, now, speculative if speculative is not None else {},
                   transfers_in_flight_bytes)
@@ -493,6 +479,10 @@ def plan_steps(
     yield
     result.renewals, result.drops = renew_or_drop(ordered, tick.speculative, tick.live, cfg, now, coverage, review)
     return result
+
+
+plan = in_one_go(plan_steps)
+"""One planner tick in one go (:func:`plan_steps` run to the end): its decisions, renewals and drops."""
 
 
 __all__ = ["PLAN_STEP", "SKIP_REASONS", "Speculative", "chunk_bounds", "copy_times", "copy_tree", "plan", "plan_steps",
