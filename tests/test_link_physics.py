@@ -169,25 +169,38 @@ def test_two_concurrent_pulls_from_one_holder_share_its_link(cluster: LocalClust
 
 
 def test_two_concurrent_pulls_of_the_same_pages_move_them_once(cluster: LocalCluster) -> None:
-    async def body() -> tuple[float, float]:
-        await _put_on_n0(cluster, "warm3", "solo3", "same")
-        await _timed_get(cluster.nodes[1].address, "warm3")
-        one = await _timed_get(cluster.nodes[1].address, "solo3")
+    """Two Gets of the same pages at once pull them once: the bytes exactly, the time about one pull's.
+    Up to ``TRIES`` tries on fresh pages, passing on the first under 1.4x (noise moves a ratio either
+    way; two pulls of the pages, at about 2x, fail every try); every try checks the bytes."""
+    async def one_try(k: int) -> tuple[float, float, int, int]:
+        solo, same = f"solo3-{k}", f"same-{k}"
+        await _put_on_n0(cluster, solo, same)
+        in_before, out_before = _peer_bytes(cluster, 1, "in"), _peer_bytes(cluster, 0, "out")
+        one = await _timed_get(cluster.nodes[1].address, solo)
         t0 = time.perf_counter()
-        await asyncio.gather(_timed_get(cluster.nodes[1].address, "same"),
-                             _timed_get(cluster.nodes[1].address, "same"))
-        return one, time.perf_counter() - t0
+        await asyncio.gather(_timed_get(cluster.nodes[1].address, same),
+                             _timed_get(cluster.nodes[1].address, same))
+        both = time.perf_counter() - t0
+        return one, both, _peer_bytes(cluster, 1, "in") - in_before, _peer_bytes(cluster, 0, "out") - out_before
 
-    in_before, out_before = _peer_bytes(cluster, 1, "in"), _peer_bytes(cluster, 0, "out")
-    one, both = _run(body())
-    moved_in = _peer_bytes(cluster, 1, "in") - in_before
-    moved_out = _peer_bytes(cluster, 0, "out") - out_before
-    print(f"[{cluster.spec.network}] same pages twice at once: {both * 1e3:.1f} ms vs one {one * 1e3:.1f} ms; "
-          f"moved in {moved_in / PAGE:.0f} pages, out {moved_out / PAGE:.0f} (expected {3 * PAGES_PER_GIB})")
-    # warm3, solo3 and "same" once each: three modelled GiB, not four
-    assert moved_in == moved_out == 3 * PAGES_PER_GIB * PAGE, (moved_in, moved_out)
-    assert both / one < 1.4, f"{cluster.spec.network}: one pull {one * 1e3:.1f} ms, the same pages twice " \
-                             f"at once {both * 1e3:.1f} ms"
+    async def body() -> list[tuple[float, float, int, int]]:
+        await _put_on_n0(cluster, "warm3")
+        await _timed_get(cluster.nodes[1].address, "warm3")
+        out = []
+        for k in range(TRIES):
+            out.append(await one_try(k))
+            if out[-1][1] / out[-1][0] < 1.4:
+                break
+        return out
+
+    tries = _run(body())
+    print(f"[{cluster.spec.network}] one pull / the same pages twice at once (ms): "
+          f"{[(round(o * 1e3, 1), round(b * 1e3, 1), round(b / o, 2)) for o, b, _, _ in tries]}")
+    for _, _, moved_in, moved_out in tries:  # solo3 and "same" once each: two modelled GiB, not three
+        assert moved_in == moved_out == 2 * PAGES_PER_GIB * PAGE, (moved_in, moved_out)
+    one, both, _, _ = tries[-1]
+    assert both / one < 1.4, f"{cluster.spec.network}: in {len(tries)} tries, the last: one pull " \
+                             f"{one * 1e3:.1f} ms, the same pages twice at once {both * 1e3:.1f} ms"
 
 
 def test_a_local_read_does_not_wait_behind_a_remote_pull_on_the_same_client(cluster: LocalCluster) -> None:
