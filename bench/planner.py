@@ -55,7 +55,7 @@ from kvstore.loops.slices import Steps, finish, sliced  # noqa: E402
 from kvstore.predict.candidates import Ranked, select_candidates  # noqa: E402
 from kvstore.predict.planner import plan_steps  # noqa: E402
 from kvstore.predict.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig, PlanResult  # noqa: E402
-from kvstore.predict.renewals import to_review  # noqa: E402
+from kvstore.predict.renewals import to_review_steps  # noqa: E402
 from kvstore.predict.types import PrefixId  # noqa: E402
 
 DEPTHS = (1, 2, 4, 8)
@@ -193,8 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             marks.append(time.perf_counter())
             top = select_candidates(cluster.probs, cfg.keep_threshold, args.limit)
             yield
-            review = to_review(spec, cluster.chain_of, turn, cfg, now)
-            yield
+            review = yield from to_review_steps(spec, cluster.chain_of, turn, cfg, now)
             held = np.unique(np.fromiter((cluster.spec_row[pid][0] for pid in review), dtype=np.intp,
                                          count=len(review)))
             # As the coordinator splits them (kvstore/cluster/tickplan.py): the rows under review are built

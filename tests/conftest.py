@@ -36,6 +36,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def drain_steps(steps: Any) -> tuple[Any, int]:
+    """Run a generator of steps (``kvstore.loops.slices``) to its end: (its result, how often it yielded)."""
+    yields = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value, yields
+        yields += 1
+
+
 def wait_until(cond: Callable[[], bool], timeout: float, what: str,
                state: Callable[[], Any] | None = None) -> float:
     """Poll ``cond`` until it holds, for at most ``timeout`` seconds; returns

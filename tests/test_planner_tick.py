@@ -22,10 +22,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import drain_steps
+
 from kvstore.predict.candidates import GATE_REASONS, RANK_CHUNK, Ranked, gate
 from kvstore.predict.planner import PLAN_STEP, plan, plan_steps, tick_bounds
 from kvstore.predict.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig
-from kvstore.predict.renewals import renew_or_drop, to_review
+from kvstore.predict.renewals import RENEW_STEP, REVIEW_STEP, renew_or_drop, renew_or_drop_steps, to_review, to_review_steps
 
 MB = 1_000_000
 GB = 1_000_000_000
@@ -209,16 +211,32 @@ def test_the_tick_in_steps_plans_what_plan_plans_and_passes_over_a_replica_gone_
     next(steps)
     next(steps)  # the first PLAN_STEP - 1 candidates are planned
     del spec[("ns", cands[0].chain[-1])]  # then its replica goes (evicted) while the tick is off the loop
-    for n in range(10 * PLAN_STEP):
-        try:
-            next(steps)
-        except StopIteration as done:
-            stepped = done.value
-            break
-    assert n >= 2  # it did yield on the way
+    stepped, yields = drain_steps(steps)
+    assert yields >= 1  # it did yield on the way
     assert stepped.decisions == whole.decisions
     assert [r.key for r in whole.renewals] == [c.chain[-1] for c in cands[:3]]
     assert [r.key for r in stepped.renewals] == [c.chain[-1] for c in cands[1:3]]
+
+
+def test_the_review_and_the_renewals_run_in_steps_over_many_placed_prefixes() -> None:
+    """Thousands of placed prefixes: the review and the renewals give the loop back every REVIEW_STEP and
+    RENEW_STEP of them. The review is of the prefixes placed when it began; a placed prefix that goes
+    before its renewal's turn is passed over (no KeyError, no renewal of a replica that is gone)."""
+    n = 2 * REVIEW_STEP + 3
+    cands = [cand(f"r{i:05d}", 0.9, 60.0, 10 * MB, {8: frozenset({"a"})}) for i in range(n)]
+    spec = {("ns", c.chain[-1]): {"b": NOW + 1.0} for c in cands}  # every one due for renewal
+    live = {"a": None, "b": None}
+    review, yields = drain_steps(to_review_steps(spec, lambda pid: int(pid[1][1:6]), 0, SLICED, NOW))
+    assert yields >= 2 and review == to_review(spec, lambda pid: int(pid[1][1:6]), 0, SLICED, NOW) == set(spec)
+    steps = renew_or_drop_steps(cands, spec, live, SLICED, NOW, review=review)
+    next(steps)  # the first RENEW_STEP - 1 looked at
+    gone = [("ns", c.chain[-1]) for c in (cands[0], cands[-1])]
+    for pid in gone:
+        del spec[pid]  # their replicas went meanwhile
+    (renewals, drops), _ = drain_steps(steps)
+    renewed = {(r.namespace, r.key) for r in renewals}
+    assert gone[0] in renewed and gone[1] not in renewed and not drops  # the first had its turn already
+    assert len(renewed) == n - 1 and RENEW_STEP < n
 
 
 def test_a_dead_holder_does_not_make_a_replica_surplus() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from conftest import drain_steps
+
 from kvstore.loops.slices import Steps, finish, in_one_go, on_loop, sliced
 
 
@@ -29,16 +31,8 @@ def test_a_slice_ends_at_the_first_step_past_its_length() -> None:
     2.5 s, and every slice's length is recorded, the last (shorter) one too."""
     t = iter(range(1000))
     lengths: list[float] = []
-    steps = sliced(counting(6, []), 2.5, lengths, clock=lambda: float(next(t)))
-    yields = 0
-    while True:
-        try:
-            next(steps)
-            yields += 1
-        except StopIteration as done:
-            assert done.value == 15
-            break
-    assert yields >= 1 and len(lengths) == yields + 1
+    result, yields = drain_steps(sliced(counting(6, []), 2.5, lengths, clock=lambda: float(next(t))))
+    assert result == 15 and yields >= 1 and len(lengths) == yields + 1
     assert all(length >= 2.5 for length in lengths[:-1])
 
 

@@ -32,7 +32,7 @@ from kvstore.predict.candidates import Ranked, select_candidates
 from kvstore.loops.slices import Steps, finish
 from kvstore.predict.planner import plan_steps
 from kvstore.predict.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig, PlanResult
-from kvstore.predict.renewals import Speculative, to_review
+from kvstore.predict.renewals import Speculative, to_review_steps
 from kvstore.predict.types import PredictorConfig, PrefixId
 
 BUILD_STEP = 64
@@ -66,11 +66,10 @@ class TickPlanner:
         chains, build what the planner reads, plan (``planner.plan_steps``). Between steps
         ``speculative`` and the directory may change; a candidate reads its holders when planned."""
         cfg = self.plan_cfg
-        review = to_review(speculative, self._chain_of, self.turn, cfg, now)
+        review = yield from to_review_steps(speculative, self._chain_of, self.turn, cfg, now)
         self.turn += 1
         if len(self._chains) > 2 * len(speculative) + 1024:
             self._chains = {pid: n for pid, n in self._chains.items() if pid in speculative}
-        yield
         eager, ranked = yield from self._split_steps(scores, review, now)
         return (yield from plan_steps(eager, nodes, bandwidth, cfg, now, speculative, in_flight_bytes,
                                       pending=pending, review=review, ranked=ranked))

@@ -85,7 +85,7 @@ from kvstore.predict.candidates import Bounds, Ranked, select_candidates, unfold
 from kvstore.predict.copytree import chunk_bounds, copy_times, copy_tree, relay_parts
 from kvstore.predict.holderwalk import HolderWalk
 from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig, PlanResult, usable_depths
-from kvstore.predict.renewals import Coverage, Speculative, renew_or_drop
+from kvstore.predict.renewals import Coverage, Speculative, renew_or_drop, renew_or_drop_steps
 from kvstore.predict.types import PrefixId
 from kvstore.units import format_size
 
@@ -403,6 +403,8 @@ def tick_bounds(nodes: Sequence[NodeState], bandwidth_bps: float, cfg: PlannerCo
 
 PLAN_STEP = 16
 """Candidates :func:`plan_steps` plans between two yields (a step of tens to hundreds of microseconds)."""
+COVER_STEP = 256
+"""Candidates :func:`plan_steps` folds into its coverage between two yields."""
 
 
 def plan_steps(
@@ -436,9 +438,10 @@ def plan_steps(
     the reason it had then). ``now`` is on the same clock as the expiries.
     Same inputs, same result.
 
-    The tick a step at a time (:mod:`kvstore.loops.slices`): it yields after
-    the coverage, every :data:`PLAN_STEP` candidates, and before the
-    renewals; :func:`plan` runs it in one go. Between two steps
+    The tick a step at a time (:mod:`kvstore.loops.slices`): it yields every
+    :data:`COVER_STEP` candidates folded into the coverage, every
+    :data:`PLAN_STEP` candidates planned, and in the renewals
+    (``renewals.renew_or_drop_steps``); :func:`plan` runs it in one go. Between two steps
     ``speculative`` may change (the coordinator's, as copies land and
     replicas go): each step reads it as it is then, and a prefix under
     review that is gone by the renewals is passed over.
@@ -451,10 +454,12 @@ def plan_steps(
 
     ordered = sorted(candidates, key=_order_key)
     # one pass: the demand along chains, and the scores of the placed keys under review
-    coverage = Coverage.of(ordered, tick.speculative if review is None else review)
+    coverage = Coverage.of((), list(tick.speculative) if review is None else review)
+    for lo in range(0, len(ordered), COVER_STEP):
+        coverage.add(ordered[lo:lo + COVER_STEP])
+        yield
     if cfg.node_rate > 0:
         tick.demand = coverage.demand
-    yield
     stream: Iterable[Candidate] = ordered
     if ranked is not None and len(ranked):
         stream = unfold(ranked, ordered, cfg.threshold, tick.bounds, cfg.safety, tick.skip, coverage.add, _order_key)
@@ -477,7 +482,8 @@ def plan_steps(
             result.bytes_planned += outcome.bytes
 
     yield
-    result.renewals, result.drops = renew_or_drop(ordered, tick.speculative, tick.live, cfg, now, coverage, review)
+    result.renewals, result.drops = yield from renew_or_drop_steps(ordered, tick.speculative, tick.live, cfg, now,
+                                                                   coverage, review)
     return result
 
 

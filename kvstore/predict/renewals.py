@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Collection, Iterable, KeysView, Mapping, Sequence
 from dataclasses import dataclass
 
+from kvstore.loops.slices import Steps, in_one_go
 from kvstore.predict.planner_types import Candidate, Drop, PlannerConfig, Renewal, usable_depths
 from kvstore.predict.types import PrefixId
 
@@ -88,7 +89,7 @@ class Coverage:
                     sizes[key] = (c, d)
 
 
-def renew_or_drop(
+def renew_or_drop_steps(
     candidates: Sequence[Candidate],
     speculative: Speculative,
     live: Mapping[str, object],
@@ -96,7 +97,7 @@ def renew_or_drop(
     now: float,
     coverage: Coverage | None = None,
     review: Collection[PrefixId] | None = None,
-) -> tuple[list[Renewal], list[Drop]]:
+) -> Steps[tuple[list[Renewal], list[Drop]]]:
     """Renew hot speculative replicas, drop expired and decayed ones.
 
     * ``expires_at <= now`` -> drop ``expired`` (the node may already have
@@ -117,12 +118,16 @@ def renew_or_drop(
     in their order; the others are left as they are, so their candidates need
     not be passed. Replicas on nodes not in ``live`` are left to expire (no
     renewal, no drop: a node that comes back drops its own expired replicas).
+
+    A step at a time (``kvstore.loops.slices``): it yields every :data:`RENEW_STEP` placed prefixes;
+    :func:`renew_or_drop` runs it in one go. Between steps ``speculative`` may change: a placed prefix
+    is read as it is at its turn, and one gone by then is passed over.
     """
     if coverage is None:
         coverage = Coverage.of(candidates, speculative if review is None else review)
     hot, sized, demand = coverage.hot, coverage.sized, coverage.demand
-    placed_sets = speculative.items() if review is None else (
-        (pid, speculative[pid]) for pid in review if pid in speculative)
+    placed_sets = ((pid, speculative[pid]) for pid in (list(speculative) if review is None else review)
+                   if pid in speculative)
     per_node = cfg.node_rate * cfg.demand_window_s
     n_live = len(live)
     keep = cfg.keep_threshold
@@ -131,7 +136,11 @@ def renew_or_drop(
     drops: list[Drop] = []
     no_scores: dict[bytes, float] = {}
     no_sizes: dict[bytes, tuple[Candidate, int]] = {}
-    for (ns, key), placed in placed_sets:
+    for i, ((ns, key), placed) in enumerate(placed_sets, 1):
+        if i % RENEW_STEP == 0:
+            yield
+        if not placed:
+            continue  # its last replica went between two steps
         score = hot.get(ns, no_scores).get(key, -1.0)
         surplus: Collection[str] = ()
         if per_node > 0 and score >= keep:  # (a decayed set goes whole)
@@ -158,8 +167,17 @@ def renew_or_drop(
     return renewals, drops
 
 
-def to_review(speculative: Speculative, chain_of: Callable[[PrefixId], int], turn: int, cfg: PlannerConfig,
-              now: float) -> KeysView[PrefixId]:
+renew_or_drop = in_one_go(renew_or_drop_steps)
+"""Renew hot speculative replicas, drop expired and decayed ones, in one go (:func:`renew_or_drop_steps`)."""
+
+RENEW_STEP = 256
+"""Placed prefixes :func:`renew_or_drop_steps` looks at between two yields."""
+REVIEW_STEP = 1024
+"""Placed prefixes :func:`to_review_steps` sorts between two yields."""
+
+
+def to_review_steps(speculative: Speculative, chain_of: Callable[[PrefixId], int], turn: int, cfg: PlannerConfig,
+                    now: float) -> Steps[KeysView[PrefixId]]:
     """The placed prefixes a tick reviews when a review covers only part of them (``cfg.review_slices``
     > 1): the chains in slice ``turn % review_slices``, and every chain with a replica due for renewal
     or expiry before that slice comes round again. So a renewal is never late, and a tick's cost does
@@ -171,16 +189,29 @@ def to_review(speculative: Speculative, chain_of: Callable[[PrefixId], int], tur
     share their turn). They are reviewed together, because a deeper prefix's score keeps its
     shallower replicas hot, so the caller passes the candidates of every prefix reviewed.
 
-    A set, in ``speculative``'s order (the order of the tick's renewals and drops)."""
+    A set, in ``speculative``'s order (the order of the tick's renewals and drops), of the placed
+    prefixes as they were at the first step: it yields every :data:`REVIEW_STEP` of them
+    (``kvstore.loops.slices``); :func:`to_review` runs it in one go."""
+    items = list(speculative.items())
     slices = max(1, cfg.review_slices)
     if slices == 1:
-        return speculative.keys()
+        return dict.fromkeys(pid for pid, _ in items).keys()
     due_by = now + cfg.renew_when_left * cfg.ttl_s + slices * cfg.tick_s
     turn %= slices
-    chains = [chain_of(pid) for pid in speculative]
-    chosen = {chain for chain, placed in zip(chains, speculative.values())
-              if chain % slices == turn or (placed and min(placed.values()) < due_by)}
-    return dict.fromkeys(pid for pid, chain in zip(speculative, chains) if chain in chosen).keys()
+    chains: list[int] = []
+    chosen: set[int] = set()
+    for lo in range(0, len(items), REVIEW_STEP):
+        for pid, placed in items[lo:lo + REVIEW_STEP]:
+            chain = chain_of(pid)
+            chains.append(chain)
+            if chain % slices == turn or (placed and min(placed.values()) < due_by):
+                chosen.add(chain)
+        yield
+    return dict.fromkeys(pid for (pid, _), chain in zip(items, chains) if chain in chosen).keys()
+
+
+to_review = in_one_go(to_review_steps)
+"""The placed prefixes a tick reviews, in one go (:func:`to_review_steps`)."""
 
 
 SURPLUS_SLACK = 2.0
@@ -207,4 +238,5 @@ def _surplus(placed: Mapping[str, float], want: int, holders: Collection[str], l
     return set(mine[: len(mine) - keep])
 
 
-__all__ = ["Coverage", "Speculative", "chain_demand", "renew_or_drop", "to_review"]
+__all__ = ["RENEW_STEP", "REVIEW_STEP", "Coverage", "Speculative", "chain_demand", "renew_or_drop", "renew_or_drop_steps",
+           "to_review", "to_review_steps"]
