@@ -121,8 +121,8 @@ def unfold(ranked: Ranked, built_already: Sequence[Candidate], threshold: float,
            order: Callable[[Candidate], tuple]) -> Iterator[Candidate]:  # type: ignore[type-arg]
     """``built_already`` and the candidates of ``ranked``'s rows at ``prob >= threshold``, in ``order``;
     the rows are built a chunk at a time, only once the next row could hold the next candidate in that
-    order (ties: ``built_already`` first). Before each chunk ``state()`` gives either a reason for every row left (``"cap"``, ``"bandwidth"``) or the tick's
-    bounds now; rows the :func:`gate` turns away are counted with ``skip`` (``count`` each) and never
+    order (ties: ``built_already`` first). Before each chunk ``state()`` gives either a reason for every
+    row left (``"cap"``, ``"bandwidth"``) or the tick's bounds now; rows the :func:`gate` turns away are counted with ``skip`` (``count`` each) and never
     built (the bounds only shrink, so they would be turned away at their turn too), and ``built`` sees
     each chunk before any of it is yielded."""
     n = int(np.searchsorted(-ranked.prob, -threshold, side="right"))  # rows with prob >= threshold

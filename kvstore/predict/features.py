@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvstore.predict.snapshot import RowsTaken, feature_names, momentum_seen
+from kvstore.predict.snapshot import RowsTaken, feature_names, momentum_seen, windows
 from kvstore.predict.types import Access, Outcome, PredictorConfig, PrefixId
 
 HoldersCount = Callable[[str, bytes], int]
@@ -74,7 +74,7 @@ class FeatureStore:
         self.holders_count = holders_count
         self.names = feature_names(cfg)
         self.depths = tuple(sorted(set(int(d) for d in cfg.depths)))
-        self._win = np.array([*cfg.windows_s, cfg.momentum_window_s], dtype=np.float64)
+        self._win = windows(cfg)
         self._mom_col = len(cfg.windows_s)
         self._ring_n = max(int(cfg.momentum_min), 3)
         self._cap = 0
@@ -382,7 +382,7 @@ class FeatureStore:
         per_depth = np.bincount(self._depth[:hi][act_all], minlength=max(self.depths) + 1)
         self.snapshot_rows = rows
         return RowsTaken(
-            cfg=cfg, names=self.names, now=now, rows=rows, id_array=at(self._ids), depth=depth,
+            cfg=cfg, now=now, rows=rows, id_array=at(self._ids), depth=depth,
             block_tokens=at(self._block_tokens), page_bytes=at(self._page_bytes), req_blocks=at(self._req_blocks),
             last_t=at(self._last_t), first_t=at(self._first_t), count=at(self._count), dec=at(self._dec),
             ring=at(self._ring), sum_gap2=at(self._sum_gap2), n_nz=at(self._n_nz), last_gap=at(self._last_gap),

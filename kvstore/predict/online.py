@@ -235,16 +235,15 @@ class Predictor:
         t_start = time.perf_counter()
         now = self.clock() if now is None else float(now)
         taken, slot = self.fs.take(now, active_within_s=self.cfg.active_within_s), self._slot  # one slot read
-        if len(taken) < _THREAD_ROWS:
+        t_back = t_start  # the stretch on the loop that ends with the result starts here ...
+        if len(taken) >= _THREAD_ROWS:
+            stretches.append(time.perf_counter() - t_start)
+            scored = await asyncio.to_thread(self._score_rows, taken, slot)
+            t_back = time.perf_counter()  # ... or here, when the worker thread did the rest
+        else:
             scored = self._score_rows(taken, slot)
-            out = self._finish(t_start, now, taken, slot, scored)
-            self.loop_stretches = (*stretches, time.perf_counter() - t_start)
-            return out
-        took = time.perf_counter() - t_start
-        scored = await asyncio.to_thread(self._score_rows, taken, slot)
-        t_back = time.perf_counter()
         out = self._finish(t_start, now, taken, slot, scored)
-        self.loop_stretches = (*stretches, took, time.perf_counter() - t_back)
+        self.loop_stretches = (*stretches, time.perf_counter() - t_back)
         return out
 
     def _score_rows(self, taken: RowsTaken, slot: _Slot) -> _Scored:

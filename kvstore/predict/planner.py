@@ -115,7 +115,7 @@ class _NodeTick:
     room: int = 0           # speculative bytes it can still take (``book`` keeps it)
 
     def __post_init__(self) -> None:
-        self.book(0)
+        self._set_room()
 
     @property
     def node_id(self) -> str:
@@ -127,11 +127,14 @@ class _NodeTick:
         return self.state.capacity_bytes - self.state.used_bytes - self.planned_in
 
     def book(self, nbytes: int) -> None:
-        """Plan a copy of ``nbytes`` onto it (0: none, only set ``room``): ``room`` is what fits both
-        its speculative share (``spec_bytes + planned <= spec_limit``) and its free space."""
-        if nbytes:
-            self.planned_in += nbytes
-            self.receives += 1
+        """Plan a copy of ``nbytes`` onto it."""
+        self.planned_in += nbytes
+        self.receives += 1
+        self._set_room()
+
+    def _set_room(self) -> None:
+        """``room``: what fits both its speculative share (``spec_bytes + planned <= spec_limit``) and its
+        free space."""
         self.room = max(0, min(self.spec_limit - self.state.spec_bytes - self.planned_in, self.headroom))
 
     def out_share(self, at_once: int = 1) -> float:
@@ -454,7 +457,7 @@ def plan_steps(
 
     ordered = sorted(candidates, key=_order_key)
     # one pass: the demand along chains, and the scores of the placed keys under review
-    coverage = Coverage.of((), list(tick.speculative) if review is None else review)
+    coverage = Coverage.of((), tick.speculative if review is None else review)
     for lo in range(0, len(ordered), COVER_STEP):
         coverage.add(ordered[lo:lo + COVER_STEP])
         yield

@@ -20,6 +20,11 @@ from kvstore.predict.types import PrefixId
 Speculative = Mapping[PrefixId, Mapping[str, float]]
 """``speculative[(namespace, key of the deepest block)] = {node_id: expires_at}``."""
 
+RENEW_STEP = 256
+"""Placed prefixes :func:`renew_or_drop_steps` looks at between two yields."""
+REVIEW_STEP = 1024
+"""Placed prefixes :func:`to_review_steps` sorts between two yields."""
+
 
 def chain_demand(candidates: Sequence[Candidate]) -> dict[str, dict[bytes, float]]:
     """Forecast demand per prefix key at the candidates' depth options (``[namespace][key]``): the
@@ -169,11 +174,6 @@ def renew_or_drop_steps(
 
 renew_or_drop = in_one_go(renew_or_drop_steps)
 """Renew hot speculative replicas, drop expired and decayed ones, in one go (:func:`renew_or_drop_steps`)."""
-
-RENEW_STEP = 256
-"""Placed prefixes :func:`renew_or_drop_steps` looks at between two yields."""
-REVIEW_STEP = 1024
-"""Placed prefixes :func:`to_review_steps` sorts between two yields."""
 
 
 def to_review_steps(speculative: Speculative, chain_of: Callable[[PrefixId], int], turn: int, cfg: PlannerConfig,

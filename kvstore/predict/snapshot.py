@@ -32,6 +32,11 @@ def feature_names(cfg: PredictorConfig) -> tuple[str, ...]:
             "rank_momentum", f"rank_cnt_{cfg.windows_s[-1]:g}s", "rank_recency")
 
 
+def windows(cfg: PredictorConfig) -> np.ndarray:
+    """The decayed counters' windows in seconds: ``cfg.windows_s``, then the momentum window."""
+    return np.array([*cfg.windows_s, cfg.momentum_window_s], dtype=np.float64)
+
+
 def momentum_seen(ring: np.ndarray, now: float, since: np.ndarray, window_s: float) -> tuple[np.ndarray, np.ndarray]:
     """(sightings within ``window_s``, momentum score) of rows with these rings of sighting times."""
     seen = (ring > now - window_s).sum(axis=1).astype(np.float64)
@@ -43,7 +48,6 @@ class RowsTaken:
     """Copies of what a snapshot reads of the rows (``FeatureStore.take``), row by row unless named."""
 
     cfg: PredictorConfig
-    names: tuple[str, ...]
     now: float
     rows: np.ndarray                   # the store's row numbers, ascending
     id_array: np.ndarray               # their PrefixIds (object array: ``ids()`` makes the list off the loop)
@@ -87,7 +91,7 @@ class RowsTaken:
     def features(self) -> np.ndarray:
         """X[n, F] float32 (column-major: the planner and the log read it by column)."""
         cfg, now = self.cfg, self.now
-        win = np.array([*cfg.windows_s, cfg.momentum_window_s], dtype=np.float64)
+        win = windows(cfg)
         nan = np.nan
         cols: list[np.ndarray] = []
         depth = self.depth.astype(np.float64)
@@ -117,7 +121,8 @@ class RowsTaken:
                           np.where(ep == ep_now - 1, self.mask_cur, zero))
         holders = self.holders.astype(np.float64)
         n_nodes = self.n_nodes
-        cols += [np.bitwise_count(recent).astype(np.float64), np.bitwise_count(self.mask_all).astype(np.float64),
+        fanout = np.bitwise_count(recent).astype(np.float64)
+        cols += [fanout, np.bitwise_count(self.mask_all).astype(np.float64),
                  holders, np.maximum(n_nodes - holders, 0.0), self.outcome.astype(np.float64),
                  self.lacked.astype(np.float64)]
         # parent prefix (previous tracked depth of the last request) and children
@@ -133,8 +138,8 @@ class RowsTaken:
         cols += [np.full(n, g[i]) for i in range(nw)]
         cols.append(np.full(n, g[0] / g[nw - 1] if g[nw - 1] > 0 else nan))
         cols += [self.active_at_depth.astype(np.float64), np.full(n, self.active), mom]
-        cols += self._relative(n_nodes, holders, cols[self.names.index("fanout")], dec, g * win, mom, since)
-        assert len(cols) == len(self.names)
+        cols += self._relative(n_nodes, holders, fanout, dec, g * win, mom, since)
+        assert len(cols) == len(feature_names(cfg))
         X = np.empty((len(cols), n), dtype=np.float32).T  # column-major: each column one contiguous write
         for i, c in enumerate(cols):
             X[:, i] = c
@@ -157,4 +162,4 @@ class RowsTaken:
         return out
 
 
-__all__ = ["RowsTaken", "feature_names", "momentum_seen"]
+__all__ = ["RowsTaken", "feature_names", "momentum_seen", "windows"]
