@@ -196,7 +196,7 @@ def test_targets_exclude_holders_and_pick_most_headroom() -> None:
     ns = [node("a"), node("b", used=50 * GB), node("c", used=10 * GB), node("d", used=20 * GB), node("e")]
     d = only(plan([cand(holders={8: {"a", "e"}})], ns, 1 * GB, CFG, NOW))
     assert d.targets == ("c", "d")
-    assert "target" in d.reason and "c (headroom" in d.reason and "p=0.90" in d.reason
+    assert "p=0.90" in d.explain() and "transfer" in d.explain() and d.reason in d.explain()
 
 
 def test_target_ties_break_on_fewer_spec_bytes_then_id() -> None:

@@ -231,8 +231,9 @@ class Coordinator:
         for i, decision in enumerate(result.decisions, 1):
             if i % CARRY_STEP == 0:
                 yield
-            decision_log.info("replicate %s depth=%d %s -> %s: %s", decision.keys[-1].hex()[:12], decision.depth,
-                              decision.source, ",".join(decision.targets), decision.reason)
+            if decision_log.isEnabledFor(logging.INFO):
+                decision_log.info("replicate %s depth=%d %s -> %s: %s", decision.keys[-1].hex()[:12], decision.depth,
+                                  decision.source, ",".join(decision.targets), decision.explain())
             self.metrics.decisions.labels("replicate").inc()
             scorer = self.tick_planner.scorer.get((decision.namespace, decision.keys[-1]), scores.source)
             self.decision_sources[scorer] += 1

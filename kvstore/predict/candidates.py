@@ -62,31 +62,36 @@ class Bounds:
     nodes: int    # live nodes
 
 
-def gate(least_bytes: np.ndarray, need_in_s: np.ndarray, b: Bounds, safety: float) -> np.ndarray:
-    """Per row, the index in :data:`GATE_REASONS` of why no copy of it can start this tick, 0 when one may.
+def gate_row(least: float, need_in_s: float, b: Bounds, safety: float) -> int:
+    """The index in :data:`GATE_REASONS` of why no copy of a row can start this tick, 0 when one may.
 
-    ``least_bytes``: its shallowest usable copy (the smallest depth option within its chain, times its
+    ``least``: its shallowest usable copy in bytes (the smallest depth option within its chain, times its
     page bytes; 0 when no depth is usable, -1 when the page size is unknown). The planner's cheap checks
-    (rule 3 and 6 of :mod:`kvstore.predict.planner`), in its order. Room, rate and budget only shrink as
+    (rules 3 and 6 of :mod:`kvstore.predict.planner`), in its order. Room, rate and budget only shrink as
     a tick books copies, so a row turned away here is turned away by :func:`plan` wherever it comes in
     the order: the caller need not build its candidate unless another candidate reads its demand or
-    score (a prefix of the same chain)."""
-    least = np.asarray(least_bytes, dtype=np.float64)
-    need = np.asarray(need_in_s, dtype=np.float64)
-    out = np.zeros(least.shape, dtype=np.int8)
+    score (a prefix of the same chain). Scalar on purpose: a tick gates a few rows at a time, where a
+    numpy call costs more than the rule."""
     if b.budget <= 0:  # plan() checks its budget before anything else
-        out[:] = 3
-        return out
+        return 3
     if b.nodes == 0:
-        out[:] = 4
-        return out
-    out[least > b.budget] = 3
-    out[least > b.room] = 2
-    with np.errstate(divide="ignore", invalid="ignore"):
-        late = (least == 0) | (b.rate <= 0) | (least / b.rate * safety > need)
-    out[late] = 1
-    out[least < 0] = 5
-    return out
+        return 4
+    if least < 0:
+        return 5
+    if least == 0 or b.rate <= 0 or least / b.rate * safety > need_in_s:
+        return 1
+    if least > b.room:
+        return 2
+    if least > b.budget:
+        return 3
+    return 0
+
+
+def gate(least_bytes: np.ndarray, need_in_s: np.ndarray, b: Bounds, safety: float) -> np.ndarray:
+    """:func:`gate_row` of each row, as an ``int8`` array."""
+    return np.array([gate_row(least, need, b, safety)
+                     for least, need in zip(np.asarray(least_bytes, dtype=np.float64).tolist(),
+                                            np.asarray(need_in_s, dtype=np.float64).tolist())], dtype=np.int8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,49 +124,67 @@ RANK_CHUNK = 32
 def unfold(ranked: Ranked, built_already: Sequence[Candidate], threshold: float, state: Callable[[], Bounds | str],
            safety: float, skip: Callable[[str, int], None], built: Callable[[Sequence[Candidate]], None],
            order: Callable[[Candidate], tuple]) -> Iterator[Candidate]:  # type: ignore[type-arg]
-    """``built_already`` and the candidates of ``ranked``'s rows at ``prob >= threshold``, in ``order``;
-    the rows are built a chunk at a time, only once the next row could hold the next candidate in that
-    order (ties: ``built_already`` first). Before each chunk ``state()`` gives either a reason for every
-    row left (``"cap"``, ``"bandwidth"``) or the tick's bounds now; rows the :func:`gate` turns away are counted with ``skip`` (``count`` each) and never
-    built (the bounds only shrink, so they would be turned away at their turn too), and ``built`` sees
-    each chunk before any of it is yielded."""
+    """``built_already`` (in ``order`` already) and the candidates of ``ranked``'s rows at ``prob >=
+    threshold``, in ``order``; the rows are built a chunk at a time, only once the next row could hold
+    the next candidate in that order (ties: ``built_already`` first). Before each chunk ``state()``
+    gives either a reason for every row left (``"cap"``, ``"bandwidth"``) or the tick's bounds now;
+    rows :func:`gate_row` turns away are counted with ``skip`` (``count`` each) and never built (the
+    bounds only shrink, so they would be turned away at their turn too), and ``built`` sees each chunk
+    before any of it is yielded."""
     n = int(np.searchsorted(-ranked.prob, -threshold, side="right"))  # rows with prob >= threshold
-    ready: list[tuple[tuple, int, Candidate]]  # type: ignore[type-arg]
-    ready = [(order(c), i, c) for i, c in enumerate(built_already)]
-    heapq.heapify(ready)
-    lo, seq = 0, len(ready)
-    while lo < n or ready:
-        # a candidate not built yet has prob <= prob[lo]: build until the best ready one beats that
-        while lo < n and (not ready or -ready[0][0][0] <= ranked.prob[lo]):
+    probs, least, need_in, counts = (a[:n].tolist() for a in (ranked.prob, ranked.least_bytes, ranked.need_in_s,
+                                                               ranked.count))
+    early = [(order(c), c) for c in built_already]  # in order: a list read from the front
+    i = 0
+    ready: list[tuple[tuple, int, Candidate]] = []  # type: ignore[type-arg]  # built from rows: a heap
+    lo = seq = 0
+    while lo < n or i < len(early) or ready:
+        # a candidate not built yet has prob <= probs[lo]: build until the best ready one beats that
+        while lo < n and not _beats(early, i, ready, probs[lo]):
             now = state()
             if isinstance(now, str):
-                skip(now, int(ranked.count[lo:n].sum()))
+                skip(now, sum(counts[lo:n]))
                 n = lo
                 break
             hi = min(n, lo + RANK_CHUNK)
-            codes = gate(ranked.least_bytes[lo:hi], ranked.need_in_s[lo:hi], now, safety)
-            for i, count in enumerate(np.bincount(codes, weights=ranked.count[lo:hi],
-                                                  minlength=len(GATE_REASONS)).tolist()):
-                if i and count:
-                    skip(GATE_REASONS[i], int(count))
-            keep = np.flatnonzero(codes == 0)
-            if keep.size:
+            keep: list[int] = []
+            for row in range(lo, hi):
+                code = gate_row(least[row], need_in[row], now, safety)
+                if code:
+                    skip(GATE_REASONS[code], counts[row])
+                else:
+                    keep.append(row)
+            if keep:
                 chunk: list[Candidate] = []
-                for a, b in _runs(keep + lo):
+                for a, b in _runs(keep):
                     chunk.extend(ranked.build(a, b))
                 built(chunk)
                 for c in chunk:
                     heapq.heappush(ready, (order(c), seq, c))
                     seq += 1
             lo = hi
-        if ready:
+        if i < len(early) and (not ready or early[i][0] <= ready[0][0]):
+            yield early[i][1]
+            i += 1
+        elif ready:
             yield heapq.heappop(ready)[2]
 
 
-def _runs(rows: np.ndarray) -> Iterator[tuple[int, int]]:
-    """``[lo, hi)`` runs of consecutive rows."""
-    start = prev = int(rows[0])
-    for r in rows[1:].tolist():
+def _beats(early: list[tuple[tuple, Candidate]], i: int, ready: list[tuple[tuple, int, Candidate]],  # type: ignore[type-arg]
+           prob: float) -> bool:
+    """Whether a ready candidate's prob is above ``prob`` (a row not built yet cannot come before it)."""
+    best = -1.0
+    if i < len(early):
+        best = -early[i][0][0]
+    if ready and -ready[0][0][0] > best:
+        best = -ready[0][0][0]
+    return best > prob
+
+
+def _runs(rows: Sequence[int]) -> Iterator[tuple[int, int]]:
+    """``[lo, hi)`` runs of consecutive rows (at least one)."""
+    start = prev = rows[0]
+    for r in rows[1:]:
         if r != prev + 1:
             yield start, prev + 1
             start = r
@@ -169,4 +192,4 @@ def _runs(rows: np.ndarray) -> Iterator[tuple[int, int]]:
     yield start, prev + 1
 
 
-__all__ = ["GATE_REASONS", "RANK_CHUNK", "Bounds", "Ranked", "gate", "select_candidates", "unfold"]
+__all__ = ["GATE_REASONS", "RANK_CHUNK", "Bounds", "Ranked", "gate", "gate_row", "select_candidates", "unfold"]

@@ -26,7 +26,7 @@ class HolderWalk:
     a node no target, but not yet a source.
     """
 
-    __slots__ = ("_c", "_live", "_spec", "_planned", "_now", "_acc", "_pending", "_next")
+    __slots__ = ("_c", "_live", "_spec", "_planned", "_now", "_known", "_acc", "_pending", "_next")
 
     def __init__(
         self,
@@ -38,28 +38,40 @@ class HolderWalk:
     ) -> None:
         self._c, self._live, self._spec, self._planned, self._now = c, live, speculative, planned, now
         n = len(c.chain)
-        self._acc: set[str] = set().union(*(c.holders[d] for d in c.holders if d > n))  # beyond the known keys
+        self._known = frozenset(c.holders)  # the depths with holders (LazyHolders: no lookup yet)
+        self._acc: set[str] = set()
+        for d in self._known:
+            if d > n:  # beyond the known keys
+                self._acc.update(c.holders[d])
         self._pending: set[str] = set()
         self._next = n  # next depth to fold in
 
     def at(self, depth: int) -> tuple[set[str], set[str]]:
         """(live holders, live nodes with a copy planned this tick) of the
         first ``depth`` blocks; ``depth`` never increases between calls."""
-        c, acc = self._c, self._acc
-        while self._next >= depth:
-            d = self._next
-            acc.update(c.holders.get(d, ()))
-            pid = (c.namespace, c.chain[d - 1])
-            placed = self._spec.get(pid)
-            if placed:
-                acc.update(node for node, exp in placed.items() if exp > self._now)
-            pending = self._planned.get(pid)
-            if pending:
-                self._pending.update(pending)
-            self._next -= 1
-        live = self._live.keys()
-        held = acc & live
-        return held, (self._pending & live) - held
+        d = self._next
+        if d >= depth:
+            c, acc, spec, planned, now = self._c, self._acc, self._spec, self._planned, self._now
+            ns, chain, holders, known = c.namespace, c.chain, c.holders, self._known
+            while d >= depth:
+                if d in known:
+                    acc.update(holders[d])
+                pid = (ns, chain[d - 1])
+                placed = spec.get(pid)
+                if placed:
+                    for node, expires_at in placed.items():
+                        if expires_at > now:
+                            acc.add(node)
+                pending = planned.get(pid)
+                if pending:
+                    self._pending.update(pending)
+                d -= 1
+            self._next = d
+        live = self._live
+        held = {node for node in self._acc if node in live}
+        if not self._pending:
+            return held, set()
+        return held, {node for node in self._pending if node in live and node not in held}
 
 
 __all__ = ["HolderWalk"]

@@ -87,7 +87,6 @@ from kvstore.predict.holderwalk import HolderWalk
 from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig, PlanResult, usable_depths
 from kvstore.predict.renewals import Coverage, Speculative, renew_or_drop, renew_or_drop_steps
 from kvstore.predict.types import PrefixId
-from kvstore.units import format_size
 
 SKIP_REASONS = (
     "too_late", "no_target", "no_room", "bandwidth", "no_source",
@@ -201,10 +200,15 @@ class _Tick:
         cluster reject a candidate in O(depths) instead of O(depths x nodes). ``rate``: the rate of
         the fastest copy any source could send any target now: no copy lands sooner, so a depth too
         late at it is too late everywhere."""
-        nodes = self.live.values()
-        self.room = max((n.room for n in nodes), default=0)
-        self.rate = min(max((n.out_share() for n in nodes), default=0.0),
-                        max((n.in_share for n in nodes), default=0.0))
+        room, send, receive = 0, 0.0, 0.0
+        for n in self.live.values():  # once a decision: one loop
+            if n.room > room:
+                room = n.room
+            if (share := n.out_share()) > send:
+                send = share
+            if (share := n.in_share) > receive:
+                receive = share
+        self.room, self.rate = room, min(send, receive)
 
     def bounds(self) -> Bounds | str:
         """What any further copy can get at best now, or why none can start (``unfold``'s state)."""
@@ -345,14 +349,8 @@ class _Tick:
         else:
             edges, waves = copy_tree([n.node_id for n in sources], [n.node_id for n in targets], cfg.fanout,
                                      parts)
-        why = (
-            f"p={c.prob:.2f} need_in={c.need_in_s:.1f}s depth={depth}/{len(c.chain)} "
-            f"transfer {transfer_s:.3f}s x{waves} wave(s) x{cfg.safety:g} fits; src {sources[0].node_id}; "
-            f"targets {', '.join(f'{n.node_id} (headroom {format_size(n.headroom)})' for n in targets)}"
-        )
-        if wanted is not None:
-            why += (f"; demand {self.demand[c.namespace][c.chain[depth - 1]]:.1f} req/{cfg.demand_window_s:g}s "
-                    f"wants {wanted} more")
+        # what the decision's numbers do not say (``Decision.explain`` adds them when it is logged)
+        why = "max_targets, no demand forecast" if wanted is None else f"wants {wanted} more"
         if notes:
             why += "; deeper: " + ", ".join(f"depth {d} {r}" for d, r in notes)
         total = nbytes * k
@@ -381,6 +379,7 @@ class _Tick:
             tree=tuple(edges) if wanted is not None else (),
             waves=waves,
             parts=parts,
+            demand=self.demand[c.namespace][c.chain[depth - 1]] if wanted is not None else 0.0,
         )
 
 

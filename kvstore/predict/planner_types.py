@@ -110,6 +110,15 @@ class Decision:
     tree: tuple[tuple[str, str], ...] = ()  # (from, to) copies in wave order; () = all from ``source``
     waves: int = 1                     # rounds of the copy tree (its time is waves x transfer_s)
     parts: int = 1                     # > 1: the tree relays the copy in this many parts (copytree.relay_parts)
+    demand: float = 0.0                # forecast requests in the demand window that sized it (0: unsized)
+
+    def explain(self) -> str:
+        """The decision in one line for the log: the numbers it was made on, then ``reason`` (what they
+        do not say). Formatted only when asked: the planner's tick does not pay for it."""
+        text = f"p={self.prob:.2f} need_in={self.need_in_s:.1f}s transfer {self.transfer_s:.3f}s x{self.waves} wave(s)"
+        if self.demand:
+            text += f" demand {self.demand:.1f} req"
+        return f"{text}; {self.reason}" if self.reason else text
 
 
 @dataclass(frozen=True, slots=True)
