@@ -134,13 +134,17 @@ def unfold(ranked: Ranked, built_already: Sequence[Candidate], threshold: float,
     n = int(np.searchsorted(-ranked.prob, -threshold, side="right"))  # rows with prob >= threshold
     probs, least, need_in, counts = (a[:n].tolist() for a in (ranked.prob, ranked.least_bytes, ranked.need_in_s,
                                                                ranked.count))
-    early = [(order(c), c) for c in built_already]  # in order: a list read from the front
+    early = built_already  # in order: read from the front
+    early_keys = [order(c) for c in early]
     i = 0
     ready: list[tuple[tuple, int, Candidate]] = []  # type: ignore[type-arg]  # built from rows: a heap
     lo = seq = 0
-    while lo < n or i < len(early) or ready:
+    while True:
+        best = -early_keys[i][0] if i < len(early) else -1.0  # the best ready candidate's prob
+        if ready and -ready[0][0][0] > best:
+            best = -ready[0][0][0]
         # a candidate not built yet has prob <= probs[lo]: build until the best ready one beats that
-        while lo < n and not _beats(early, i, ready, probs[lo]):
+        while lo < n and best <= probs[lo]:
             now = state()
             if isinstance(now, str):
                 skip(now, sum(counts[lo:n]))
@@ -162,23 +166,16 @@ def unfold(ranked: Ranked, built_already: Sequence[Candidate], threshold: float,
                 for c in chunk:
                     heapq.heappush(ready, (order(c), seq, c))
                     seq += 1
+                if ready and -ready[0][0][0] > best:
+                    best = -ready[0][0][0]
             lo = hi
-        if i < len(early) and (not ready or early[i][0] <= ready[0][0]):
-            yield early[i][1]
+        if i < len(early) and (not ready or early_keys[i] <= ready[0][0]):
+            yield early[i]
             i += 1
         elif ready:
             yield heapq.heappop(ready)[2]
-
-
-def _beats(early: list[tuple[tuple, Candidate]], i: int, ready: list[tuple[tuple, int, Candidate]],  # type: ignore[type-arg]
-           prob: float) -> bool:
-    """Whether a ready candidate's prob is above ``prob`` (a row not built yet cannot come before it)."""
-    best = -1.0
-    if i < len(early):
-        best = -early[i][0][0]
-    if ready and -ready[0][0][0] > best:
-        best = -ready[0][0][0]
-    return best > prob
+        else:
+            return
 
 
 def _runs(rows: Sequence[int]) -> Iterator[tuple[int, int]]:

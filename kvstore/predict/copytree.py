@@ -31,20 +31,18 @@ def copy_tree(sources: Sequence[str], targets: Sequence[str], fanout: int,
         longest = max(len(c) for c in chains) - 1
         edges = [(c[hop], c[hop + 1]) for hop in range(longest) for c in chains if hop + 1 < len(c)]
         return edges, math.ceil(copy_times(len(sources), len(targets), fanout, chunks) - 1e-9)
-    servers, todo = list(sources), list(targets)
+    servers, fanout = list(sources), max(1, fanout)
     edges: list[tuple[str, str]] = []
-    waves = 0
-    while todo:
+    waves = done = 0
+    while done < len(targets):  # a wave: each server in turn sends to the next fanout targets
         waves += 1
-        landed = []
+        start = done
         for server in servers:
-            for _ in range(max(1, fanout)):
-                if not todo:
-                    break
-                target = todo.pop(0)
-                edges.append((server, target))
-                landed.append(target)
-        servers += landed
+            if done >= len(targets):
+                break
+            edges.extend((server, target) for target in targets[done:done + fanout])
+            done = min(done + fanout, len(targets))
+        servers.extend(targets[start:done])
     return edges, max(waves, 1)
 
 

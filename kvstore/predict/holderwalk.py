@@ -67,11 +67,12 @@ class HolderWalk:
                     self._pending.update(pending)
                 d -= 1
             self._next = d
-        live = self._live
-        held = {node for node in self._acc if node in live}
+        held = self._acc.intersection(self._live)
         if not self._pending:
             return held, set()
-        return held, {node for node in self._pending if node in live and node not in held}
+        pending = self._pending.intersection(self._live)
+        pending -= held
+        return held, pending
 
 
 __all__ = ["HolderWalk"]

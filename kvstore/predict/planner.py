@@ -146,13 +146,15 @@ class _NodeTick:
         """Bytes/s one more copy into it would get."""
         return self.ingress / (self.state.receiving + self.receives + 1)
 
-    def target_key(self) -> tuple[int, int, str]:
-        """Sort key for targets: most headroom, fewer speculative bytes, id."""
-        return (-self.headroom, self.state.spec_bytes + self.planned_in, self.node_id)
-
     def source_key(self) -> tuple[float, float, int, int, str]:
         """Sort key for sources: least load, fastest egress share, least planned out, most headroom, id."""
         return (self.state.load, -self.out_share(), self.planned_out, -self.headroom, self.node_id)
+
+
+def _target_key(pair: tuple[_NodeTick, float]) -> tuple[int, int, str]:
+    """Sort key for targets, of a (node, copy seconds) pair: most headroom, fewer speculative bytes, id."""
+    n, state = pair[0], pair[0].state
+    return (state.used_bytes + n.planned_in - state.capacity_bytes, state.spec_bytes + n.planned_in, state.node_id)
 
 
 def _node_ticks(nodes: Sequence[NodeState], cfg: PlannerConfig, bandwidth_bps: float) -> dict[str, _NodeTick]:
@@ -201,12 +203,13 @@ class _Tick:
         the fastest copy any source could send any target now: no copy lands sooner, so a depth too
         late at it is too late everywhere."""
         room, send, receive = 0, 0.0, 0.0
-        for n in self.live.values():  # once a decision: one loop
+        for n in self.live.values():  # once a decision: one loop, out_share() and in_share inlined
+            state = n.state
             if n.room > room:
                 room = n.room
-            if (share := n.out_share()) > send:
+            if (share := n.egress / (state.sending + n.sends + 1)) > send:
                 send = share
-            if (share := n.in_share) > receive:
+            if (share := n.ingress / (state.receiving + n.receives + 1)) > receive:
                 receive = share
         self.room, self.rate = room, min(send, receive)
 
@@ -314,7 +317,7 @@ class _Tick:
         each target serves the next wave once its copy landed), trimmed to
         the waves that land in time (at the slowest chosen target's rate)."""
         cfg = self.cfg
-        room.sort(key=lambda pair: pair[0].target_key())
+        room.sort(key=_target_key)
         src, need, safety = sources[0], c.need_in_s, cfg.safety
 
         def wave_s(targets: Sequence[_NodeTick], at_once: int) -> float:
@@ -362,8 +365,12 @@ class _Tick:
         self.budget_left -= total
         self.refresh()
         names = {n.node_id for n in targets}
+        planned, ns = self.planned, c.namespace
         for key in c.chain[:depth]:
-            self.planned.setdefault((c.namespace, key), set()).update(names)
+            if (pending := planned.get((ns, key))) is None:
+                planned[(ns, key)] = set(names)
+            else:
+                pending.update(names)
         return Decision(
             namespace=c.namespace,
             keys=c.chain[:depth],

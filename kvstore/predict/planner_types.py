@@ -28,9 +28,11 @@ class LazyHolders(Mapping[int, frozenset[str]]):
         self._seen: dict[int, frozenset[str]] = {}
 
     def __getitem__(self, depth: int) -> frozenset[str]:
-        seen = self.get(depth)
+        seen = self._seen.get(depth)
         if seen is None:
-            raise KeyError(depth)
+            if depth not in self._depths:
+                raise KeyError(depth)
+            seen = self._seen[depth] = self._lookup(depth)
         return seen
 
     def get(self, depth: int, default: Any = None) -> Any:  # the planner's hot path: no KeyError round trip
