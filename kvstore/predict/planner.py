@@ -132,13 +132,11 @@ class _NodeTick:
         self._set_room()
 
     def _set_room(self) -> None:
-        """``room``: what fits both its speculative share (``spec_bytes + planned <= spec_limit``) and its
-        free space."""
+        """``room``: what fits both its speculative share (``spec_bytes + planned <= spec_limit``) and free space."""
         self.room = max(0, min(self.spec_limit - self.state.spec_bytes - self.planned_in, self.headroom))
 
     def out_share(self, at_once: int = 1) -> float:
-        """Bytes/s each of ``at_once`` more copies out of it would get: its egress shared with the copies
-        already leaving."""
+        """Bytes/s each of ``at_once`` more copies out of it would get (its egress shared with those leaving)."""
         return self.egress / (self.state.sending + self.sends + at_once)
 
     @property
@@ -158,8 +156,7 @@ def _target_key(pair: tuple[_NodeTick, float]) -> tuple[int, int, str]:
 
 
 def _node_ticks(nodes: Sequence[NodeState], cfg: PlannerConfig, bandwidth_bps: float) -> dict[str, _NodeTick]:
-    """Index live nodes by id with their speculative byte limit and link rates (``bandwidth_bps`` where
-    a node reports none)."""
+    """Live nodes by id, with their speculative byte limit and link rates (else ``bandwidth_bps``)."""
     return {
         n.node_id: _NodeTick(n, spec_limit=int(cfg.spec_budget * n.capacity_bytes),
                              egress=n.egress_bps or bandwidth_bps, ingress=n.ingress_bps or bandwidth_bps)
@@ -198,10 +195,9 @@ class _Tick:
     def refresh(self) -> None:
         """Recompute the cluster-wide bounds, at the start and after each decision.
 
-        ``room``: the most speculative bytes any one live node can still take, which lets a full
-        cluster reject a candidate in O(depths) instead of O(depths x nodes). ``rate``: the rate of
-        the fastest copy any source could send any target now: no copy lands sooner, so a depth too
-        late at it is too late everywhere."""
+        ``room``: the most speculative bytes any live node can still take (a full cluster rejects a
+        candidate in O(depths), not O(depths x nodes)). ``rate``: that of the fastest copy any source
+        could send any target now: a depth too late at it is too late everywhere."""
         room, send, receive = 0, 0.0, 0.0
         for n in self.live.values():  # once a decision: one loop, out_share() and in_share inlined
             state = n.state
