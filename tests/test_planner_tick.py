@@ -2,7 +2,7 @@
 
 * ``Ranked`` rows, built only as far as the tick gets, plan exactly what the same candidates passed
   eagerly plan (a property test), and most of a full cluster's rows are never built;
-* ``gate`` with ``tick_bounds`` turns a row away for the very reason ``plan`` gives;
+* ``gate_row`` with ``tick_bounds`` turns a row away for the very reason ``plan`` gives;
 * ``to_review``: a slice of the placed chains a tick, whole chains, every due one, all of them within
   ``review_slices`` ticks; what is not under review is left as it is;
 * ``LazyHolders`` looks a depth up once, and only when read;
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from conftest import drain_steps
 
-from kvstore.predict.candidates import GATE_REASONS, RANK_CHUNK, Ranked, gate
+from kvstore.predict.candidates import GATE_REASONS, RANK_CHUNK, Ranked, gate_row
 from kvstore.predict.planner import PLAN_STEP, plan, plan_steps, tick_bounds
 from kvstore.predict.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig
 from kvstore.predict.renewals import RENEW_STEP, REVIEW_STEP, renew_or_drop, renew_or_drop_steps, to_review, to_review_steps
@@ -140,7 +140,7 @@ def test_gate_turns_a_row_away_for_the_reason_plan_gives(case: int) -> None:
     c = cand("x", 0.9, rng.choice([0.1, 1.0, 100.0]), rng.choice([0, 10 * MB, 1 * GB]), {8: frozenset({"n0"})})
     in_flight = rng.choice([0, 0, 0, 10 * GB])
     b = tick_bounds(ns, 1e9, cfg, transfers_in_flight_bytes=in_flight)
-    code = int(gate(np.array([least(c)]), np.array([c.need_in_s]), b, cfg.safety)[0])
+    code = gate_row(least(c), c.need_in_s, b, cfg.safety)
     r = plan([c], ns, 1e9, cfg, NOW, transfers_in_flight_bytes=in_flight)
     if code:
         assert r.skipped == {GATE_REASONS[code]: 1}

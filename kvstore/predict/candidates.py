@@ -2,7 +2,7 @@
 
 Vectorised and pure (numpy only): the coordinator calls :func:`select_candidates` every tick over the
 scores of 100k+ prefixes and builds :class:`~kvstore.predict.planner_types.Candidate` objects only for
-the rows it returns (rule 1 of :mod:`kvstore.predict.planner`), less those :func:`gate` turns away.
+the rows it returns (rule 1 of :mod:`kvstore.predict.planner`), less those :func:`gate_row` turns away.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def select_candidates(probs: np.ndarray, threshold: float, limit: int) -> np.nda
 
 
 GATE_REASONS = ("", "too_late", "no_room", "bandwidth", "no_target", "unknown_size")
-"""What :func:`gate` returns per row, by index: ``""`` (a copy may start) or the reason
+"""What :func:`gate_row` returns, by index: ``""`` (a copy may start) or the reason
 :func:`~kvstore.predict.planner.plan` would give for skipping it."""
 
 
@@ -87,13 +87,6 @@ def gate_row(least: float, need_in_s: float, b: Bounds, safety: float) -> int:
     return 0
 
 
-def gate(least_bytes: np.ndarray, need_in_s: np.ndarray, b: Bounds, safety: float) -> np.ndarray:
-    """:func:`gate_row` of each row, as an ``int8`` array."""
-    return np.array([gate_row(least, need, b, safety)
-                     for least, need in zip(np.asarray(least_bytes, dtype=np.float64).tolist(),
-                                            np.asarray(need_in_s, dtype=np.float64).tolist())], dtype=np.int8)
-
-
 @dataclass(frozen=True, slots=True)
 class Ranked:
     """Candidates built only as far as a tick gets (``plan(..., ranked=)``): most of a busy tick's
@@ -109,7 +102,7 @@ class Ranked:
 
     prob: np.ndarray
     need_in_s: np.ndarray
-    least_bytes: np.ndarray            # as gate() takes it
+    least_bytes: np.ndarray            # as gate_row() takes it
     count: np.ndarray
     build: Callable[[int, int], Sequence[Candidate]]
 
@@ -134,7 +127,7 @@ def unfold(ranked: Ranked, built_already: Sequence[Candidate], threshold: float,
     n = int(np.searchsorted(-ranked.prob, -threshold, side="right"))  # rows with prob >= threshold
     probs, least, need_in, counts = (a[:n].tolist() for a in (ranked.prob, ranked.least_bytes, ranked.need_in_s,
                                                                ranked.count))
-    early = built_already  # in order: read from the front
+    early = built_already  # in order already: read from the front, not heaped
     early_keys = [order(c) for c in early]
     i = 0
     ready: list[tuple[tuple, int, Candidate]] = []  # type: ignore[type-arg]  # built from rows: a heap
@@ -189,4 +182,4 @@ def _runs(rows: Sequence[int]) -> Iterator[tuple[int, int]]:
     yield start, prev + 1
 
 
-__all__ = ["GATE_REASONS", "RANK_CHUNK", "Bounds", "Ranked", "gate", "gate_row", "select_candidates", "unfold"]
+__all__ = ["GATE_REASONS", "RANK_CHUNK", "Bounds", "Ranked", "gate_row", "select_candidates", "unfold"]

@@ -152,7 +152,7 @@ class _NodeTick:
 def _target_key(pair: tuple[_NodeTick, float]) -> tuple[int, int, str]:
     """Sort key for targets, of a (node, copy seconds) pair: most headroom, fewer speculative bytes, id."""
     n, state = pair[0], pair[0].state
-    return (state.used_bytes + n.planned_in - state.capacity_bytes, state.spec_bytes + n.planned_in, state.node_id)
+    return (-n.headroom, state.spec_bytes + n.planned_in, state.node_id)
 
 
 def _node_ticks(nodes: Sequence[NodeState], cfg: PlannerConfig, bandwidth_bps: float) -> dict[str, _NodeTick]:
@@ -218,7 +218,7 @@ class _Tick:
         return self.limits()
 
     def limits(self) -> Bounds:
-        """The cluster-wide bounds of any further copy now (``candidates.gate`` takes them)."""
+        """The cluster-wide bounds of any further copy now (``candidates.gate_row`` takes them)."""
         return Bounds(self.rate, self.room, self.budget_left, len(self.live))
 
     def plan_one(self, c: Candidate) -> Decision | str:
@@ -402,7 +402,7 @@ def _start(nodes: Sequence[NodeState], bandwidth_bps: float, cfg: PlannerConfig,
 
 def tick_bounds(nodes: Sequence[NodeState], bandwidth_bps: float, cfg: PlannerConfig,
                 transfers_in_flight_bytes: int = 0) -> Bounds:
-    """The bounds :func:`plan` starts a tick with, for ``candidates.gate``."""
+    """The bounds :func:`plan` starts a tick with, for ``candidates.gate_row``."""
     return _start(nodes, bandwidth_bps, cfg, 0.0, {}, transfers_in_flight_bytes).limits()
 
 

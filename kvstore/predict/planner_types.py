@@ -35,13 +35,8 @@ class LazyHolders(Mapping[int, frozenset[str]]):
             seen = self._seen[depth] = self._lookup(depth)
         return seen
 
-    def get(self, depth: int, default: Any = None) -> Any:  # the planner's hot path: no KeyError round trip
-        seen = self._seen.get(depth)
-        if seen is None:
-            if depth not in self._depths:
-                return default
-            seen = self._seen[depth] = self._lookup(depth)
-        return seen
+    def get(self, depth: int, default: Any = None) -> Any:  # no KeyError round trip for a depth it lacks
+        return self[depth] if depth in self._depths else default
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._depths)
