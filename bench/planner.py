@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import hashlib
 import json
 import platform
 import sys
@@ -52,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvstore.cluster.coordinator import TICK_SLICE_S  # noqa: E402
 from kvstore.cluster.tickplan import BUILD_STEP  # noqa: E402
 from kvstore.loops.slices import Steps, finish, sliced  # noqa: E402
+from kvstore.predict import compiled_modules  # noqa: E402
 from kvstore.predict.candidates import Ranked, select_candidates  # noqa: E402
 from kvstore.predict.planner import plan_steps  # noqa: E402
 from kvstore.predict.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig, PlanResult  # noqa: E402
@@ -172,6 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     counts: dict[str, list[int]] = {"candidates": [], "decisions": [], "renewals": [], "drops": [], "replicas": []}
     skipped: dict[str, int] = {}
     bytes_planned = 0
+    plans = hashlib.sha256()  # every tick's plan: the same for any build of the same source
     now = 0.0
     gc.collect()
     if not args.no_gc_freeze:
@@ -236,6 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         for k, v in result.skipped.items():
             skipped[k] = skipped.get(k, 0) + v
         bytes_planned += result.bytes_planned
+        plans.update(repr((result.decisions, result.renewals, result.drops, sorted(result.skipped.items()))).encode())
         for name, v in (("candidates", built[0]), ("decisions", len(result.decisions)),
                         ("renewals", len(result.renewals)), ("drops", len(result.drops)),
                         ("replicas", sum(len(p) for p in spec.values()))):
@@ -251,6 +255,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "bench": "planner",
         "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()} | {"config": asdict(cfg)},
         "host": {"python": platform.python_version(), "machine": platform.machine(), "numpy": np.__version__},
+        "planner_build": compiled_modules.BUILD,
+        "plans_sha256": plans.hexdigest(),
         "tick_ms": pct(ticks),
         "slice_ms": pct(longest),
         "steps_ms": {k: pct(v) for k, v in steps.items()},
@@ -275,7 +281,7 @@ def write(report: dict[str, object], out: Path) -> None:
         "",
         f"{p['prefixes']:,} active prefixes, {p['nodes']} nodes, {p['ticks']} ticks, "
         f"limit {p['limit']} candidates (+ rows holding replicas); "
-        f"Python {report['host']['python']}, numpy {report['host']['numpy']}; "
+        f"Python {report['host']['python']}, numpy {report['host']['numpy']}, planner {report['planner_build']}; "
         f"gc.freeze() after setup: {report['gc_freeze']}, full GC collections during the run: "
         f"{report['gen2_collections']}.",
         "",
@@ -330,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     write(report, args.out)
     t = report["tick_ms"]
+    print(f"planner: {report['planner_build']}; plans sha256 {str(report['plans_sha256'])[:16]}")
     print(f"tick p50 {t['p50']:.2f} ms  p99 {t['p99']:.2f} ms  max {t['max']:.2f} ms  "  # type: ignore[index]
           f"(target p99 <= 10 ms: {'met' if report['meets_target'] else 'NOT met'})")
     sl = report["slice_ms"]

@@ -21,6 +21,7 @@ from kvstore import __version__
 from kvstore.errors import KvError
 from kvstore.config import NodeConfig, add_arguments, build_config
 from kvstore.loops import loop_factory, resolve_loop
+from kvstore.predict import compiled_modules
 from kvstore.server.app import NodeServer
 
 log = logging.getLogger("kvstored")
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("event loop: %s", resolve_loop(config.loop))
+    log.info("planner: %s", compiled_modules.BUILD)  # mypyc-compiled, or pure Python and why
     try:
         with asyncio.Runner(loop_factory=loop_factory(config.loop)) as runner:
             runner.run(serve(config))

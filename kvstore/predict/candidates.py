@@ -125,8 +125,8 @@ def unfold(ranked: Ranked, built_already: Sequence[Candidate], threshold: float,
     bounds only shrink, so they would be turned away at their turn too), and ``built`` sees each chunk
     before any of it is yielded."""
     n = int(np.searchsorted(-ranked.prob, -threshold, side="right"))  # rows with prob >= threshold
-    probs, least, need_in, counts = (a[:n].tolist() for a in (ranked.prob, ranked.least_bytes, ranked.need_in_s,
-                                                               ranked.count))
+    probs, least, need_in, counts = [a[:n].tolist() for a in (ranked.prob, ranked.least_bytes, ranked.need_in_s,
+                                                               ranked.count)]
     early = built_already  # in order already: read from the front, not heaped
     early_keys = [order(c) for c in early]
     i = 0

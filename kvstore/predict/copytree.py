@@ -29,8 +29,8 @@ def copy_tree(sources: Sequence[str], targets: Sequence[str], fanout: int,
         for i, target in enumerate(targets):
             chains[i % len(chains)].append(target)
         longest = max(len(c) for c in chains) - 1
-        edges = [(c[hop], c[hop + 1]) for hop in range(longest) for c in chains if hop + 1 < len(c)]
-        return edges, math.ceil(copy_times(len(sources), len(targets), fanout, chunks) - 1e-9)
+        hops = [(c[hop], c[hop + 1]) for hop in range(longest) for c in chains if hop + 1 < len(c)]
+        return hops, math.ceil(copy_times(len(sources), len(targets), fanout, chunks) - 1e-9)
     servers, fanout = list(sources), max(1, fanout)
     edges: list[tuple[str, str]] = []
     waves = done = 0

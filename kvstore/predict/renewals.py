@@ -131,8 +131,7 @@ def renew_or_drop_steps(
     if coverage is None:
         coverage = Coverage.of(candidates, speculative if review is None else review)
     hot, sized, demand = coverage.hot, coverage.sized, coverage.demand
-    placed_sets = ((pid, speculative[pid]) for pid in (list(speculative) if review is None else review)
-                   if pid in speculative)
+    pids = list(speculative) if review is None else review
     per_node = cfg.node_rate * cfg.demand_window_s
     n_live = len(live)
     keep = cfg.keep_threshold
@@ -141,18 +140,24 @@ def renew_or_drop_steps(
     drops: list[Drop] = []
     no_scores: dict[bytes, float] = {}
     no_sizes: dict[bytes, tuple[Candidate, int]] = {}
-    for i, ((ns, key), placed) in enumerate(placed_sets, 1):
+    i = 0
+    for pid in pids:
+        placed = speculative.get(pid)  # as it is at its turn (a loop, not a generator: mypyc runs those eagerly)
+        if placed is None:
+            continue
+        i += 1
         if i % RENEW_STEP == 0:
             yield
         if not placed:
             continue  # its last replica went between two steps
+        ns, key = pid
         score = hot.get(ns, no_scores).get(key, -1.0)
         surplus: Collection[str] = ()
         if per_node > 0 and score >= keep:  # (a decayed set goes whole)
             size = sized.get(ns, no_sizes).get(key)
-            want = demand.get(ns, no_scores).get(key, 0.0) if size is not None else 0.0
-            if want > 0:
-                want = max(1, math.ceil(SURPLUS_SLACK * want / per_node))
+            asked = demand.get(ns, no_scores).get(key, 0.0) if size is not None else 0.0
+            if asked > 0:
+                want = max(1, math.ceil(SURPLUS_SLACK * asked / per_node))
                 if want < n_live:  # else the live replicas and holders together never exceed it
                     c, depth = size  # type: ignore[misc]
                     surplus = _surplus(placed, want, c.holders.get(depth, ()), live, now)
@@ -195,7 +200,7 @@ def to_review_steps(speculative: Speculative, chain_of: Callable[[PrefixId], int
     items = list(speculative.items())
     slices = max(1, cfg.review_slices)
     if slices == 1:
-        return dict.fromkeys(pid for pid, _ in items).keys()
+        return dict.fromkeys([pid for pid, _ in items]).keys()
     due_by = now + cfg.renew_when_left * cfg.ttl_s + slices * cfg.tick_s
     turn %= slices
     chains: list[int] = []
@@ -207,7 +212,7 @@ def to_review_steps(speculative: Speculative, chain_of: Callable[[PrefixId], int
             if chain % slices == turn or (placed and min(placed.values()) < due_by):
                 chosen.add(chain)
         yield
-    return dict.fromkeys(pid for (pid, _), chain in zip(items, chains) if chain in chosen).keys()
+    return dict.fromkeys([pid for (pid, _), chain in zip(items, chains) if chain in chosen]).keys()
 
 
 to_review = in_one_go(to_review_steps)
