@@ -101,6 +101,9 @@ class Cluster:
         self.spec_bytes = dict.fromkeys(self.node_ids, 0)
         self.speculative: dict[PrefixId, dict[str, float]] = {}
         self.spec_row: dict[PrefixId, tuple[int, int]] = {}  # -> (row, bytes of one replica)
+        # The chain of each placed prefix, for the review slices: its row (no two rows share blocks). A
+        # dict, read through its __getitem__, as the coordinator's (tickplan._ChainNumbers).
+        self.chain_of: dict[PrefixId, int] = {}
 
     def drift(self) -> None:
         """Scores wander; a few hundred prefixes jump hot (bursts), some cool down."""
@@ -127,10 +130,6 @@ class Cluster:
                 self.need_in[rows].tolist(), self.demand[rows].tolist())
         ]
 
-    def chain_of(self, pid: PrefixId) -> int:
-        """The chain of a placed prefix, for the review slices: its row (no two rows share blocks)."""
-        return self.spec_row[pid][0]
-
     def holders(self, row: int, depth: int) -> frozenset[str]:
         return self.sets[int(self.masks[row, DEPTH_COLUMN[depth]])]
 
@@ -147,6 +146,7 @@ class Cluster:
             per_target = d.bytes // len(d.targets)
             placed = self.speculative.setdefault(pid, {})
             self.spec_row[pid] = (key_row[pid], per_target)
+            self.chain_of[pid] = key_row[pid]
             for t in d.targets:
                 placed[t] = now + d.ttl_s
                 self.spec_bytes[t] += per_target
@@ -160,6 +160,7 @@ class Cluster:
             if not placed:
                 del self.speculative[pid]
                 del self.spec_row[pid]
+                del self.chain_of[pid]
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
@@ -196,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             marks.append(time.perf_counter())
             top = select_candidates(cluster.probs, cfg.keep_threshold, args.limit)
             yield
-            review = yield from to_review_steps(spec, cluster.chain_of, turn, cfg, now)
+            review = yield from to_review_steps(spec, cluster.chain_of.__getitem__, turn, cfg, now)
             held = np.unique(np.fromiter((cluster.spec_row[pid][0] for pid in review), dtype=np.intp,
                                          count=len(review)))
             # As the coordinator splits them (kvstore/cluster/tickplan.py): the rows under review are built

@@ -52,7 +52,7 @@ class TickPlanner:
         self.pcfg, self.plan_cfg, self._page_bytes = pcfg, plan_cfg, page_bytes
         self.scorer: dict[PrefixId, str] = {}  # (namespace, key at a depth option) -> the scorer behind it
         self.turn = 0                          # review slice of the next tick
-        self._chains: dict[PrefixId, int] = {}  # placed pid -> its chain's number (to_review)
+        self._chains = _ChainNumbers(predictor)  # placed pid -> its chain's number (to_review)
 
     # ---- the tick ----------------------------------------------------------------------------------
     def plan(self, scores: Any, speculative: Speculative, now: float, nodes: list[NodeState], bandwidth: float,
@@ -66,10 +66,11 @@ class TickPlanner:
         chains, build what the planner reads, plan (``planner.plan_steps``). Between steps
         ``speculative`` and the directory may change; a candidate reads its holders when planned."""
         cfg = self.plan_cfg
-        review = yield from to_review_steps(speculative, self._chain_of, self.turn, cfg, now)
+        review = yield from to_review_steps(speculative, self._chains.__getitem__, self.turn, cfg, now)
         self.turn += 1
         if len(self._chains) > 2 * len(speculative) + 1024:
-            self._chains = {pid: n for pid, n in self._chains.items() if pid in speculative}
+            for pid in [pid for pid in self._chains if pid not in speculative]:
+                del self._chains[pid]
         eager, ranked = yield from self._split_steps(scores, review, now)
         return (yield from plan_steps(eager, nodes, bandwidth, cfg, now, speculative, in_flight_bytes,
                                       pending=pending, review=review, ranked=ranked))
@@ -78,14 +79,6 @@ class TickPlanner:
         """Every candidate of a tick reviewing all of ``speculative``, built (for tests and tools)."""
         chosen, demand, live, rows = finish(self._rows(scores, set(speculative), now))
         return [self._candidate(row, chosen, demand, live) for row in rows]
-
-    def _chain_of(self, pid: PrefixId) -> int:
-        """A placed prefix's chain: the first 8 bytes of its block 1's key (its own key if untracked)."""
-        n = self._chains.get(pid)
-        if n is None:
-            chain = self.predictor.chain(pid)
-            n = self._chains[pid] = int.from_bytes((chain[0] if chain else pid[1])[:8], "little")
-        return n
 
     # ---- candidates --------------------------------------------------------------------------------
     def chosen(self, scores: Any, review: Collection[PrefixId], now: float) -> Chosen:
@@ -197,6 +190,21 @@ class TickPlanner:
 
         return Candidate(namespace=namespace, chain=chain, depth_options=options, holders=LazyHolders(options, held),
                          prob=prob, need_in_s=need_in_s, page_bytes=page_bytes, demand=demand.get(pid, 0.0))
+
+
+class _ChainNumbers(dict[PrefixId, int]):
+    """A placed prefix's chain number: the first 8 bytes of its block 1's key (its own key if untracked),
+    worked out once (``__missing__``); later reads are a plain dict lookup, which ``to_review`` makes
+    for every placed prefix each tick."""
+
+    def __init__(self, predictor: Any) -> None:
+        super().__init__()
+        self.predictor = predictor
+
+    def __missing__(self, pid: PrefixId) -> int:
+        chain = self.predictor.chain(pid)
+        n = self[pid] = int.from_bytes((chain[0] if chain else pid[1])[:8], "little")
+        return n
 
 
 __all__ = ["TickPlanner"]

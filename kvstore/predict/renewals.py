@@ -209,7 +209,7 @@ def to_review_steps(speculative: Speculative, chain_of: Callable[[PrefixId], int
         for pid, placed in items[lo:lo + REVIEW_STEP]:
             chain = chain_of(pid)
             chains.append(chain)
-            if chain % slices == turn or (placed and min(placed.values()) < due_by):
+            if chain not in chosen and (chain % slices == turn or (placed and min(placed.values()) < due_by)):
                 chosen.add(chain)
         yield
     return dict.fromkeys([pid for (pid, _), chain in zip(items, chains) if chain in chosen]).keys()
