@@ -51,7 +51,7 @@ def _ext_modules() -> list:  # type: ignore[type-arg]
             modules = mypycify(paths, opt_level="3")
         finally:
             os.chdir(old)
-    except BaseException as exc:  # mypy's type errors end in SystemExit
+    except (Exception, SystemExit) as exc:  # mypy's type errors end in SystemExit
         _warn(f"mypyc failed: {exc!r}")
         return []
     manifest.write_text(json.dumps(
