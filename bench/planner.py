@@ -102,7 +102,7 @@ class Cluster:
         self.speculative: dict[PrefixId, dict[str, float]] = {}
         self.spec_row: dict[PrefixId, tuple[int, int]] = {}  # -> (row, bytes of one replica)
         # The chain of each placed prefix, for the review slices: its row (no two rows share blocks). A
-        # dict, read through its __getitem__, as the coordinator's (tickplan._ChainNumbers).
+        # dict, as the coordinator's (tickplan._ChainNumbers).
         self.chain_of: dict[PrefixId, int] = {}
 
     def drift(self) -> None:
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             marks.append(time.perf_counter())
             top = select_candidates(cluster.probs, cfg.keep_threshold, args.limit)
             yield
-            review = yield from to_review_steps(spec, cluster.chain_of.__getitem__, turn, cfg, now)
+            review = yield from to_review_steps(spec, cluster.chain_of, turn, cfg, now)
             held = np.unique(np.fromiter((cluster.spec_row[pid][0] for pid in review), dtype=np.intp,
                                          count=len(review)))
             # As the coordinator splits them (kvstore/cluster/tickplan.py): the rows under review are built

@@ -171,12 +171,12 @@ def test_review_covers_every_chain_within_its_slices_and_keeps_chains_whole() ->
     spec, number = placed(40, NOW + 110)  # none due for renewal within 4 ticks
     seen: set = set()
     for turn in range(4):
-        review = to_review(spec, number.__getitem__, turn, SLICED, NOW)
+        review = to_review(spec, number, turn, SLICED, NOW)
         assert 0 < len(review) < len(spec)
         assert {number[p] for p in review} == {i for i in range(40) if i % 4 == turn}  # whole chains, one slice
         seen |= review
     assert seen == set(spec)
-    assert to_review(spec, number.__getitem__, 0, replace(SLICED, review_slices=1), NOW) == set(spec)
+    assert to_review(spec, number, 0, replace(SLICED, review_slices=1), NOW) == set(spec)
 
 
 def test_a_chain_due_for_renewal_is_reviewed_every_tick() -> None:
@@ -184,11 +184,11 @@ def test_a_chain_due_for_renewal_is_reviewed_every_tick() -> None:
     due = ("ns", chain_of("p1")[3])
     spec[due] = {"a": NOW + 63.0}  # renewed once under 60 s are left: due within the 4 ticks of a round
     for turn in range(4):
-        review = to_review(spec, number.__getitem__, turn, SLICED, NOW)
+        review = to_review(spec, number, turn, SLICED, NOW)
         assert due in review and ("ns", chain_of("p1")[7]) in review  # with the rest of its chain
     gone = ("ns", chain_of("p2")[3])
     spec[gone] = {"a": NOW - 1.0}  # expired: its drop waits for no slice either
-    assert gone in to_review(spec, number.__getitem__, 1, SLICED, NOW)
+    assert gone in to_review(spec, number, 1, SLICED, NOW)
 
 
 def test_replicas_not_under_review_are_left_as_they_are() -> None:
@@ -226,8 +226,9 @@ def test_the_review_and_the_renewals_run_in_steps_over_many_placed_prefixes() ->
     cands = [cand(f"r{i:05d}", 0.9, 60.0, 10 * MB, {8: frozenset({"a"})}) for i in range(n)]
     spec = {("ns", c.chain[-1]): {"b": NOW + 1.0} for c in cands}  # every one due for renewal
     live = {"a": None, "b": None}
-    review, yields = drain_steps(to_review_steps(spec, lambda pid: int(pid[1][1:6]), 0, SLICED, NOW))
-    assert yields >= 2 and review == to_review(spec, lambda pid: int(pid[1][1:6]), 0, SLICED, NOW) == set(spec)
+    number = {pid: int(pid[1][1:6]) for pid in spec}
+    review, yields = drain_steps(to_review_steps(spec, number, 0, SLICED, NOW))
+    assert yields >= 2 and review == to_review(spec, number, 0, SLICED, NOW) == set(spec)
     steps = renew_or_drop_steps(cands, spec, live, SLICED, NOW, review=review)
     next(steps)  # the first RENEW_STEP - 1 looked at
     gone = [("ns", c.chain[-1]) for c in (cands[0], cands[-1])]

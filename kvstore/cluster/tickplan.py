@@ -66,7 +66,7 @@ class TickPlanner:
         chains, build what the planner reads, plan (``planner.plan_steps``). Between steps
         ``speculative`` and the directory may change; a candidate reads its holders when planned."""
         cfg = self.plan_cfg
-        review = yield from to_review_steps(speculative, self._chains.__getitem__, self.turn, cfg, now)
+        review = yield from to_review_steps(speculative, self._chains, self.turn, cfg, now)
         self.turn += 1
         if len(self._chains) > 2 * len(speculative) + 1024:
             for pid in [pid for pid in self._chains if pid not in speculative]:

@@ -10,7 +10,7 @@ copies than are placed (the replica set shrinks in quiet periods).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterable, KeysView, Mapping, Sequence
+from collections.abc import Collection, Iterable, KeysView, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.loops.slices import Steps, in_one_go
@@ -181,7 +181,7 @@ renew_or_drop = in_one_go(renew_or_drop_steps)
 """Renew hot speculative replicas, drop expired and decayed ones, in one go (:func:`renew_or_drop_steps`)."""
 
 
-def to_review_steps(speculative: Speculative, chain_of: Callable[[PrefixId], int], turn: int, cfg: PlannerConfig,
+def to_review_steps(speculative: Speculative, chain_of: Mapping[PrefixId, int], turn: int, cfg: PlannerConfig,
                     now: float) -> Steps[KeysView[PrefixId]]:
     """The placed prefixes a tick reviews when a review covers only part of them (``cfg.review_slices``
     > 1): the chains in slice ``turn % review_slices``, and every chain with a replica due for renewal
@@ -189,9 +189,10 @@ def to_review_steps(speculative: Speculative, chain_of: Callable[[PrefixId], int
     not grow with every replica placed; a decayed or surplus replica waits at most ``review_slices``
     ticks for its drop.
 
-    A chain is the placed prefixes sharing a first block; ``chain_of(pid)`` names it with a stable
+    A chain is the placed prefixes sharing a first block; ``chain_of[pid]`` names it with a stable
     non-negative integer (e.g. the first 8 bytes of block 1's key; two chains sharing one merely
-    share their turn). They are reviewed together, because a deeper prefix's score keeps its
+    share their turn): a mapping, read once per placed prefix a tick (a dict with ``__missing__`` can
+    work a number out on first read, as the coordinator's ``tickplan._ChainNumbers`` does). They are reviewed together, because a deeper prefix's score keeps its
     shallower replicas hot, so the caller passes the candidates of every prefix reviewed.
 
     A set, in ``speculative``'s order (the order of the tick's renewals and drops), of the placed
@@ -207,10 +208,17 @@ def to_review_steps(speculative: Speculative, chain_of: Callable[[PrefixId], int
     chosen: set[int] = set()
     for lo in range(0, len(items), REVIEW_STEP):
         for pid, placed in items[lo:lo + REVIEW_STEP]:
-            chain = chain_of(pid)
+            chain = chain_of[pid]
             chains.append(chain)
-            if chain not in chosen and (chain % slices == turn or (placed and min(placed.values()) < due_by)):
+            if chain in chosen:
+                continue
+            if chain % slices == turn:
                 chosen.add(chain)
+                continue
+            for expires_at in placed.values():  # due: a replica expires before the slice comes round
+                if expires_at < due_by:
+                    chosen.add(chain)
+                    break
         yield
     return dict.fromkeys([pid for (pid, _), chain in zip(items, chains) if chain in chosen]).keys()
 
