@@ -15,12 +15,9 @@ VSTAMP  := $(VVENV)/.installed
 
 install: $(STAMP)
 
-# setup.py compiles the planner's modules (kvstore/predict/compiled_modules.py): an edit to one
-# compiles them again here; until then kvstore runs them from source.
-COMPILED_SRC := $(wildcard kvstore/predict/planner_types.py kvstore/predict/copytree.py \
-  kvstore/predict/holderwalk.py kvstore/predict/renewals.py kvstore/predict/candidates.py kvstore/predict/planner.py)
-
-$(STAMP): pyproject.toml setup.py $(COMPILED_SRC)
+# setup.py compiles some of kvstore/predict (compiled_modules.COMPILED): an edit there installs again
+# here; until then kvstore runs those modules from source.
+$(STAMP): pyproject.toml setup.py $(wildcard kvstore/predict/*.py)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'

@@ -11,7 +11,6 @@ no longer matches its source (``kvstore/predict/__init__.py``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -22,7 +21,7 @@ from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "kvstore" / "predict"))
-from compiled_modules import COMPILED, MANIFEST  # noqa: E402  (one list, read by the build and the loader)
+from compiled_modules import COMPILED, MANIFEST, source_hashes  # noqa: E402  (shared with the loader)
 
 sys.path.pop(0)
 PREDICT = HERE / "kvstore" / "predict"
@@ -43,8 +42,7 @@ def _ext_modules() -> list:  # type: ignore[type-arg]
     except ImportError:
         _warn("mypy is not installed")
         return []
-    # The build environment has none of the runtime dependencies (numpy, uvloop): their types are Any.
-    paths = ["--ignore-missing-imports", *(f"kvstore/predict/{name}.py" for name in COMPILED)]
+    paths = [f"kvstore/predict/{name}.py" for name in COMPILED]  # mypy's settings: [tool.mypy] in pyproject.toml
     try:
         old = os.getcwd()
         os.chdir(HERE)
@@ -55,9 +53,7 @@ def _ext_modules() -> list:  # type: ignore[type-arg]
     except (Exception, SystemExit) as exc:  # mypy's type errors end in SystemExit
         _warn(f"mypyc failed: {exc!r}")
         return []
-    manifest.write_text(json.dumps(
-        {name: hashlib.sha256((PREDICT / f"{name}.py").read_bytes()).hexdigest() for name in COMPILED},
-        indent=1, sort_keys=True) + "\n")
+    manifest.write_text(json.dumps(source_hashes(PREDICT), indent=1, sort_keys=True) + "\n")
     return modules
 
 

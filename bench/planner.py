@@ -100,7 +100,7 @@ class Cluster:
         self.primary_used = {nid: int(rng.uniform(0.4, 0.75) * self.capacity) for nid in self.node_ids}
         self.spec_bytes = dict.fromkeys(self.node_ids, 0)
         self.speculative: dict[PrefixId, dict[str, float]] = {}
-        self.spec_row: dict[PrefixId, tuple[int, int]] = {}  # -> (row, bytes of one replica)
+        self.replica_bytes: dict[PrefixId, int] = {}  # placed prefix -> bytes of one replica
         # The chain of each placed prefix, for the review slices: its row (no two rows share blocks). A
         # dict, as the coordinator's (tickplan._ChainNumbers).
         self.chain_of: dict[PrefixId, int] = {}
@@ -145,7 +145,7 @@ class Cluster:
             pid = (d.namespace, d.keys[-1])
             per_target = d.bytes // len(d.targets)
             placed = self.speculative.setdefault(pid, {})
-            self.spec_row[pid] = (key_row[pid], per_target)
+            self.replica_bytes[pid] = per_target
             self.chain_of[pid] = key_row[pid]
             for t in d.targets:
                 placed[t] = now + d.ttl_s
@@ -156,10 +156,10 @@ class Cluster:
             pid = (dr.namespace, dr.key)
             placed = self.speculative[pid]
             del placed[dr.node]
-            self.spec_bytes[dr.node] -= self.spec_row[pid][1]
+            self.spec_bytes[dr.node] -= self.replica_bytes[pid]
             if not placed:
                 del self.speculative[pid]
-                del self.spec_row[pid]
+                del self.replica_bytes[pid]
                 del self.chain_of[pid]
 
 
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             top = select_candidates(cluster.probs, cfg.keep_threshold, args.limit)
             yield
             review = yield from to_review_steps(spec, cluster.chain_of, turn, cfg, now)
-            held = np.unique(np.fromiter((cluster.spec_row[pid][0] for pid in review), dtype=np.intp,
+            held = np.unique(np.fromiter((cluster.chain_of[pid] for pid in review), dtype=np.intp,
                                          count=len(review)))
             # As the coordinator splits them (kvstore/cluster/tickplan.py): the rows under review are built
             # now; the other rows at the copy threshold, one chain each here, only as far as the tick gets.

@@ -52,25 +52,31 @@ def _extension(name: str) -> Path | None:
     return None
 
 
-def _stale() -> list[str]:
+def source_hashes(where: Path = HERE) -> dict[str, str]:
+    """SHA-256 of each source of :data:`COMPILED` in ``where``: what ``setup.py`` writes to the manifest."""
+    return {name: hashlib.sha256((where / f"{name}.py").read_bytes()).hexdigest() for name in COMPILED}
+
+
+def _stale(compiled: list[str]) -> list[str]:
     """The modules whose compiled form is missing or was built from another source."""
     try:
         manifest = json.loads((HERE / MANIFEST).read_text())
     except (OSError, ValueError):
         manifest = {}
-    return [name for name in COMPILED if _extension(name) is None
-            or manifest.get(name) != hashlib.sha256((HERE / f"{name}.py").read_bytes()).hexdigest()]
+    sources = source_hashes()
+    return [name for name in COMPILED if name not in compiled or manifest.get(name) != sources[name]]
 
 
 def choose() -> str:
     """Run the compiled modules if they match their sources, else the sources; sets and returns :data:`BUILD`."""
     global BUILD
-    if not any(_extension(name) for name in COMPILED):
+    compiled = [name for name in COMPILED if _extension(name) is not None]
+    if not compiled:
         BUILD = "pure Python (not compiled)"
         return BUILD
     if os.environ.get("KVSTORE_PURE_PYTHON"):
         why = "KVSTORE_PURE_PYTHON is set"
-    elif stale := _stale():
+    elif stale := _stale(compiled):
         why = f"{', '.join(stale)} changed since compiled: `make install` compiles them again"
         logging.getLogger("kvstore").warning("running the planner as pure Python: %s", why)
     else:
@@ -82,4 +88,4 @@ def choose() -> str:
     return BUILD
 
 
-__all__ = ["BUILD", "COMPILED", "MANIFEST", "choose"]
+__all__ = ["BUILD", "COMPILED", "MANIFEST", "choose", "source_hashes"]

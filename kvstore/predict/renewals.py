@@ -192,8 +192,9 @@ def to_review_steps(speculative: Speculative, chain_of: Mapping[PrefixId, int], 
     A chain is the placed prefixes sharing a first block; ``chain_of[pid]`` names it with a stable
     non-negative integer (e.g. the first 8 bytes of block 1's key; two chains sharing one merely
     share their turn): a mapping, read once per placed prefix a tick (a dict with ``__missing__`` can
-    work a number out on first read, as the coordinator's ``tickplan._ChainNumbers`` does). They are reviewed together, because a deeper prefix's score keeps its
-    shallower replicas hot, so the caller passes the candidates of every prefix reviewed.
+    work a number out on first read, as the coordinator's ``tickplan._ChainNumbers`` does). They are
+    reviewed together, because a deeper prefix's score keeps its shallower replicas hot, so the caller
+    passes the candidates of every prefix reviewed.
 
     A set, in ``speculative``'s order (the order of the tick's renewals and drops), of the placed
     prefixes as they were at the first step: it yields every :data:`REVIEW_STEP` of them
