@@ -29,7 +29,7 @@ proto: $(STAMP)
 
 # Compile every CUDA kernel to a cubin for sm_80 and sm_90 (needs nvcc).
 kernels:
-	@for f in kernels/*.cu; do for a in sm_80 sm_90; do \
+	@for f in kvstore/ops/kernels/*.cu; do for a in sm_80 sm_90; do \
 	  echo "nvcc -arch=$$a -cubin $$f"; nvcc -arch=$$a -cubin -o /dev/null $$f || exit 1; done; done
 
 test: $(STAMP)
@@ -65,41 +65,41 @@ test-vllm: $(VSTAMP)
 bench: $(STAMP)
 	$(BIN)/kvctl bench micro $(ARGS)
 
-# The main job (docs/benchmark.md): trace replays on local 8-node clusters of real kvstored processes
+# The main job (docs/benchmarks.md): trace replays on local 8-node clusters of real kvstored processes
 # (CPU pools), every byte between nodes over a shaped 12.5 GB/s link (eth-100g) inside TTFT,
 # Llama-3-70B TP8. First the agent-fanout shape in real time (--speedup 1: at 4 the harness's own CPU
 # time -- one process driving eight engines on two cores -- is counted 4x in trace time, and its
 # backlog, not the store, made the tail), none/reactive+claims/predictive+claims/oracle under the
 # least-load and cache-aware routers; then the shipped Mooncake conversation window at --speedup 4,
 # none/reactive/predictive with and without in-flight prefill claims. Each names its best baseline,
-# prints its table and writes bench/out/replay/<workload>/{results.json,report.md,*.png}.
+# prints its table and writes kvstore-out/replay/<workload>/{results.json,report.md,*.png}.
 RUN_FANOUT_ARGS ?= --trace agent-fanout --speedup 1 --nodes 8 --preset llama3-70b-tp8 \
   --policies none,reactive+claims,predictive+claims,oracle --routers least-load,cache-aware \
-  --network shaped --link eth-100g --out bench/out/replay/agent-fanout
-RUN_CONV_ARGS ?= --trace bench/data/mooncake_conversation.jsonl --window 60 --speedup 4 \
+  --network shaped --link eth-100g --out kvstore-out/replay/agent-fanout
+RUN_CONV_ARGS ?= --trace conversation --window 60 --speedup 4 \
   --nodes 8 --preset llama3-70b-tp8 \
   --policies none,reactive,reactive+claims,predictive,predictive+claims,oracle \
-  --routers least-load,cache-aware --network shaped --link eth-100g --out bench/out/replay/conversation
+  --routers least-load,cache-aware --network shaped --link eth-100g --out kvstore-out/replay/conversation
 run: $(STAMP)
 	$(BIN)/kvctl replay --device cpu $(RUN_FANOUT_ARGS) $(ARGS)
 	$(BIN)/kvctl replay --device cpu $(RUN_CONV_ARGS) $(ARGS)
 
 # The whole sweep: both workloads and the recurring/ramp/mixed shapes, cache-aware thresholds
 # 4/8/16/32 and round-robin too, 3 seeds (hours on 2 cores; FULL_ARGS replaces it, ARGS adds flags).
-FULL_ARGS ?= --trace bench/data/mooncake_conversation.jsonl --window 60 \
+FULL_ARGS ?= --trace conversation --window 60 \
   --trace agent-fanout --trace recurring --trace ramp --trace mixed --nodes 8 --preset llama3-70b-tp8 \
   --policies none,reactive,full,predictive,oracle --routers round-robin,least-load,cache-aware \
-  --balance-abs 4,8,16,32 --repeats 3 --out bench/out/replay-full
+  --balance-abs 4,8,16,32 --repeats 3 --out kvstore-out/replay-full
 run-full: $(STAMP)
 	$(BIN)/kvctl replay --device cpu $(FULL_ARGS) $(ARGS)
 
 # The sweep sized for a 2-core machine (about 20 minutes): the conversation window and agent-fanout,
 # none/reactive/predictive under least-load and cache-aware@8/@32, the oracle, 3 seeds
-# (docs/benchmark.md "Repeats" has its tables).
-SWEEP_ARGS ?= --trace bench/data/mooncake_conversation.jsonl --window 60 --trace agent-fanout \
+# (docs/benchmarks.md explains the harness).
+SWEEP_ARGS ?= --trace conversation --window 60 --trace agent-fanout \
   --nodes 8 --preset llama3-70b-tp8 --policies none,reactive,predictive,oracle \
   --routers least-load,cache-aware --balance-abs 8,32 --network shaped --link rdma-400g --repeats 3 \
-  --no-plots --out bench/out/replay-sweep
+  --no-plots --out kvstore-out/replay-sweep
 run-sweep: $(STAMP)
 	$(BIN)/kvctl replay --device cpu $(SWEEP_ARGS) $(ARGS)
 

@@ -3,7 +3,7 @@
 Everything else about the package is in ``pyproject.toml``. mypyc compiles the
 same typed source to C extension modules (no second implementation to keep in
 step): a planner tick runs about a third fewer instructions
-(``docs/benchmark.md``). Where it cannot compile (``KVSTORE_PURE_PYTHON=1``,
+(``docs/benchmarks.md``). Where it cannot compile (``KVSTORE_PURE_PYTHON=1``,
 no mypy, no C compiler, a type error), the package installs as pure Python and
 says so; ``kvstore.predict`` also loads the sources whenever a compiled module
 no longer matches its source (``kvstore/predict/__init__.py``).

@@ -10,7 +10,7 @@ cache is off, so every hit comes through kvstore. Each round uses a fresh
 cache salt: X computes prefix + suffix 1 (recompute, and saves it to node
 a), then prefix + suffix 2 (loaded from its local node); Y runs prefix +
 suffix 3 (loaded through node b from node a, a peer). TTFT is the wall time
-of a one-token generate. Writes bench/out/engine_e2e.{json,md}.
+of a one-token generate. Writes kvstore-out/bench/engine_e2e.{json,md}.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ result checked against numpy before it is timed:
 
 Writes ``gpu_kernels.{json,md}`` to ``--out``.
 
-    python bench/gpu_kernels.py --out bench/out
+    python bench/gpu_kernels.py --out kvstore-out/bench
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def data_channel(cupy: Any, page_bytes: int, pages: int, repeats: int) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("bench/out"))
+    ap.add_argument("--out", type=Path, default=Path("kvstore-out/bench"))
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args(argv)
     import cupy

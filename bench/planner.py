@@ -29,7 +29,7 @@ Updating the synthetic cluster afterwards is not timed. Prints p50/p99 of
 the tick, of each step and of the longest slice; writes ``planner.json``
 and ``planner.md`` to ``--out``.
 
-    python bench/planner.py --out bench/out
+    python bench/planner.py --out kvstore-out/bench
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ prefixes, the synthetic fan-out trace), a momentum-window sensitivity check,
 and an online replay of the conversation trace through :class:`Predictor`
 (labels from its own log, retraining in its worker thread).
 
-    python bench/predictor.py [--out bench/out] [--threads 1]
+    python bench/predictor.py [--out kvstore-out/bench] [--threads 1]
 
 Writes ``predictor.json``, ``predictor.md`` and ``predictor.png`` to ``--out``.
 """
@@ -48,10 +48,11 @@ from kvstore.predict.evaluate import build_dataset, evaluate  # noqa: E402
 from kvstore.predict.features import FeatureStore  # noqa: E402
 from kvstore.predict.model import DEFAULT_MODEL_PATH, BurstModel  # noqa: E402
 from kvstore.predict.online import Predictor  # noqa: E402
-from kvstore.predict.trace import Simulator, load_mooncake  # noqa: E402
+from kvstore.predict.trace import Simulator  # noqa: E402
+from kvstore.workloads.traces import load_mooncake  # noqa: E402
 from kvstore.predict.types import Access, Outcome, PredictorConfig  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data"
+DATA = ROOT / "kvstore" / "workloads" / "data"  # the traces kvstore ships
 
 
 def synthetic_accesses(chains: int, n: int, seed: int = 0) -> list[Access]:

@@ -19,7 +19,7 @@ linear; the per-item cost is flat):
 
 Writes ``scale.{json,md,png}`` to ``--out``. All numbers measured.
 
-    python bench/scale.py --out bench/out
+    python bench/scale.py --out kvstore-out/bench
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("bench/out"))
+    ap.add_argument("--out", type=Path, default=Path("kvstore-out/bench"))
     ap.add_argument("--pages", default="10000,100000,1000000")
     ap.add_argument("--real-pages", default="10000,100000", help="sizes for the real-process Lookup ('' = none)")
     ap.add_argument("--lookups", type=int, default=2000)

@@ -1,5 +1,5 @@
-"""The main job for now (``make run``): start a real ``kvstored`` on the CPU
-fallback, then play an engine that caches prompt prefixes through it.
+"""A 10-second tour (``python -m kvstore.demo``): start a real ``kvstored`` on
+the CPU fallback, then play an engine that caches prompt prefixes through it.
 
 Two "requests" share a system prompt; the second finds the shared prefix
 with Lookup, fetches those pages with Get instead of recomputing them, and

@@ -13,7 +13,6 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvstore.config import NodeConfig
 from kvstore.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, shown
@@ -21,7 +20,7 @@ from kvstore.hostmem import shared_memory_available
 from kvstore.ops.base import PageOps
 from kvstore.pool.layout import PageLayout, check_keys, check_namespace
 from kvstore.pool.movement import SOCKET, Carrier, Landing, page_checksum
-from kvstore.pool.pool import Entry, PageKind, PagePool, ReadHandle, Reservation
+from kvstore.pool.pool import PageKind, PagePool, ReadHandle, Reservation
 
 __all__ = ["MESSAGE_OVERHEAD", "Lease", "Namespace", "Node", "PutBatch", "PutResult", "page_checksum", "page_kind"]
 

@@ -1,4 +1,4 @@
-"""bench/micro.py end to end on a small budget: a real kvstored, the shared-
+"""kvctl bench micro end to end on a small budget: a real kvstored, the shared-
 memory and socket paths, batches, several clients at once, the raw baselines
 measured in the same run, and the report written (JSON, Markdown). The
 numbers are not judged here (benchmarks, not timed tests); that every row
@@ -7,14 +7,10 @@ was measured, is consistent and lands in the table is."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from bench import micro, peers  # noqa: E402
+from kvstore.bench import micro, peers
 
 
 def test_page_count_is_at_least_one_batch() -> None:

@@ -1,4 +1,4 @@
-"""bench/peers.py, the micro benchmark's other stores: a real Redis and a real
+"""kvstore.bench.peers, the micro benchmark's other stores: a real Redis and a real
 Mooncake Store started on free 127.0.0.1 ports, a few pages put and read back
 through the measurement loop, every process gone afterwards; a peer that is
 not installed is one ``peer X skipped: <why>`` line, never an exception."""
@@ -8,17 +8,13 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from bench import peers  # noqa: E402
-from bench.micro import render_peers  # noqa: E402
+from kvstore.bench import peers
+from kvstore.bench.micro import render_peers
 
 PAGE = 64 << 10
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable
 
 import grpc
 import numpy as np

@@ -17,7 +17,7 @@ from kvstore.config import NodeConfig
 from kvstore.metrics import NodeMetrics
 from kvstore.predict.forecast import CLUSTER, ForecastConfig, RateForecaster
 from kvstore.predict.forecast_eval import evaluate_forecasts
-from kvstore.predict.trace import Request, hash_key
+from kvstore.workloads.traces import Request, hash_key
 from kvstore.predict.types import Access, Outcome
 from kvstore.v1 import kvstore_pb2 as pb
 

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import keys_for, random_pages
-from kvstore.framing import PREFIX, WIRE_VERSION, encode_header, encode_prefix
+from kvstore.framing import PREFIX, WIRE_VERSION, encode_prefix
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import KvClient
 

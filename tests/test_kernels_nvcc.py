@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels"
+KERNEL_DIR = Path(__file__).resolve().parents[1] / "kvstore" / "ops" / "kernels"
 SOURCES = sorted(KERNEL_DIR.glob("*.cu"))
 ARCHES = ["sm_80", "sm_90"]
 # Entry points the Python side looks up with RawModule.get_function().

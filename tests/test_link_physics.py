@@ -20,22 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from bench.replay.cluster import ClusterSpec, LocalCluster  # noqa: E402
-from bench.replay.metrics import metric_sum  # noqa: E402
-from bench.replay.netns import available  # noqa: E402
-from kvstore_client import AsyncKvClient  # noqa: E402
+from kvstore.replay.cluster import ClusterSpec, LocalCluster
+from kvstore.replay.metrics import metric_sum
+from kvstore.replay.netns import available
+from kvstore_client import AsyncKvClient
 
 BYTE_SCALE = 256
 GiB = 1 << 30

@@ -20,7 +20,8 @@ from kvstore.predict.evaluate import (Dataset, best_f1_threshold, gate, pr_auc, 
 from kvstore.predict.features import FEATURE_NAMES, momentum_prob
 from kvstore.predict.model import BurstModel, ModelError
 from kvstore.predict.online import Predictor
-from kvstore.predict.trace import Simulator, synth_fanout
+from kvstore.predict.trace import Simulator
+from kvstore.workloads.traces import synth_fanout
 from kvstore.predict.types import PredictorConfig
 
 SAMPLE = Path(__file__).parent / "data" / "mooncake_sample.jsonl"

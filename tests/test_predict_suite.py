@@ -12,7 +12,8 @@ from kvstore.predict.evaluate import build_dataset
 from kvstore.predict.features import FEATURE_NAMES, FeatureStore
 from kvstore.predict.model import DEFAULT_MODEL_PATH, BurstModel
 from kvstore.predict.online import Predictor
-from kvstore.predict.trace import Simulator, synth_fanout
+from kvstore.predict.trace import Simulator
+from kvstore.workloads.traces import synth_fanout
 from kvstore.predict.types import PredictorConfig
 
 from test_predict_model import ONLINE, drive
@@ -73,7 +74,7 @@ def test_relative_features_are_bounded() -> None:
 def test_shape_tiling_keeps_instances_apart() -> None:
     names = suite.shape_names()
     if not names:
-        pytest.skip("kvstore.predict.shapes is not there")
+        pytest.skip("kvstore.workloads.shapes is not there")
     srcs = {s.name for s in suite.default_sources()}
     assert set(names) <= srcs | {"mixed"}  # every shape is a source (mixed needs the conversation trace)
     tiled = [n for n in names if "base" not in __import__("inspect").signature(suite._shape_fn(n)).parameters]

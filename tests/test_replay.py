@@ -1,4 +1,4 @@
-"""The trace-replay benchmark (bench/replay): pure unit tests of the cost
+"""The trace-replay benchmark (kvstore/replay): pure unit tests of the cost
 model, routers, oracle look-ahead, workloads and aggregates (no sockets), and
 one end-to-end smoke run with real kvstored processes (a few seconds)."""
 
@@ -6,26 +6,22 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from bench.replay.costmodel import CostModel  # noqa: E402
-from bench.replay.engine import bad_pages, make_pages, page_words  # noqa: E402
-from bench.replay.metrics import RequestRecord, aggregate, check, cluster_summary, metric_sum  # noqa: E402
-from bench.replay.oracle import RULES, Sim, percentile, plan, simulate  # noqa: E402
-from bench.replay.routers import CacheAware, Eta, LeastLoad, NodeView, RoundRobin, make_router, views_from_lookup  # noqa: E402
-from bench.replay.workload import (  # noqa: E402
+from kvstore.replay.costmodel import CostModel
+from kvstore.replay.engine import bad_pages, make_pages, page_words
+from kvstore.replay.metrics import RequestRecord, aggregate, check, cluster_summary, metric_sum
+from kvstore.replay.oracle import RULES, Sim, percentile, plan, simulate
+from kvstore.replay.routers import CacheAware, Eta, LeastLoad, NodeView, RoundRobin, make_router, views_from_lookup
+from kvstore.replay.workload import (
     SynthSpec, cut_window, reusable_blocks, synth_requests, write_mooncake,
 )
-from kvstore.predict.trace import Request, load_mooncake  # noqa: E402
+from kvstore.workloads.traces import Request, load_mooncake
 
 MiB = 1 << 20
 
@@ -49,8 +45,8 @@ def test_page_bytes_from_model_shape() -> None:
 def test_auto_byte_scale_stores_4_kib_pages_and_auto_capacity_keeps_a_modelled_tebibyte(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """--byte-scale auto picks the smallest stored page the cost model allows (4 KiB) for every preset, and
     --capacity auto gives each node 1 TiB of modelled bytes whatever the scale; the run records both."""
-    from bench.replay.cli import replay_main
-    from bench.replay.costmodel import MIN_PAGE_BYTES, MODELLED_CAPACITY, PRESETS, auto_byte_scale
+    from kvstore.replay.cli import replay_main
+    from kvstore.replay.costmodel import MIN_PAGE_BYTES, MODELLED_CAPACITY, PRESETS, auto_byte_scale
 
     for name in PRESETS:
         page = CostModel.preset(name).page_bytes
@@ -225,7 +221,7 @@ def test_oracle_copies_queue_on_the_links() -> None:
 # ---- workloads -------------------------------------------------------------------
 
 def test_synth_generator_and_trace_synth_cli(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from bench.replay.cli import trace_main
+    from kvstore.replay.cli import trace_main
 
     spec = SynthSpec(bursts=3, requests=5, prefix_tokens=1500, window_s=4, decoys=2, background=0.0,
                      duration_s=30, suffix_tokens=600, output_tokens=77, seed=1)
@@ -319,7 +315,7 @@ def test_replay_smoke_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-d
     policies differ: bursts of 8 requests within 0.5 s on a 16k-token prefix (recomputing it costs
     0.53 s on the serial prefill unit, copying it 43 ms), so without a copy the followers queue behind
     each other's recomputations."""
-    from bench.replay.cli import replay_main
+    from kvstore.replay.cli import replay_main
 
     out = tmp_path / "replay"
     rc = replay_main(["--trace", "synth", "--synth-bursts", "2", "--synth-requests", "8", "--synth-prefix-tokens",
@@ -383,7 +379,7 @@ def test_replay_smoke_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-d
 # ---- sweeps, best baseline, the oracle's plan -------------------------------------------
 
 def test_router_configs_best_baseline_and_verdicts() -> None:
-    from bench.replay.sweep import compare, router_configs, verdict
+    from kvstore.replay.sweep import compare, router_configs, verdict
 
     assert [c[0] for c in router_configs(["least-load", "cache-aware"], [8, 32])] == \
         ["least-load", "cache-aware@8", "cache-aware@32"]
@@ -403,7 +399,7 @@ def test_router_configs_best_baseline_and_verdicts() -> None:
 
 
 def test_oracle_plan_spreads_a_burst_once_its_prefix_is_copyable() -> None:
-    from bench.replay.oracle import plan
+    from kvstore.replay.oracle import plan
 
     cost = CostModel.preset("llama3-8b")
     prefix = tuple(range(1, 33))  # 16k tokens: 0.53 s of prefill, 27 ms to copy at 50 GB/s
@@ -414,7 +410,7 @@ def test_oracle_plan_spreads_a_burst_once_its_prefix_is_copyable() -> None:
 
 
 def test_workload_shapes() -> None:
-    from bench.replay.workload import shape_requests
+    from kvstore.replay.workload import shape_requests
 
     fan = shape_requests("agent-fanout", seed=1, bursts=2, duration_s=30.0, background=0.0)
     assert 64 <= len(fan) <= 256 and all(16384 // 512 <= len(r.hash_ids) - 1 <= 65536 // 512 for r in fan)
@@ -430,8 +426,8 @@ def test_workload_shapes() -> None:
 # ---- failover -------------------------------------------------------------------------
 
 def test_kill_specs_window_and_the_oracle_knows() -> None:
-    from bench.replay.cli import parse_kills
-    from bench.replay.metrics import after_kill
+    from kvstore.replay.config import parse_kills
+    from kvstore.replay.metrics import after_kill
 
     assert parse_kills(["n3@20", "1@5.5"], nodes=4) == [(3, 20.0), (1, 5.5)]
     for bad in ("n4@1", "n1", "x@1", "n1@-2"):
@@ -454,7 +450,7 @@ def test_kill_specs_window_and_the_oracle_knows() -> None:
 def test_replay_kill_a_node(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """--kill SIGKILLs a real node mid-run: every request still completes (its engine recomputes), the report
     has the after-kill TTFT, and no daemon is left."""
-    from bench.replay.cli import replay_main
+    from kvstore.replay.cli import replay_main
 
     out = tmp_path / "kill"
     rc = replay_main(["--trace", "synth", "--synth-bursts", "2", "--synth-requests", "6", "--synth-prefix-tokens",
@@ -474,7 +470,7 @@ def test_replay_kill_a_node(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_post_kill_ratios_pair_seeds_against_the_best_post_kill_baseline() -> None:
-    from bench.replay.report import failover_ratio_lines
+    from kvstore.replay.report import failover_ratio_lines
 
     def runs(*p99: float) -> list[dict]:  # type: ignore[type-arg]
         return [{"failover": [{"ttft_p99_s": v}]} for v in p99]

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from bench.replay.sim_cluster import PRIMARY, ClusterParams, SimCluster, SimPool
-from bench.replay.sim_kernel import Network, Semaphore, Sim
+from kvstore.replay.sim_cluster import PRIMARY, ClusterParams, SimCluster, SimPool
+from kvstore.replay.sim_kernel import Network, Semaphore, Sim
 
 GB = 1e9
 
@@ -175,7 +175,7 @@ CALIBRATION_SPEEDUP = ["--speedup", "4"]
 
 
 def test_replay_refuses_a_non_positive_setting_before_starting_anything(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    from bench.replay.cli import replay_main
+    from kvstore.replay.cli import replay_main
 
     for flag in ("--data-connections", "--concurrency", "--repeats"):
         assert replay_main([*SMOKE, "--sim", flag, "0", "--no-plots", "--out", str(tmp_path / flag)]) == 2
@@ -184,7 +184,7 @@ def test_replay_refuses_a_non_positive_setting_before_starting_anything(tmp_path
 
 
 def test_sim_cli_writes_the_same_results_marked_simulated(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from bench.replay.cli import replay_main
+    from kvstore.replay.cli import replay_main
 
     out = tmp_path / "sim"
     assert replay_main([*SMOKE, "--sim", "--no-plots", "--out", str(out)]) == 0
@@ -206,7 +206,7 @@ def test_sim_cli_writes_the_same_results_marked_simulated(tmp_path) -> None:  # 
 
 def test_every_run_keeps_its_request_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """One file per policy, router and seed: the first router and seed under the plain name."""
-    from bench.replay.cli import replay_main
+    from kvstore.replay.cli import replay_main
 
     out = tmp_path / "rows"
     args = [*SMOKE, "--sim", "--policies", "none", "--routers", "least-load,round-robin", "--repeats", "2"]
@@ -223,7 +223,7 @@ def test_sim_agrees_with_the_real_replay_on_the_smoke_workload(tmp_path) -> None
     TTFT p50 and p99 agree within TOLERANCE, the results carry the same keys (the real ones, the daemons'
     CPU besides), and in both the oracle's p99
     is at or below every other configuration's."""
-    from bench.replay.cli import replay_main
+    from kvstore.replay.cli import replay_main
 
     out = tmp_path / "both"
     assert replay_main([*SMOKE, *CALIBRATION_SPEEDUP, "--sim-compare", "--no-plots", "--out", str(out)]) == 0
@@ -251,7 +251,7 @@ def test_claims_share_one_prefill_of_a_new_context_and_the_tree_spreads_its_copi
     context wait for its first prefill instead of recomputing it (fewer prefill GPU-seconds than
     without), and under predictive the coordinator copies it to them as a tree (copies sent by nodes
     other than the claimant)."""
-    from bench.replay.cli import replay_main
+    from kvstore.replay.cli import replay_main
 
     out = tmp_path / "claims"
     args = ["--sim", "--trace", "agent-fanout", "--nodes", "8", "--preset", "llama3-70b-tp8", "--link", "eth-100g",
@@ -280,8 +280,8 @@ def test_claims_share_one_prefill_of_a_new_context_and_the_tree_spreads_its_copi
 
 
 def test_claim_margin_auto_and_the_copy_on_its_way() -> None:
-    from bench.replay import claiming
-    from bench.replay.costmodel import CostModel
+    from kvstore.replay import claiming
+    from kvstore.replay.costmodel import CostModel
     from kvstore.v1 import kvstore_pb2 as pb
 
     assert claiming.margin_for("reactive+claims", "auto") == 1.0
@@ -306,7 +306,7 @@ def test_claim_margin_auto_and_the_copy_on_its_way() -> None:
 
 
 def test_replica_seconds_integrate_the_slot_samples() -> None:
-    from bench.replay.metrics import replica_gib_s
+    from kvstore.replay.metrics import replica_gib_s
 
     tl = {"stats_t": [0.0, 2.0, 4.0], "spec_slots": [[0, 0], [2, 0], [2, 2]], "replica_slots": [[1, 1], [1, 1], [0, 0]]}
     held = replica_gib_s(tl, 1 << 30)   # 1 GiB pages

@@ -18,7 +18,7 @@
   that vanishes without landing (:func:`still_coming` false: its claimant died or gave up) ends the
   wait at once. A wait that did not land computes: it reads only what was held before it.
 
-The replay's engines (``bench/replay/claiming.py``, real and simulated) run this same rule
+The replay's engines (``kvstore/replay/claiming.py``, real and simulated) run this same rule
 (:func:`decide`, :func:`incoming_copy`) in their cost model's units; the connectors in real seconds,
 tokens and bytes.
 """

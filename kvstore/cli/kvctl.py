@@ -9,17 +9,15 @@ import os
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import argparse  # noqa: E402
+import importlib
 import json
-import runpy
 import sys
-from pathlib import Path
 
 from google.protobuf.json_format import MessageToDict
 
+from kvstore.bench import BENCHES
 from kvstore.errors import KvError
 from kvstore.units import format_size, parse_size
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _security(args: argparse.Namespace) -> dict[str, str | None]:
@@ -112,13 +110,8 @@ def cmd_create_namespace(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    script = ROOT / "bench" / f"{args.which}.py"
-    if not script.exists():
-        print(f"kvctl: no benchmark {script}", file=sys.stderr)
-        return 2
-    sys.argv = [str(script), *args.rest]
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+    bench = importlib.import_module(f"kvstore.bench.{args.which}")
+    return int(bench.main(args.rest) or 0)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -134,17 +127,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    if str(ROOT) not in sys.path:  # bench/ lives in the repository, not in the installed package
-        sys.path.insert(0, str(ROOT))
-    from bench.replay.cli import replay_main
+    from kvstore.replay.cli import replay_main
 
     return replay_main(args.rest)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from bench.replay.cli import trace_main
+    from kvstore.replay.cli import trace_main
 
     return trace_main(args.rest)
 
@@ -194,9 +183,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_trace)
 
-    p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. kvctl bench micro --total 64MiB; "
+    p = sub.add_parser("bench", help="run a benchmark of this machine (e.g. kvctl bench micro --total 64MiB; "
                        "kvctl bench replay --help for the trace replay)")
-    p.add_argument("which", choices=["micro", "replication", "replication_raw", "planner", "predictor"])
+    p.add_argument("which", choices=BENCHES)
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     p.set_defaults(fn=cmd_bench)
     return parser

@@ -1,6 +1,6 @@
 """The cluster's Lookup answer, from what the coordinator knows. Pure: the
 agent (``ClusterAgent.prefixes`` / ``lookup``) and the simulated replay
-(``bench.replay.sim_cluster``) both build it here.
+(``kvstore.replay.sim_cluster``) both build it here.
 
 Per node, one ``NodePrefix``: the directory's longest prefix, raised by a
 placement hint (a copy in flight, or a live speculative replica) that goes

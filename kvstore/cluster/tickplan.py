@@ -1,6 +1,6 @@
 """One planner tick's inputs, from the predictor's scores, the directory and the membership, and its plan.
 
-The coordinator (and the simulated replay's, ``bench/replay/sim_coord.py``) call :meth:`TickPlanner.plan`
+The coordinator (and the simulated replay's, ``kvstore/replay/sim_coord.py``) call :meth:`TickPlanner.plan`
 once a tick, on the event loop: it keeps that step short at 100k scored prefixes by building
 :class:`~kvstore.predict.planner_types.Candidate` objects only where the planner reads them.
 

@@ -48,7 +48,7 @@ import grpc
 from kvstore.cluster.replicator import Replicator
 from kvstore.errors import InvalidArgument, KvError, ResourceExhausted, shown
 from kvstore.framing import (
-    ChannelClosed, Conn, Idle, Stalled, WireError, accept_loop, drain, encode_header, expect_hello, listen, open_served,
+    ChannelClosed, Conn, Stalled, WireError, accept_loop, drain, encode_header, expect_hello, listen, open_served,
     read_frame, recv_exact, refuse, reply_error, send_views, sendall, server_limits, skip_hello,
 )
 from kvstore.metrics import NodeMetrics

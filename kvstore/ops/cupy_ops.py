@@ -1,4 +1,4 @@
-"""GPU page ops on CuPy, running the raw CUDA kernels in ``kernels/``.
+"""GPU page ops on CuPy, running the raw CUDA kernels in ``kvstore/ops/kernels/``.
 
 CuPy is imported lazily (in functions and the constructor), so this module
 imports on machines without it. Kernels are compiled once per device and
@@ -11,6 +11,9 @@ import math
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib.resources import as_file, files
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +39,17 @@ _modules: list[Any] = []
 _cache_lock = threading.Lock()
 
 
-def kernel_dir() -> Path:
-    """Directory with the ``.cu`` sources: ``$KVSTORE_KERNEL_DIR`` or the
-    repository's ``kernels/``."""
+@contextmanager
+def kernel_dir() -> Iterator[Path]:
+    """The directory of the ``.cu``/``.cuh`` sources, as a real directory
+    (NVRTC's include path needs one): ``$KVSTORE_KERNEL_DIR``, else the
+    package data ``kvstore/ops/kernels`` of this install."""
     env = os.environ.get("KVSTORE_KERNEL_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "kernels"
+    if env:
+        yield Path(env)
+        return
+    with as_file(files("kvstore.ops") / "kernels") as directory:
+        yield Path(directory)
 
 
 def load_kernels(device_id: int) -> dict[str, Any]:
@@ -54,8 +63,7 @@ def load_kernels(device_id: int) -> dict[str, Any]:
         missing = [n for names in _KERNELS.values() for n in names
                    if (device_id, n) not in _cache]
         if missing:
-            directory = kernel_dir()
-            with cupy.cuda.Device(device_id):
+            with kernel_dir() as directory, cupy.cuda.Device(device_id):
                 for filename, names in _KERNELS.items():
                     path = directory / filename
                     try:

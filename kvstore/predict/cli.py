@@ -32,7 +32,8 @@ from kvstore.predict.forecast_eval import markdown as forecast_markdown
 from kvstore.predict.model import BurstModel
 from kvstore.predict.suite import (EVAL_SEEDS, RECENCY_TAU_S, TRAIN_FROM_S, TRAIN_SEEDS, VALID_SEED, Parts, Source,
                                    build_parts, default_sources, evaluate_suite, fit, score_part)
-from kvstore.predict.trace import ROUTERS, load_trace
+from kvstore.predict.trace import ROUTERS
+from kvstore.workloads.traces import load_trace
 from kvstore.predict.types import PredictorConfig
 
 
@@ -50,7 +51,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     """Options shared by train and eval: sources, the simulated cluster, labels and sampling."""
     d = PredictorConfig()
     p.add_argument("--source", action="append", default=None,
-                   help=f"suite source (repeatable; default all): conversation, azure_code, synth, or a shape")
+                   help="suite source (repeatable; default all): conversation, azure_code, synth, or a shape")
     p.add_argument("--trace", action="append", default=None,
                    help="also a trace file as a window source (Mooncake jsonl or Azure csv), repeatable")
     p.add_argument("--nodes", type=int, default=4, help="simulated nodes (default 4)")

@@ -23,7 +23,8 @@ import numpy as np
 from kvstore.predict.features import FeatureStore, momentum_prob
 from kvstore.predict.labels import EventLog, make_labels
 from kvstore.predict.model import BurstModel
-from kvstore.predict.trace import Request, Simulator
+from kvstore.predict.trace import Simulator
+from kvstore.workloads.traces import Request
 from kvstore.predict.types import PredictorConfig
 
 # -- metrics -----------------------------------------------------------------

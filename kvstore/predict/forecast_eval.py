@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.predict.forecast import CLUSTER, ForecastConfig, RateForecaster
-from kvstore.predict.trace import Request
+from kvstore.workloads.traces import Request
 
 _ACTIVE_S = 600.0  # prefixes seen this recently are scored
 

@@ -10,12 +10,12 @@ each source's held-out part, against momentum:
   ``train_from_s`` are never trained on (the replay's conversation window,
   0-120 s, plus H);
 * a **generator** source (``synth`` and every shape in
-  :mod:`kvstore.predict.shapes`) is trained on seeds ``train_seeds``,
+  :mod:`kvstore.workloads.shapes`) is trained on seeds ``train_seeds``,
   validated on ``valid_seed`` and tested on ``eval_seeds``: traces it never
   saw. Short shapes are tiled: instances with consecutive seeds, one after
   the other, ids kept apart, until ``min_duration_s`` is reached.
 
-Shapes are found by name in :mod:`kvstore.predict.shapes` (``SHAPES``; the
+Shapes are found by name in :mod:`kvstore.workloads.shapes` (``SHAPES``; the
 function is the name with ``-`` as ``_``, or that plus ``_with`` when it
 overlays a base trace), so a new shape joins the suite without a change here.
 Shapes run on a ``cache_aware`` simulated router (the replay's): with
@@ -38,7 +38,7 @@ from kvstore.predict.evaluate import (Dataset, best_f1_threshold, build_dataset,
                                       time_split)
 from kvstore.predict.features import momentum_prob
 from kvstore.predict.model import BurstModel
-from kvstore.predict.trace import Request, load_azure, load_mooncake, synth_fanout
+from kvstore.workloads.traces import Request, load_azure, load_mooncake, synth_fanout
 from kvstore.predict.types import PredictorConfig
 
 TRAIN_SEEDS = (100, 101)
@@ -46,7 +46,7 @@ VALID_SEED = 102
 EVAL_SEEDS = (0, 1, 2)
 RECENCY_TAU_S = 1800.0    # a trace's training rows weigh exp((t - t_last) / tau): drift (chosen on validation)
 TRAIN_FROM_S = 420.0      # the replay's conversation window (0-120 s) plus H is never trained on
-DATA_DIRS = (Path(__file__).resolve().parents[2] / "bench" / "data",)  # the traces the repository ships
+DATA_DIRS = (Path(__file__).resolve().parents[1] / "workloads" / "data",)  # the traces kvstore ships
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Source:
 
 
 def find_data(name: str) -> Path | None:
-    """A shipped trace file by name (bench/data)."""
+    """A shipped trace file by name (kvstore/workloads/data)."""
     for d in DATA_DIRS:
         if (d / name).is_file():
             return d / name
@@ -72,21 +72,21 @@ def find_data(name: str) -> Path | None:
 
 
 def shape_names() -> tuple[str, ...]:
-    """Every shape :mod:`kvstore.predict.shapes` offers (none if it is absent)."""
+    """Every shape :mod:`kvstore.workloads.shapes` offers (none if it is absent)."""
     try:
-        from kvstore.predict import shapes
+        from kvstore.workloads import shapes
     except ImportError:
         return ()
     return tuple(getattr(shapes, "SHAPES", ()))
 
 
 def _shape_fn(name: str) -> Callable[..., list[Request]]:
-    from kvstore.predict import shapes
+    from kvstore.workloads import shapes
 
     base = name.replace("-", "_")
     fn = getattr(shapes, base, None) or getattr(shapes, base + "_with", None)
     if fn is None:
-        raise ValueError(f"shape {name!r}: no function {base} or {base}_with in kvstore.predict.shapes")
+        raise ValueError(f"shape {name!r}: no function {base} or {base}_with in kvstore.workloads.shapes")
     return fn
 
 
@@ -131,7 +131,7 @@ def default_sources(names: Sequence[str] | None = None) -> list[Source]:
     def conversation(seed: int = 0) -> list[Request]:
         if not conv:
             if conv_path is None:
-                raise FileNotFoundError("mooncake_conversation.jsonl not found in bench/data")
+                raise FileNotFoundError("mooncake_conversation.jsonl is not in the installed package (kvstore/workloads/data)")
             conv.extend(load_mooncake(conv_path))
         return conv
 

@@ -29,8 +29,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.replay.sim_cluster import REPLICA, SPECULATIVE, SimCluster
-from bench.replay.sim_kernel import Event
+from kvstore.replay.sim_cluster import REPLICA, SPECULATIVE, SimCluster
+from kvstore.replay.sim_kernel import Event
 from kvstore.cluster.coordinator import Coordinator
 from kvstore.config import NodeConfig, add_arguments, build_config
 from kvstore.predict.copytree import chunk_bounds

@@ -1,5 +1,5 @@
 """What a replay engine does with in-flight prefill claims (``+claims`` policies), shared by the real
-replay (:mod:`bench.replay.engine`) and the simulated one (:mod:`bench.replay.sim`).
+replay (:mod:`kvstore.replay.engine`) and the simulated one (:mod:`kvstore.replay.sim`).
 
 The engine's side of :mod:`kvstore.cluster.claims`, as an inference engine's connector would do it:
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.replay.costmodel import CostModel
+from kvstore.replay.costmodel import CostModel
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client.claims import (Wait, decide, held, incoming_copy, landed, look_again_s, read_after_wait,
                                    still_coming)
@@ -31,7 +31,7 @@ __all__ = ["POLL_S", "Wait", "choose", "claim_seconds", "held", "incoming", "lan
 
 POLL_S = 0.010  # real seconds between the re-lookups of a waiting follower, at least (look_again)
 # --claim-margin auto: the margin each policy did best with on agent-fanout (simulated sweep over 1, 1.5,
-# 2, 4; docs/benchmark.md): reactive's waiters all pull from the claimant's egress, so waiting pays only
+# 2, 4; docs/benchmarks.md): reactive's waiters all pull from the claimant's egress, so waiting pays only
 # when clearly faster; predictive's get a copy tree (and the copies its coordinator sends ahead)
 AUTO_MARGIN = {"reactive": 1.0, "predictive": 2.0}
 

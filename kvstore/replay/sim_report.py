@@ -44,5 +44,5 @@ def compare_section(results: dict[str, Any]) -> str:
     if not parts:
         return ""
     return "\n## Calibration: the simulated replay beside the measured one\n\n" + \
-        "The simulated rows come from `bench/replay/sim.py` (no kvstored, a simulated clock) with the same " \
+        "The simulated rows come from `kvstore/replay/sim.py` (no kvstored, a simulated clock) with the same " \
         "configuration and seeds; they are a model, the measured rows are the result.\n\n" + "\n".join(parts)

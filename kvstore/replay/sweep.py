@@ -20,7 +20,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from bench.replay.claiming import split_policy
+from kvstore.replay.claiming import split_policy
 
 BASELINES = ("none", "reactive", "reactive+claims")  # what a user can run without prediction
 RATIO_KEYS = ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s")

@@ -22,25 +22,22 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.replay import netns
-from bench.replay.claiming import margin_for, split_policy
-from bench.replay.cluster import ClusterSpec, LocalCluster
-from bench.replay.costmodel import LINKS, MODELLED_CAPACITY, PRESETS, CostModel, auto_byte_scale
-from bench.replay.engine import Driver, RunConfig
-from bench.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum, replica_gib_s
-from bench.replay.report import plot_cdf, plot_timeline, ratios, render, sweep_table, table
-from bench.replay.routers import ROUTERS, make_router
-from bench.replay.sim import DEFAULT_RPC_MS, run_policy_sim
-from bench.replay.sim_report import compare_section
-from bench.replay.sweep import compare, key, router_configs
-from bench.replay.workload import (
-    DEFAULT_TRACE, ROOT, SynthSpec, Workload, mooncake_workload, shape_requests, shape_workload, synth_requests,
+from kvstore.replay.claiming import margin_for, split_policy
+from kvstore.replay.cluster import LocalCluster
+from kvstore.replay.config import POLICIES, ReplayConfig, cluster_and_router, link_of
+from kvstore.replay.costmodel import LINKS, PRESETS, CostModel
+from kvstore.replay.engine import Driver, RunConfig
+from kvstore.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum, replica_gib_s
+from kvstore.replay.report import plot_cdf, plot_timeline, ratios, render, sweep_table
+from kvstore.replay.routers import ROUTERS
+from kvstore.replay.sim import DEFAULT_RPC_MS, run_policy_sim
+from kvstore.replay.sim_report import compare_section
+from kvstore.replay.sweep import compare, key, router_configs
+from kvstore.replay.workload import (
+    SynthSpec, Workload, mooncake_workload, shape_requests, shape_workload, synth_requests,
     synth_workload, write_mooncake,
 )
-from kvstore.predict.shapes import SHAPES
-from kvstore.units import parse_size
-
-POLICIES = ("none", "reactive", "full", "predictive", "oracle")
+from kvstore.workloads.shapes import SHAPES
 
 
 def _synth_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -58,7 +55,7 @@ def _synth_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument(f"--{prefix}output-tokens", type=int, default=d.output_tokens, help="output tokens per request")
 
 
-def _synth_spec(a: argparse.Namespace, prefix: str = "") -> SynthSpec:
+def _synth_spec(a: argparse.Namespace | ReplayConfig, prefix: str = "") -> SynthSpec:
     g = lambda name: getattr(a, prefix.replace("-", "_") + name)  # noqa: E731
     return SynthSpec(bursts=g("bursts"), requests=g("requests"), prefix_tokens=g("prefix_tokens"),
                      window_s=g("window"), decoys=g("decoys"), background=g("background"),
@@ -70,11 +67,11 @@ def replay_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvctl replay", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     w = p.add_argument_group("workloads")
-    w.add_argument("--trace", action="append", default=None, metavar="PATH|synth|SHAPE",
-                   help="Mooncake-format jsonl (relative paths also resolve against the repository), 'synth' "
-                        "for the built-in fan-out generator, or a workload shape (" + ", ".join(SHAPES) +
+    w.add_argument("--trace", action="append", default=None, metavar="NAME|PATH|synth|SHAPE",
+                   help="'conversation' (the shipped Mooncake conversation trace), a Mooncake-format jsonl file, "
+                        "'synth' for the built-in fan-out generator, or a workload shape (" + ", ".join(SHAPES) +
                         "; 'mixed' overlays fan-out bursts on the conversation window); repeatable. "
-                        "Default: the conversation trace (shipped in bench/data/) and synth")
+                        "Default: conversation and synth")
     w.add_argument("--start", type=float, default=0.0, help="trace window start, trace seconds (jsonl traces)")
     w.add_argument("--window", type=float, default=120.0, help="trace window length, trace seconds (jsonl traces)")
     w.add_argument("--max-requests", type=int, default=None, help="at most this many requests per jsonl trace")
@@ -149,14 +146,15 @@ def replay_parser() -> argparse.ArgumentParser:
                    help="Puts on the engine's one client with its Gets (before 2026-12-02), not on a client of "
                         "their own as the vLLM connector saves")
     o = p.add_argument_group("output")
-    o.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "replay")
+    o.add_argument("--out", type=Path, default=Path("kvstore-out") / "replay",
+                   help="folder for results.json, report.md, the plots and the daemons' logs")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--repeats", type=int, default=1, help="run every configuration with this many seeds "
                    "(seed, seed+1, ...); ratios carry median and min-max")
     o.add_argument("--drain-timeout", type=float, default=120.0, help="real s to finish after the last arrival")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true")
-    m = p.add_argument_group("simulation (bench/replay/sim.py)")
+    m = p.add_argument_group("simulation")
     m.add_argument("--sim", action="store_true", help="simulate the cluster instead of starting kvstored processes: "
                    "the same workloads, routers, cost model, predictor, planner, directory and link model on a "
                    "simulated clock, seconds per run; results.json is marked \"simulated\": true")
@@ -168,10 +166,10 @@ def replay_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_workloads(a: argparse.Namespace, seed: int | None = None) -> list[Workload]:
+def build_workloads(a: ReplayConfig, seed: int | None = None) -> list[Workload]:
     seed = a.seed if seed is None else seed
     out = []
-    for t in a.trace or [DEFAULT_TRACE, "synth"]:
+    for t in a.trace:
         if t == "synth":
             spec = _synth_spec(a, "synth-")
             out.append(synth_workload(SynthSpec(**{**asdict(spec), "seed": seed})))
@@ -189,54 +187,7 @@ def build_workloads(a: argparse.Namespace, seed: int | None = None) -> list[Work
     return out
 
 
-def link_of(a: argparse.Namespace) -> tuple[float, float]:
-    """(bytes/s, one-way latency s) of the modelled link: the preset, with --link-gbs/--link-latency-us."""
-    rate, latency = LINKS[a.link]
-    if a.link_gbs is not None:
-        rate = a.link_gbs * 1e9
-    if a.link_latency_us is not None:
-        latency = a.link_latency_us * 1e-6
-    return rate, latency
-
-
-def parse_kills(specs: list[str], nodes: int) -> list[tuple[int, float]]:
-    """``["n3@20", "1@5.5"]`` -> ``[(3, 20.0), (1, 5.5)]`` (node index, trace s)."""
-    out = []
-    for spec in specs:
-        node, sep, t = spec.partition("@")
-        try:
-            index, at = int(node.strip().lstrip("n")), float(t)
-        except ValueError:
-            raise ValueError(f"--kill {spec!r}: expected NODE@T, e.g. n3@20") from None
-        if not sep or not 0 <= index < nodes or at < 0:
-            raise ValueError(f"--kill {spec!r}: node must be n0..n{nodes - 1} and T >= 0 trace seconds")
-        out.append((index, at))
-    return out
-
-
-def cluster_and_router(a: argparse.Namespace, policy: str, router_cfg: tuple[str, str, float],
-                       cost: CostModel) -> tuple[ClusterSpec, Any]:
-    """The daemons' settings and the router of one configuration (the real and the simulated replay)."""
-    rate, latency = link_of(a)
-    base, _ = split_policy(policy)
-    spec = ClusterSpec(nodes=a.nodes, policy="reactive" if base == "oracle" else base, namespace=a.preset,
-                       page_bytes=cost.scaled_page_bytes, capacity=a.capacity, device=a.device,
-                       transport=a.transport, heartbeat_interval=a.heartbeat,
-                       heartbeat_timeout=max(a.heartbeat_timeout / a.speedup, 4 * a.heartbeat),
-                       planner_tick=a.planner_tick,
-                       spec_ttl=a.spec_ttl, predictor_depths=a.predictor_depths, extra=list(a.kvstored_arg),
-                       network=a.network, link_rate=rate * a.speedup / cost.byte_scale,
-                       link_latency=latency / a.speedup)
-    _, router_name, balance_abs = router_cfg
-    pull = None if base == "none" else cost.link_s  # under none a node recomputes what it lacks
-    router = make_router(router_name, balance_abs, a.balance_rel, not a.no_hints, a.match_threshold, a.hint_cover,
-                         prefill_s=lambda blocks, cached: cost.prefill_s(
-                             cost.uncached_tokens(blocks * cost.block_tokens, cached)),
-                         pull_s=pull)
-    return spec, router
-
-
-def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a: argparse.Namespace,
+def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a: ReplayConfig,
                cost: CostModel, progress: Any, log_name: str) -> dict[str, Any]:
     """One fresh cluster, one replay; returns the summary, the records and the timeline."""
     from kvstore.loops import loop_factory
@@ -248,7 +199,7 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
                     router=router, cost=cost, namespace=a.preset, speedup=a.speedup,
                     concurrency=a.concurrency, oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl,
                     fetch_timeout_s=a.fetch_timeout, data_connections=a.data_connections,
-                    save_client=not a.shared_save, drain_timeout_s=a.drain_timeout, kills=parse_kills(a.kill, a.nodes))
+                    save_client=not a.shared_save, drain_timeout_s=a.drain_timeout, kills=list(a.kills))
     with LocalCluster(spec, a.out / "logs" / log_name) as cluster:  # stops the daemons on any exit
         cfg.kill = cluster.kill
         ids = [n.node_id for n in cluster.nodes]
@@ -284,7 +235,12 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def replay_main(argv: list[str] | None = None) -> int:
-    a = replay_parser().parse_args(argv)
+    args = replay_parser().parse_args(argv)
+    try:
+        a = ReplayConfig.from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"kvctl replay: {exc}", file=sys.stderr)
+        return 2
     if threading.current_thread() is not threading.main_thread():
         return _replay(a)
     # SIGTERM (and a SIGINT that a parent shell set to ignore) unwinds like Ctrl-C, so the daemons get stopped
@@ -300,61 +256,19 @@ def replay_main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
 
 
-def _known_policy(name: str) -> bool:
-    """One of POLICIES, each but the oracle optionally with +claims."""
+def _replay(a: ReplayConfig) -> int:
+    policies = a.policy_list()
+    balance = a.balances()
     try:
-        base, claims = split_policy(name)
-    except ValueError:
-        return False
-    return base in POLICIES and not (claims and base == "oracle")
-
-
-def _replay(a: argparse.Namespace) -> int:
-    policies = [p.strip() for p in a.policies.split(",") if p.strip()]
-    bad = [p for p in policies if not _known_policy(p)]
-    if bad or not policies:
-        print(f"kvctl replay: unknown policies {bad}; choose from {','.join(POLICIES)} (each but oracle may take "
-              "+claims: engines claim their prefills and wait for each other's)", file=sys.stderr)
-        return 2
-    try:
-        margin_for("reactive", a.claim_margin)
-    except ValueError as exc:
-        print(f"kvctl replay: {exc}", file=sys.stderr)
-        return 2
-    if a.nodes < 1 or a.speedup <= 0 or a.concurrency < 1 or a.repeats < 1 or a.data_connections < 1:
-        print("kvctl replay: --nodes, --speedup, --concurrency, --repeats and --data-connections must be positive",
-              file=sys.stderr)
-        return 2
-    routers = [r.strip() for r in (a.routers or a.router).split(",") if r.strip()]
-    try:
-        balance = [float(x) for x in str(a.balance_abs).split(",") if x.strip()]
-        bad_r = [r for r in routers if r not in ROUTERS]
-        if bad_r or not balance:
-            raise ValueError(f"unknown routers {bad_r}; choose from {','.join(ROUTERS)}")
-        medium = a.pool_medium if a.pool_medium != "auto" else ("hbm" if a.device.startswith("cuda") else "host")
-        if a.byte_scale == "auto":
-            a.byte_scale = auto_byte_scale(CostModel.preset(a.preset).page_bytes)
-        a.byte_scale = int(a.byte_scale)
-        cost = CostModel.preset(a.preset, a.byte_scale, a.mfu, link_of(a)[0] / 1e9, pool_medium=medium)
-        if a.capacity == "auto":
-            a.capacity = str(MODELLED_CAPACITY // cost.byte_scale)
+        cost = a.cost()
         seeds = [a.seed + k for k in range(a.repeats)]
         workloads_by_seed = {seed: build_workloads(a, seed) for seed in seeds}
-        parse_size(a.capacity)
-        parse_kills(a.kill, a.nodes)
-        if a.sim and a.sim_compare:
-            raise ValueError("--sim and --sim-compare exclude each other (--sim-compare runs both)")
-        if a.network == "netns" and not a.sim:
-            if netns.available():
-                raise ValueError(netns.available())
-            if a.transport != "tcp":
-                raise ValueError("--network netns needs --transport tcp (UCX shared memory would bypass tc)")
     except (ValueError, OSError) as exc:
         print(f"kvctl replay: {exc}", file=sys.stderr)
         return 2
     from tqdm import tqdm
 
-    configs = router_configs(routers, balance)
+    configs = router_configs(a.router_list(), balance)
     plan: list[tuple[str, tuple[str, str, float]]] = []  # (policy, router config) per run
     for policy in policies:
         if policy == "oracle":
@@ -363,16 +277,16 @@ def _replay(a: argparse.Namespace) -> int:
             plan.extend((policy, rc) for rc in configs)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "requests").mkdir(exist_ok=True)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
+    config = a.to_json()
     rate, latency = link_of(a)
-    config.update(trace=a.trace or [DEFAULT_TRACE, "synth"], policies=policies, cost=cost.describe(),
+    config.update(trace=list(a.trace), policies=policies, cost=cost.describe(),
                   routers=[c[0] for c in configs], seeds=seeds,
                   link={"preset": a.link, "bytes_s": rate, "latency_s": latency, "network": a.network,
                         "real_bytes_s": rate * a.speedup / cost.byte_scale},
                   cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version())
     results: dict[str, Any] = {"config": config, "workloads": {}}
     if a.sim:
-        results["simulated"] = True  # no kvstored ran: every number below comes from bench/replay/sim.py
+        results["simulated"] = True  # no kvstored ran: every number below comes from kvstore/replay/sim.py
     runner = run_policy_sim if a.sim else run_policy
     started = time.perf_counter()
     total = sum(len(w.requests) for ws in workloads_by_seed.values() for w in ws) * len(plan)
@@ -446,10 +360,6 @@ def _replay(a: argparse.Namespace) -> int:
     return 0
 
 
-def _r(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}x"
-
-
 def _write(path: Path, obj: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=1, default=str))
@@ -462,7 +372,7 @@ def trace_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("synth", help="write a synthetic workload as Mooncake jsonl",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--shape", default="fanout", choices=["fanout", *SHAPES],
-                   help="fanout: the --bursts/--requests/... generator; the others: kvstore.predict.shapes "
+                   help="fanout: the --bursts/--requests/... generator; the others: kvstore.workloads.shapes "
                         "with their defaults ('mixed' overlays bursts on the shipped conversation trace)")
     _synth_args(s)
     s.add_argument("--seed", type=int, default=0)

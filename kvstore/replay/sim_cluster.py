@@ -1,6 +1,6 @@
 """The simulated cluster of the simulated replay: pools, the directory, heartbeats, lookups and pulls.
 
-Pure logic over :mod:`bench.replay.sim_kernel`; the same code as the daemons
+Pure logic over :mod:`kvstore.replay.sim_kernel`; the same code as the daemons
 where that code is pure: the coordinator's :class:`~kvstore.cluster.directory.Directory`
 and each node's :class:`~kvstore.cluster.directory.Outbox` (reports every
 heartbeat, so the directory lags one heartbeat as it does for real), the
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from bench.replay.sim_kernel import Event, Network, Sim
+from kvstore.replay.sim_kernel import Event, Network, Sim
 from kvstore.cluster import answer
 from kvstore.cluster.claims import Claims
 from kvstore.cluster.directory import Directory, Outbox

@@ -1,7 +1,7 @@
 """The replay's report: a markdown table per workload, the ratios, and the plots.
 
 Rendering only; the numbers come from ``results.json`` (see
-:mod:`bench.replay.metrics` for what is measured and what is modelled).
+:mod:`kvstore.replay.metrics` for what is measured and what is modelled).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.replay.sweep import BASELINES
+from kvstore.replay.sweep import BASELINES
 
 POLICIES = ("none", "reactive", "full", "predictive", "oracle")
 MiB = 1 << 20
@@ -230,7 +230,7 @@ def render(results: dict[str, Any]) -> str:
     cfg = results["config"]
     simulated = bool(results.get("simulated"))
     title = ["# Trace replay -- SIMULATED", "",
-             "**Simulated** (`kvctl replay --sim`, `bench/replay/sim.py`): no kvstored ran; the cluster, its "
+             "**Simulated** (`kvctl replay --sim`, `kvstore/replay/sim.py`): no kvstored ran; the cluster, its "
              "links and its engines are a discrete-event model on a simulated clock. These are not measured "
              "numbers of the product.", ""] if simulated else ["# Trace replay", ""]
     where = f"{cfg['nodes']} simulated nodes (" if simulated else \

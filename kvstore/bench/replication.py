@@ -5,14 +5,15 @@ For batches of 1-256 pages of 1 MiB and each transport (``ucx``, ``tcp``):
 node A holds the pages; a ``Replicate`` call makes node B pull them (one
 gRPC round trip + pull request + pack on A + one transfer + checksum check +
 unpack into B's slots + commit). B's copies are deleted between repeats.
-The raw columns come from ``bench/replication_raw.py`` (two processes,
-preallocated buffers, one message per batch), measured in the same run.
+The raw columns come from :mod:`kvstore.bench.replication_raw` (two
+processes, preallocated buffers, one message per batch), measured in the
+same run.
 
-Reports the median seconds per batch as GB/s and node/raw ratios; target
-from the cluster issue: >= 0.7x the raw transport for batches >= 16 MiB.
+Reports the median seconds per batch as GB/s and node/raw ratios; the
+target is >= 0.7x the raw transport for batches >= 16 MiB.
 All numbers measured. Writes ``replication.{json,md,png}`` to ``--out``.
 
-    python bench/replication.py --out bench/out
+    kvctl bench replication --out kvstore-out/bench
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ import grpc
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import replication_raw as raw  # noqa: E402
+from kvstore.bench import replication_raw as raw
 
-from kvstore.launch import NodeProcess  # noqa: E402
+from kvstore.launch import NodeProcess
 
 MiB = 1 << 20
 
@@ -103,7 +103,7 @@ def xxh3_seconds(nbytes: int, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench/out"))
+    parser.add_argument("--out", type=Path, default=Path("kvstore-out/bench"))
     parser.add_argument("--batches", default="1,4,16,64,256", help="pages of 1 MiB per batch")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--transports", default="ucx,tcp")

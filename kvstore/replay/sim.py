@@ -1,19 +1,19 @@
 """``kvctl replay --sim``: the replay as a discrete-event simulation, seconds per run instead of minutes.
 
 The same workloads, routers, cost model, oracle plan and metrics as the real
-replay (:mod:`bench.replay.engine`), and the same predictor, planner,
-directory and link physics as the daemons (:mod:`bench.replay.sim_cluster`,
-:mod:`bench.replay.sim_coord`, :mod:`bench.replay.sim_kernel`), on a
+replay (:mod:`kvstore.replay.engine`), and the same predictor, planner,
+directory and link physics as the daemons (:mod:`kvstore.replay.sim_cluster`,
+:mod:`kvstore.replay.sim_coord`, :mod:`kvstore.replay.sim_kernel`), on a
 simulated clock in trace seconds. No sockets, no processes, no wall clock.
 
-One engine per node, as in :mod:`bench.replay.engine`: ``concurrency`` slots
+One engine per node, as in :mod:`kvstore.replay.engine`: ``concurrency`` slots
 (FIFO) and one serial prefill unit; per request: wait for a slot; (oracle) wait
 for the planned prefix; ``Lookup(record)`` on its node (the access goes to the
 predictor with the next heartbeat); ``Get`` of the cluster-cached prefix (the
 node's reactive fetch, under every policy but ``none``); wait for the prefill
 unit; prefill the uncached tokens (first token); ``Put`` what it lacked;
 decode; free the slot. TTFT = queueing + fetch + local load + prefill, as
-:class:`~bench.replay.metrics.RequestRecord` defines it.
+:class:`~kvstore.replay.metrics.RequestRecord` defines it.
 
 What the simulation does not have, and the real run does: CPU contention and
 dispatch lag on the harness machine, and RPC overheads other than a fixed
@@ -29,17 +29,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.replay import claiming
-from bench.replay.costmodel import CostModel
-from bench.replay.metrics import (RequestRecord, after_kill, aggregate, cluster_summary, record_hits,
+from kvstore.replay import claiming
+from kvstore.replay.config import ReplayConfig, cluster_and_router, link_of
+from kvstore.replay.costmodel import CostModel
+from kvstore.replay.metrics import (RequestRecord, after_kill, aggregate, cluster_summary, record_hits,
                                   replica_gib_s)
-from bench.replay.oracle import Plan, Step, plan
-from bench.replay.routers import NodeView, Router, views_from_lookup
-from bench.replay.sim_cluster import PRIMARY, SPECULATIVE, ClusterParams, SimCluster
-from bench.replay.sim_coord import SimCoordinator, node_config
-from bench.replay.sim_kernel import Event, Process, Semaphore, Sim
-from bench.replay.workload import Workload, reusable_blocks
-from kvstore.predict.trace import hash_key
+from kvstore.replay.oracle import Plan, Step, plan
+from kvstore.replay.routers import NodeView, Router, views_from_lookup
+from kvstore.replay.sim_cluster import PRIMARY, SPECULATIVE, ClusterParams, SimCluster
+from kvstore.replay.sim_coord import SimCoordinator, node_config
+from kvstore.replay.sim_kernel import Event, Process, Semaphore, Sim
+from kvstore.replay.workload import Workload, reusable_blocks
+from kvstore.workloads.traces import hash_key
 from kvstore.units import parse_size
 
 DEFAULT_RPC_MS = 1.5   # real ms per KV round trip (Lookup, Get, Put, Replicate) on the harness machine
@@ -361,23 +362,21 @@ class SimResult:
     coordinator: dict[str, Any]
 
 
-def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a: Any, cost: CostModel,
-                   progress: Any = None, log_name: str = "") -> dict[str, Any]:
+def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a: ReplayConfig,
+                   cost: CostModel, progress: Any = None, log_name: str = "") -> dict[str, Any]:
     """``cli.run_policy`` with the cluster simulated: the same arguments, the same return shape."""
-    from bench.replay.cli import cluster_and_router, link_of, parse_kills
-
     spec, router = cluster_and_router(a, policy, router_cfg, cost)
     rate, latency = link_of(a)
     free = a.network == "none"
     base, claims = claiming.split_policy(policy)
     cfg = SimConfig(policy=base, claims=claims, router=router,
-                    claim_margin=claiming.margin_for(policy, getattr(a, "claim_margin", "auto")), cost=cost,
+                    claim_margin=claiming.margin_for(policy, a.claim_margin), cost=cost,
                     namespace=a.preset, nodes=a.nodes, speedup=a.speedup,
                     concurrency=a.concurrency, daemon_args=spec.args("n0"), link_rate=1e18 if free else rate,
                     link_latency=0.0 if free else latency, capacity_bytes=parse_size(a.capacity),
                     oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl, fetch_timeout_s=a.fetch_timeout,
-                    drain_timeout_s=a.drain_timeout, rpc_ms=getattr(a, "sim_rpc_ms", DEFAULT_RPC_MS),
-                    kills=parse_kills(a.kill, a.nodes))
+                    drain_timeout_s=a.drain_timeout, rpc_ms=a.sim_rpc_ms,
+                    kills=list(a.kills))
     driver = SimDriver(wl, cfg)
     result = driver.run()
     if progress is not None:

@@ -16,7 +16,7 @@ mean something on a shared, noisy host:
   Ratios are against memcpy for ``shm`` and against raw TCP for the socket
   paths; ``tls`` is also set against ``tcp`` of the same run, page size and
   batch (what TLS costs the data channel).
-* peers (``--peers redis,mooncake``, ``bench/peers.py``): Redis and Mooncake
+* peers (``--peers redis,mooncake``, :mod:`kvstore.bench.peers`): Redis and Mooncake
   Store started on 127.0.0.1 beside the node and measured through their own
   Python clients with the same loop, page sizes, batches and bytes, each
   page size right after kvstore's rows of that size; ratios kvstore / peer
@@ -28,7 +28,7 @@ mean something on a shared, noisy host:
 All numbers are measured; none are modelled. Writes ``micro.json``,
 ``micro.md`` and ``micro.png`` to ``--out``.
 
-    python bench/micro.py --out bench/out          (or: make bench)
+    kvctl bench micro --out kvstore-out/bench      (or: make bench)
     kvctl bench micro --peers redis,mooncake --total 64MiB --sizes 1MiB,4MiB
 """
 
@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
-import socket
 import sys
 import tempfile
 import time
@@ -48,10 +46,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script (kvctl bench micro): bench/ is not a package on the path
-    sys.path.insert(0, str(ROOT))
-from bench import micro_clients, peers  # noqa: E402
+from kvstore.bench import micro_clients, peers
+from kvstore.bench.ceilings import raw_streams, raw_tcp_gbps
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
 
@@ -85,52 +81,6 @@ def _timed(fn) -> float:  # type: ignore[no-untyped-def]
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def _tcp_receiver(port_q: "mp.Queue[int]", total: int, chunk: int, spread: bool = False) -> None:
-    srv = socket.create_server(("127.0.0.1", 0))
-    port_q.put(srv.getsockname()[1])
-    conn, _ = srv.accept()
-    # spread: every chunk lands in its own memory (a populated array of the
-    # whole transfer), as a store's slots do; else one reused chunk buffer
-    buf = np.ones(total if spread else chunk, dtype=np.uint8)
-    view = memoryview(buf)
-    done = 0
-    while done < total:
-        at = done if spread else done % chunk
-        n = conn.recv_into(view[at: at + min(chunk - done % chunk, total - done)])
-        if n == 0:
-            break
-        done += n
-    conn.sendall(b"k")
-    conn.close()
-    srv.close()
-
-
-def raw_tcp_gbps(total: int = 512 << 20, chunk: int = 4 << 20, repeat: int = 3, spread: bool = False) -> float:
-    """Blocking sockets between two processes: best of ``repeat``. Default:
-    the same 4 MiB chunk sent again and again into one reused buffer (both
-    cache-hot: the ceiling of any loopback transfer). ``spread``: each chunk
-    sent from and received into its own memory, across ``total`` bytes on
-    both sides (what a store moving distinct pages into distinct slots can
-    reach at best)."""
-    ctx = mp.get_context("spawn")
-    best = 0.0
-    source = np.random.randint(0, 255, total if spread else chunk, dtype=np.uint8)
-    for _ in range(repeat):
-        q: "mp.Queue[int]" = ctx.Queue()
-        proc = ctx.Process(target=_tcp_receiver, args=(q, total, chunk, spread))
-        proc.start()
-        sock = socket.create_connection(("127.0.0.1", q.get(timeout=30)))
-        start = time.perf_counter()
-        for i in range(total // chunk):
-            at = i * chunk if spread else 0
-            sock.sendall(memoryview(source[at:at + chunk]))
-        sock.recv(1)
-        best = max(best, total / (time.perf_counter() - start) / 1e9)
-        sock.close()
-        proc.join(10)
-    return best
 
 
 def tls_node(capacity: int, folder: Path):  # type: ignore[no-untyped-def]
@@ -248,7 +198,7 @@ def render_clients(results: dict) -> list[str]:  # type: ignore[type-arg]
     return lines
 
 
-TARGETS = {"redis": (("get",), 1.0), "mooncake": (("put", "get"), 1.5)}  # issue 15: kvstore tcp / peer at 4MiB
+TARGETS = {"redis": (("get",), 1.0), "mooncake": (("put", "get"), 1.5)}  # targets: kvstore tcp / peer at 4MiB
 
 
 def render_peers(results: dict) -> list[str]:  # type: ignore[type-arg]
@@ -312,7 +262,7 @@ def plot(results: dict, path: Path) -> None:  # type: ignore[type-arg]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench/out"), help="folder for micro.{json,md,png}")
+    parser.add_argument("--out", type=Path, default=Path("kvstore-out/bench"), help="folder for micro.{json,md,png}")
     parser.add_argument("--total", type=str, default="256MiB", help="bytes moved per (path, page size, op)")
     parser.add_argument("--paths", default="shm,tcp,tls,grpc", help="client data paths to measure (tls: the "
                         "data channel of a second node with TLS)")
@@ -343,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     from kvstore.launch import NodeProcess
 
     capacity = 2 * total * len(batches) + (64 << 20)
+    if args.clients > 1:  # the clients-at-once rows reserve namespaces of their own beside the rows above
+        capacity += max(micro_clients.clients_capacity(
+            args.clients, SIZES[size], peers.page_count(SIZES[size], total // args.clients, batch), batch)
+            for size, batch in CONCURRENT)
     node = NodeProcess(["--capacity", str(capacity)])
     address = node.address
     secure = ca = None
@@ -375,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = micro_clients.kv_clients(address, "tcp", args.clients, SIZES[size], count, batch)
                 results.setdefault("concurrent", []).append(
                     {"path": "tcp", "page": size, "batch": batch, "clients": args.clients, **row})
-            results["raw_tcp_streams_gbps"] = micro_clients.raw_streams(args.clients)
+            results["raw_tcp_streams_gbps"] = raw_streams(args.clients)
         order = [*paths, *names]
         results["rows"].sort(key=lambda r: (order.index(r["path"]), sizes.index(r["page"]), r["batch"]))
     finally:

@@ -1,4 +1,4 @@
-"""Other KV stores beside kvstore in ``bench/micro.py`` (``--peers redis,mooncake``).
+"""Other KV stores beside kvstore in ``kvctl bench micro`` (``--peers redis,mooncake``).
 
 Each peer runs on 127.0.0.1 on free ports for the length of a ``with`` block
 and is measured through its own Python client with the loop that measures

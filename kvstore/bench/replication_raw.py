@@ -34,8 +34,8 @@ The per-batch functions (:func:`raw_tcp`, :func:`raw_ucx`,
 per-repeat seconds, so another column (e.g. a node-level pull) can be added
 with the same shape::
 
-    python bench/replication_raw.py --out bench/out
-    python bench/replication_raw.py --batches 1,16 --repeats 3   # quick
+    kvctl bench replication_raw --out kvstore-out/bench
+    kvctl bench replication_raw --batches 1,16 --repeats 3   # quick
 """
 
 from __future__ import annotations
@@ -57,10 +57,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-# Importable both as a script and as ``bench.replication_raw``.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kvstore.transport.ucx import configure_ucx_env  # noqa: E402  (imports no ucxx)
+from kvstore.transport.ucx import configure_ucx_env  # imports no ucxx
 
 MiB = 1 << 20
 BATCHES = (1, 4, 16, 64, 256)
@@ -421,7 +418,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench/out"),
+    parser.add_argument("--out", type=Path, default=Path("kvstore-out/bench"),
                         help="folder for replication_raw.{json,md,png}")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="pages per pull")
     parser.add_argument("--page-bytes", type=str, default="1MiB", help="bytes per page")

@@ -30,21 +30,21 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import numpy as np
 
-from bench.replay import claiming
-from bench.replay.costmodel import CostModel
-from bench.replay.metrics import RequestRecord, record_hits
-from bench.replay.oracle import Plan, Step, plan
-from bench.replay.routers import NodeView, Router, views_from_lookup
-from bench.replay.workload import Workload, reusable_blocks
+from kvstore.replay import claiming
+from kvstore.replay.costmodel import CostModel
+from kvstore.replay.metrics import RequestRecord, record_hits
+from kvstore.replay.oracle import Plan, Step, plan
+from kvstore.replay.routers import NodeView, Router, views_from_lookup
+from kvstore.replay.workload import Workload, reusable_blocks
 from kvstore.errors import KvError
-from kvstore.predict.trace import hash_key
+from kvstore.workloads.traces import hash_key
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore_client import AsyncKvClient

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.replay.netns import NetnsLinks
+from kvstore.replay.netns import NetnsLinks
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 

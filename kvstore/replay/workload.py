@@ -1,6 +1,6 @@
 """Workloads for the replay: trace windows, the synthetic fan-out trace, reuse bounds.
 
-Loading reuses :mod:`kvstore.predict.trace` (``load_mooncake``,
+Loading reuses :mod:`kvstore.workloads.traces` (``load_mooncake``,
 ``synth_fanout``, ``hash_key``); this module only cuts windows, compresses
 nothing (the driver divides times by ``--speedup``), writes the synthetic
 trace in the Mooncake jsonl format, and computes what the oracle and the
@@ -19,11 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvstore.predict import shapes
-from kvstore.predict.trace import BLOCK_TOKENS, Request, load_mooncake, synth_fanout
+from kvstore.workloads import SHIPPED, data_path, shapes
+from kvstore.workloads.traces import BLOCK_TOKENS, Request, load_mooncake, synth_fanout
 
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TRACE = "bench/data/mooncake_conversation.jsonl"  # relative to the repository root (shipped: bench/data/README.md)
+DEFAULT_TRACE = "conversation"  # the shipped Mooncake conversation trace (kvstore/workloads/data/README.md)
 
 
 @dataclass(slots=True)
@@ -48,11 +47,13 @@ class Workload:
 
 
 def resolve_path(path: str | Path) -> Path:
-    """A trace path as given, else relative to the repository root."""
+    """A shipped trace by name (``conversation``; :data:`kvstore.workloads.SHIPPED`), else a file path."""
+    if str(path) in SHIPPED:
+        return data_path(str(path))
     p = Path(path)
-    if p.exists() or p.is_absolute():
-        return p
-    return (ROOT / p).resolve()
+    if not p.is_file():
+        raise ValueError(f"no trace file {str(path)!r} (shipped traces by name: {', '.join(SHIPPED)})")
+    return p
 
 
 def cut_window(requests: Sequence[Request], start_s: float = 0.0, duration_s: float | None = None,
@@ -104,7 +105,7 @@ class SynthSpec:
 
 
 def synth_requests(spec: SynthSpec) -> list[Request]:
-    """``kvstore.predict.trace.synth_fanout`` with the spec's sizes; output lengths set to ``output_tokens``."""
+    """``kvstore.workloads.traces.synth_fanout`` with the spec's sizes; output lengths set to ``output_tokens``."""
     reqs = synth_fanout(bursts=spec.bursts, reqs_per_burst=spec.requests, prefix_blocks=spec.prefix_blocks,
                         window_s=spec.window_s, decoys=spec.decoys, background_rate=spec.background,
                         seed=spec.seed, duration_s=spec.duration_s, suffix_blocks=spec.suffix_blocks)
@@ -159,7 +160,7 @@ SHAPE_DEFAULTS: dict[str, dict[str, object]] = {
 
 def shape_requests(name: str, seed: int = 0, base: Sequence[Request] | None = None,
                    **overrides: object) -> list[Request]:
-    """The requests of workload shape ``name`` (:mod:`kvstore.predict.shapes`)."""
+    """The requests of workload shape ``name`` (:mod:`kvstore.workloads.shapes`)."""
     kw = {**SHAPE_DEFAULTS.get(name, {}), **overrides, "seed": seed}
     if name == "agent-fanout":
         return shapes.agent_fanout(**kw)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Workload shapes users run, as :class:`~kvstore.predict.trace.Request` lists.
+"""Workload shapes users run, as :class:`~kvstore.workloads.traces.Request` lists.
 
 Each is a pure function of its parameters and a seed; ``kvctl trace synth
 --shape NAME`` writes any of them in the Mooncake jsonl format and the
@@ -24,7 +24,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
-from kvstore.predict.trace import BLOCK_TOKENS, Request
+from kvstore.workloads.traces import BLOCK_TOKENS, Request
 
 SHAPES = ("agent-fanout", "recurring", "ramp", "mixed")
 

@@ -224,4 +224,4 @@ class Network:
     def describe(self) -> dict[str, object]:
         return {"kind": "simulated", "rate_bytes_s": self.egress[0].rate if self.egress else 0.0,
                 "latency_s": self.latency,
-                "shaping": "fluid processor sharing per node and direction (bench/replay/sim_kernel.py)"}
+                "shaping": "fluid processor sharing per node and direction (kvstore/replay/sim_kernel.py)"}

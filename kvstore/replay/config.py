@@ -1,0 +1,236 @@
+"""One replay's settings, typed and checked once: :class:`ReplayConfig`.
+
+``kvctl replay`` builds it from its command line (:meth:`ReplayConfig.from_args`)
+and hands it down; the live driver, the simulator, the workloads and the
+report read it and nothing else. Field names are the command line's
+(``--link-gbs`` is ``link_gbs``), so ``results.json``'s ``config`` section
+keeps the keys users' scripts read. :meth:`ReplayConfig.from_args` resolves
+the ``auto`` values (byte scale, capacity) and rejects what cannot run, with
+the flag named in the message.
+
+The daemons' settings of one run (:func:`cluster_and_router`) and the
+modelled link (:func:`link_of`) are derived here too, once for the live and
+the simulated replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvstore.replay import netns
+from kvstore.replay.claiming import margin_for, split_policy
+from kvstore.replay.cluster import ClusterSpec
+from kvstore.replay.costmodel import LINKS, MODELLED_CAPACITY, CostModel, auto_byte_scale
+from kvstore.replay.routers import ROUTERS, make_router
+from kvstore.replay.workload import DEFAULT_TRACE
+from kvstore.units import parse_size
+
+POLICIES = ("none", "reactive", "full", "predictive", "oracle")
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Everything one ``kvctl replay`` needs; the defaults are the command line's."""
+
+    # workloads
+    trace: tuple[str, ...] = (DEFAULT_TRACE, "synth")
+    start: float = 0.0
+    window: float = 120.0
+    max_requests: int | None = None
+    speedup: float = 4.0
+    synth_bursts: int = 4
+    synth_requests: int = 32
+    synth_prefix_tokens: int = 8192
+    synth_window: float = 8.0
+    synth_decoys: int = 4
+    synth_background: float = 0.5
+    synth_duration: float = 60.0
+    synth_suffix_tokens: int = 1024
+    synth_output_tokens: int = 512
+    # cluster and policies
+    nodes: int = 4
+    policies: str = ",".join(POLICIES)
+    claim_margin: str = "auto"
+    router: str = "cache-aware"
+    routers: str | None = None
+    balance_abs: str = "32"
+    balance_rel: float = 1.5
+    match_threshold: float = 0.0
+    no_hints: bool = False
+    hint_cover: float = 0.5
+    predictor_depths: str = "1,2,4,8,16"
+    device: str = "cpu"
+    capacity: str = "auto"
+    transport: str = "tcp"
+    network: str = "shaped"
+    link: str = "rdma-400g"
+    link_latency_us: float | None = None
+    heartbeat: float = 0.2
+    heartbeat_timeout: float = 3.0
+    planner_tick: float = 0.2
+    spec_ttl: float = 60.0
+    oracle_lead: float = 4.0
+    kill: tuple[str, ...] = ()
+    kvstored_arg: tuple[str, ...] = ()
+    # engines and cost model
+    preset: str = "llama3-8b"
+    byte_scale: int | str = "auto"
+    mfu: float | None = None
+    link_gbs: float | None = None
+    pool_medium: str = "auto"
+    slo_factor: float = 2.0
+    concurrency: int = 8
+    fetch_timeout: float = 5.0
+    data_connections: int = 1
+    shared_save: bool = False
+    # output
+    out: Path = Path("kvstore-out") / "replay"
+    seed: int = 0
+    repeats: int = 1
+    drain_timeout: float = 120.0
+    no_plots: bool = False
+    no_progress: bool = False
+    # simulation
+    sim: bool = False
+    sim_compare: bool = False
+    sim_rpc_ms: float = 1.5
+    # derived by from_args, not set on the command line
+    kills: tuple[tuple[int, float], ...] = field(default=(), compare=False)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ReplayConfig":
+        """The parsed command line, checked and with ``auto`` resolved; ValueError names the bad flag."""
+        names = {f.name for f in fields(cls)} - {"kills"}
+        values: dict[str, Any] = {k: v for k, v in vars(args).items() if k in names}
+        for name in ("trace", "kill", "kvstored_arg"):
+            if values.get(name) is not None:
+                values[name] = tuple(values[name])
+        if values.get("trace") is None:
+            values.pop("trace", None)
+        cfg = cls(**values)
+        cfg.check()
+        scale = cfg.byte_scale
+        if scale == "auto":
+            scale = auto_byte_scale(CostModel.preset(cfg.preset).page_bytes)
+        try:
+            scale = int(scale)
+        except ValueError:
+            raise ValueError(f"--byte-scale {cfg.byte_scale!r}: expected an integer or auto") from None
+        capacity = cfg.capacity if cfg.capacity != "auto" else str(MODELLED_CAPACITY // scale)
+        parse_size(capacity)
+        return cls(**{**values, "byte_scale": scale, "capacity": capacity,
+                      "kills": tuple(parse_kills(list(cfg.kill), cfg.nodes))})
+
+    def check(self) -> None:
+        """Raise ValueError for settings no replay can run."""
+        bad = [p for p in self.policy_list() if not _known_policy(p)]
+        if bad or not self.policy_list():
+            raise ValueError(f"unknown policies {bad}; choose from {','.join(POLICIES)} (each but oracle may take "
+                             "+claims: engines claim their prefills and wait for each other's)")
+        margin_for("reactive", self.claim_margin)
+        if self.nodes < 1 or self.speedup <= 0 or self.concurrency < 1 or self.repeats < 1 \
+                or self.data_connections < 1:
+            raise ValueError("--nodes, --speedup, --concurrency, --repeats and --data-connections must be positive")
+        bad_r = [r for r in self.router_list() if r not in ROUTERS]
+        if bad_r or not self.balances():
+            raise ValueError(f"unknown routers {bad_r}; choose from {','.join(ROUTERS)}")
+        if self.sim and self.sim_compare:
+            raise ValueError("--sim and --sim-compare exclude each other (--sim-compare runs both)")
+        if self.network == "netns" and not self.sim:
+            if netns.available():
+                raise ValueError(netns.available())
+            if self.transport != "tcp":
+                raise ValueError("--network netns needs --transport tcp (UCX shared memory would bypass tc)")
+
+    # ---- derived values -------------------------------------------------------------
+    def policy_list(self) -> list[str]:
+        return [p.strip() for p in self.policies.split(",") if p.strip()]
+
+    def router_list(self) -> list[str]:
+        return [r.strip() for r in (self.routers or self.router).split(",") if r.strip()]
+
+    def balances(self) -> list[float]:
+        """--balance-abs as numbers: cache-aware runs once per threshold."""
+        try:
+            return [float(x) for x in str(self.balance_abs).split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--balance-abs {self.balance_abs!r}: expected numbers, e.g. 4,8,16,32") from None
+
+    def medium(self) -> str:
+        """Where a node's pool lives, for the modelled load into the engine."""
+        if self.pool_medium != "auto":
+            return self.pool_medium
+        return "hbm" if self.device.startswith("cuda") else "host"
+
+    def cost(self) -> CostModel:
+        """The cost model of this replay (after :meth:`from_args` resolved the byte scale)."""
+        return CostModel.preset(self.preset, int(self.byte_scale), self.mfu, link_of(self)[0] / 1e9,
+                                pool_medium=self.medium())
+
+    def to_json(self) -> dict[str, Any]:
+        """The command line's settings as ``results.json`` records them (paths as text)."""
+        out = asdict(self)
+        out.pop("kills")
+        for k in ("trace", "kill", "kvstored_arg"):
+            out[k] = list(out[k])
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in out.items()}
+
+
+def _known_policy(name: str) -> bool:
+    """One of POLICIES, each but the oracle optionally with +claims."""
+    try:
+        base, claims = split_policy(name)
+    except ValueError:
+        return False
+    return base in POLICIES and not (claims and base == "oracle")
+
+
+def parse_kills(specs: list[str], nodes: int) -> list[tuple[int, float]]:
+    """``["n3@20", "1@5.5"]`` -> ``[(3, 20.0), (1, 5.5)]`` (node index, trace s)."""
+    out = []
+    for spec in specs:
+        node, sep, t = spec.partition("@")
+        try:
+            index, at = int(node.strip().lstrip("n")), float(t)
+        except ValueError:
+            raise ValueError(f"--kill {spec!r}: expected NODE@T, e.g. n3@20") from None
+        if not sep or not 0 <= index < nodes or at < 0:
+            raise ValueError(f"--kill {spec!r}: node must be n0..n{nodes - 1} and T >= 0 trace seconds")
+        out.append((index, at))
+    return out
+
+
+def link_of(cfg: ReplayConfig) -> tuple[float, float]:
+    """(bytes/s, one-way latency s) of the modelled link: the preset, with --link-gbs/--link-latency-us."""
+    rate, latency = LINKS[cfg.link]
+    if cfg.link_gbs is not None:
+        rate = cfg.link_gbs * 1e9
+    if cfg.link_latency_us is not None:
+        latency = cfg.link_latency_us * 1e-6
+    return rate, latency
+
+
+def cluster_and_router(cfg: ReplayConfig, policy: str, router_cfg: tuple[str, str, float],
+                       cost: CostModel) -> tuple[ClusterSpec, Any]:
+    """The daemons' settings and the router of one configuration (the real and the simulated replay)."""
+    rate, latency = link_of(cfg)
+    base, _ = split_policy(policy)
+    spec = ClusterSpec(nodes=cfg.nodes, policy="reactive" if base == "oracle" else base, namespace=cfg.preset,
+                       page_bytes=cost.scaled_page_bytes, capacity=cfg.capacity, device=cfg.device,
+                       transport=cfg.transport, heartbeat_interval=cfg.heartbeat,
+                       heartbeat_timeout=max(cfg.heartbeat_timeout / cfg.speedup, 4 * cfg.heartbeat),
+                       planner_tick=cfg.planner_tick,
+                       spec_ttl=cfg.spec_ttl, predictor_depths=cfg.predictor_depths, extra=list(cfg.kvstored_arg),
+                       network=cfg.network, link_rate=rate * cfg.speedup / cost.byte_scale,
+                       link_latency=latency / cfg.speedup)
+    _, router_name, balance_abs = router_cfg
+    pull = None if base == "none" else cost.link_s  # under none a node recomputes what it lacks
+    router = make_router(router_name, balance_abs, cfg.balance_rel, not cfg.no_hints, cfg.match_threshold,
+                         cfg.hint_cover,
+                         prefill_s=lambda blocks, cached: cost.prefill_s(
+                             cost.uncached_tokens(blocks * cost.block_tokens, cached)),
+                         pull_s=pull)
+    return spec, router

@@ -1,0 +1,182 @@
+"""Request traces: the request type, the trace loaders and the fan-out generator.
+
+Keys: a Mooncake ``hash_id`` (which names the whole prefix up to its block)
+becomes the 8-byte little-endian encoding of the integer, ``hash_key(h)``.
+
+Loaders: :func:`load_mooncake` (jsonl), :func:`load_azure` (arrival times
+only; prompts synthesised from a Zipf pool) and :func:`synth_fanout`
+(agent fan-out bursts with decoys and background). All return
+:class:`Request` lists sorted by time, so the replay, the predictor's
+training and the benchmarks can run any of them. :func:`load_trace` picks a
+loader by a file's extension.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+BLOCK_TOKENS = 512
+# KV bytes of one 512-token block of a Llama-3-8B-like model (32 layers,
+# 8 KV heads, head_dim 128, fp16, K and V): 512 * 2 * 32 * 8 * 128 * 2.
+PAGE_BYTES = 512 * 2 * 32 * 8 * 128 * 2
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One trace request: arrival ``t`` (seconds from the trace start) and its block ids."""
+
+    t: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def hash_key(h: int) -> bytes:
+    """The store key of a trace block id: 8-byte little-endian."""
+    return int(h).to_bytes(8, "little")
+
+
+def key_hash(key: bytes) -> int:
+    """Inverse of :func:`hash_key`."""
+    return int.from_bytes(key, "little")
+
+
+def load_mooncake(path: str | Path, limit: int | None = None) -> list[Request]:
+    """Load a Mooncake-format jsonl trace (``timestamp`` in ms, ``hash_ids``)."""
+    out: list[Request] = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            out.append(Request(r["timestamp"] / 1000.0, int(r.get("input_length", 0)),
+                               int(r.get("output_length", 0)), tuple(int(h) for h in r["hash_ids"])))
+            if limit is not None and len(out) >= limit:
+                break
+    out.sort(key=lambda r: r.t)
+    return out
+
+
+def _parse_azure_time(text: str) -> float:
+    """Seconds since the epoch day of ``YYYY-MM-DD HH:MM:SS.fffffff`` (7 fraction digits)."""
+    date, clock = text.strip().split(" ")
+    y, mo, d = (int(x) for x in date.split("-"))
+    h, mi, s = clock.split(":")
+    days = (y * 372 + mo * 31 + d)  # monotone day index; only differences matter
+    return days * 86400.0 + int(h) * 3600.0 + int(mi) * 60.0 + float(s)
+
+
+def load_azure(path: str | Path, pool: int = 2000, zipf_s: float = 1.1, max_shared_blocks: int = 16,
+               drift_s: float = 900.0, limit: int | None = None, seed: int = 0) -> list[Request]:
+    """Load the Azure LLM trace (arrival times and lengths only) with synthesised prefixes.
+
+    The trace has no prefix information, so each request draws a prompt from a
+    pool of ``pool`` prompts with Zipf(``zipf_s``) popularity; prompt ``j`` is
+    a shared system block (id 0) plus ``1..max_shared_blocks`` blocks of its own.
+    The request's blocks beyond the prompt (from ``ContextTokens``) are unique.
+    Every ``drift_s`` seconds the popularity ranking is reshuffled, so the hot
+    set drifts (0 disables).
+    """
+    rng = random.Random(seed)
+    shared_len = [rng.randint(1, max_shared_blocks) for _ in range(pool)]
+    weights = [1.0 / (k + 1) ** zipf_s for k in range(pool)]
+    cum = [0.0]
+    for w in weights:
+        cum.append(cum[-1] + w)
+    ranks = list(range(pool))
+    next_id = 1 + pool * max_shared_blocks
+    rows: list[tuple[float, int, int]] = []
+    with open(path) as f:
+        header = f.readline()
+        if "TIMESTAMP" not in header.upper():
+            raise ValueError(f"{path}: not an Azure LLM trace (header {header.strip()!r})")
+        for line in f:
+            parts = line.strip().split(",")
+            if len(parts) < 3:
+                continue
+            rows.append((_parse_azure_time(parts[0]), int(parts[1]), int(parts[2])))
+            if limit is not None and len(rows) >= limit:
+                break
+    rows.sort()
+    out: list[Request] = []
+    t0 = rows[0][0] if rows else 0.0
+    epoch = 0
+    for ts, ctx, gen in rows:
+        t = ts - t0
+        if drift_s > 0 and int(t // drift_s) != epoch:
+            epoch = int(t // drift_s)
+            rng.shuffle(ranks)
+        j = ranks[bisect.bisect_right(cum, rng.random() * cum[-1]) - 1]
+        n = max(1, math.ceil(ctx / BLOCK_TOKENS))
+        base = 1 + j * max_shared_blocks
+        ids = [0] + [base + i for i in range(min(shared_len[j], n - 1))]
+        while len(ids) < n:
+            ids.append(next_id)
+            next_id += 1
+        out.append(Request(t, ctx, gen, tuple(ids)))
+    return out
+
+
+def synth_fanout(bursts: int = 200, reqs_per_burst: int = 16, prefix_blocks: int = 8, window_s: float = 60.0,
+                 decoys: int = 200, background_rate: float = 1.0, seed: int = 0,
+                 duration_s: float = 3600.0, suffix_blocks: int = 2) -> list[Request]:
+    """A synthetic agent fan-out trace in the Mooncake request format.
+
+    * ``bursts`` bursts at uniform random times: a new shared prefix of
+      ``prefix_blocks`` blocks (after the common block 0) is requested
+      ``reqs_per_burst`` times, the first at the burst start and the rest
+      uniformly over ``window_s`` seconds, each with ``suffix_blocks`` unique
+      blocks after the prefix.
+    * ``decoys`` prefixes that look like the start of a burst (two requests
+      0.5-5 s apart) and are never requested again.
+    * background: unique single-use prompts (1..prefix_blocks+suffix_blocks
+      blocks after block 0) at ``background_rate`` req/s (Poisson).
+
+    Times are rounded to 1 ms; lengths are whole blocks.
+    """
+    rng = random.Random(seed)
+    next_id = 1
+    reqs: list[tuple[float, tuple[int, ...]]] = []
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + n))
+        next_id += n
+        return ids
+
+    for _ in range(bursts):
+        start = rng.uniform(0.0, max(duration_s - window_s, 1.0))
+        prefix = [0] + fresh(prefix_blocks)
+        offsets = [0.0] + [rng.uniform(0.0, window_s) for _ in range(reqs_per_burst - 1)]
+        for off in offsets:
+            reqs.append((start + off, tuple(prefix + fresh(suffix_blocks))))
+    for _ in range(decoys):
+        start = rng.uniform(0.0, duration_s)
+        prefix = [0] + fresh(prefix_blocks)
+        for k in range(2):
+            reqs.append((start + k * rng.uniform(0.5, 5.0), tuple(prefix + fresh(suffix_blocks))))
+    t = 0.0
+    while background_rate > 0:
+        t += rng.expovariate(background_rate)
+        if t >= duration_s:
+            break
+        reqs.append((t, tuple([0] + fresh(rng.randint(1, prefix_blocks + suffix_blocks)))))
+    reqs.sort(key=lambda r: r[0])
+    return [Request(round(t, 3), len(ids) * BLOCK_TOKENS, 128, ids) for t, ids in reqs]
+
+
+
+
+def load_trace(path: str | Path, limit: int | None = None, seed: int = 0) -> list[Request]:
+    """Load a trace by extension: ``.jsonl`` Mooncake, ``.csv`` Azure; ``synth:`` the fan-out generator."""
+    p = str(path)
+    if p.startswith("synth"):
+        return synth_fanout(seed=seed)
+    if p.endswith(".csv"):
+        return load_azure(p, limit=limit, seed=seed)
+    return load_mooncake(p, limit=limit)
