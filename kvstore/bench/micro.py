@@ -261,7 +261,14 @@ def plot(results: dict, path: Path) -> None:  # type: ignore[type-arg]
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``kvctl bench micro`` on an argument list (kvctl itself calls :func:`run`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``kvctl bench micro``'s options to ``parser``."""
     parser.add_argument("--out", type=Path, default=Path("kvstore-out/bench"), help="folder for micro.{json,md,png}")
     parser.add_argument("--total", type=str, default="256MiB", help="bytes moved per (path, page size, op)")
     parser.add_argument("--paths", default="shm,tcp,tls,grpc", help="client data paths to measure (tls: the "
@@ -273,7 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", default="", help="other stores measured beside kvstore in the same run: "
                         "redis,mooncake (pip install -e '.[bench]'; Debian redis-server and libibverbs1); one "
                         "not installed is skipped with one line")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark the parsed options describe; returns the process exit code."""
     from kvstore.units import parse_size
 
     total = parse_size(args.total)

@@ -102,12 +102,22 @@ def xxh3_seconds(nbytes: int, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``kvctl bench replication`` on an argument list (kvctl itself calls :func:`run`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``kvctl bench replication``'s options to ``parser``."""
     parser.add_argument("--out", type=Path, default=Path("kvstore-out/bench"))
     parser.add_argument("--batches", default="1,4,16,64,256", help="pages of 1 MiB per batch")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--transports", default="ucx,tcp")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark the parsed options describe; returns the process exit code."""
     batches = [int(b) for b in args.batches.split(",")]
     transports = [t for t in args.transports.split(",") if t]
     total = sum(batches) * MiB * args.repeats * len(transports) * 2

@@ -417,7 +417,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``kvctl bench replication_raw`` on an argument list (kvctl itself calls :func:`run`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``kvctl bench replication_raw``'s options to ``parser``."""
     parser.add_argument("--out", type=Path, default=Path("kvstore-out/bench"),
                         help="folder for replication_raw.{json,md,png}")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="pages per pull")
@@ -425,7 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed pulls per cell (after one warm-up)")
     parser.add_argument("--methods", default=",".join(METHODS), help="subset of " + ",".join(METHODS))
     parser.add_argument("--loop", default="auto", help="event loop of the transport pulls: auto, uvloop, asyncio")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark the parsed options describe; returns the process exit code."""
     from kvstore.units import parse_size
 
     page_bytes = parse_size(args.page_bytes)

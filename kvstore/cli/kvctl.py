@@ -1,4 +1,13 @@
-"""``kvctl``: admin CLI for kvstore nodes (stats, health, namespaces, bench)."""
+"""``kvctl``: admin CLI for kvstore nodes (stats, health, namespaces, bench).
+
+One argparse command tree (:func:`make_parser`). The commands that run
+something big (``replay``, ``trace``, ``train``, ``eval-predictor``, ``bench
+NAME``) take their options from the module that runs them (``add_*_arguments``
+there) and run on the parsed namespace (``run_*``); those modules import
+LightGBM, numpy and the replay, so their options are added when the command
+line names them (:class:`_Commands`): ``kvctl stats`` and ``kvctl --help``
+import none of it.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +21,16 @@ import argparse  # noqa: E402
 import importlib
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from kvstore.bench import BENCHES
+from kvstore.bench import BENCH_HELP, BENCHES
 from kvstore.errors import KvError
 from kvstore.units import format_size, parse_size
+
+TABLE_FORMAT = "plain"  # aligned columns under one header line, no rules: the lines the hand-padded tables had
 
 
 def _security(args: argparse.Namespace) -> dict[str, str | None]:
@@ -45,24 +58,52 @@ def _connection_flags() -> argparse.ArgumentParser:
     return p
 
 
+STATS_COLUMNS = ("namespace", "page", "used", "pinned", "spec", "hits", "misses", "hit%", "puts", "evict lru/spec")
+
+
+def _hit_rate(hits: int, misses: int) -> str:
+    lookups = hits + misses
+    return f"{100 * hits / lookups:.1f}" if lookups else "-"
+
+
+def render_stats(stats: Any) -> str:
+    """``kvctl stats``'s text for a StatsResponse: the node's line, then one row per namespace."""
+    head = (f"node {stats.node_id}  device {stats.device}  up {stats.uptime_seconds:.0f}s  "
+            f"capacity {format_size(stats.capacity_bytes)} ({format_size(stats.reserved_bytes)} reserved)")
+    rows = [[ns.namespace, format_size(ns.page_bytes), f"{ns.used_slots}/{ns.num_slots}", ns.pinned_slots,
+             ns.speculative_slots, ns.hits, ns.misses, _hit_rate(ns.hits, ns.misses), ns.puts,
+             f"{ns.evictions.get('lru', 0)}/{ns.evictions.get('speculative', 0)}"] for ns in stats.namespaces]
+    return head + "\n" + _table(rows, STATS_COLUMNS, "l" + "r" * (len(STATS_COLUMNS) - 1))
+
+
+CLUSTER_COLUMNS = ("node", "role", "address", "transport", "capacity", "used", "hit%", "remote", "seen")
+
+
+def render_cluster_status(status: Any) -> str:
+    """``kvctl cluster status``'s text for a ClusterStatusResponse: one row per member."""
+    head = f"view of {status.node_id}: {len(status.members)} live members, coordinator {status.coordinator}"
+    rows = [[m.node_id, m.role, m.address, ",".join(f"{e.kind}:{e.port}" for e in m.endpoints),
+             format_size(m.capacity_bytes), format_size(m.used_bytes), _hit_rate(m.hits, m.misses), m.remote_hits,
+             f"{m.last_seen_seconds_ago:.1f}s"] for m in status.members]
+    return head + "\n" + _table(rows, CLUSTER_COLUMNS, "llll" + "r" * (len(CLUSTER_COLUMNS) - 4))
+
+
+def _table(rows: list[list[Any]], headers: tuple[str, ...], align: str) -> str:
+    """Aligned text columns; cells are printed as given (no number parsing: "1.0" stays "1.0")."""
+    from tabulate import tabulate  # here: it reads its version with importlib.metadata, 40 ms of every kvctl
+
+    cells = [[str(c) for c in row] for row in rows]
+    return tabulate(cells, headers=headers, tablefmt=TABLE_FORMAT, disable_numparse=True,
+                    colalign=[{"l": "left", "r": "right"}[a] for a in align])
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     with _client(args) as kv:
         stats = kv.stats(args.namespace)
     if args.json:
         print(json.dumps(MessageToDict(stats, preserving_proto_field_name=True), indent=2))
         return 0
-    print(f"node {stats.node_id}  device {stats.device}  up {stats.uptime_seconds:.0f}s  "
-          f"capacity {format_size(stats.capacity_bytes)} ({format_size(stats.reserved_bytes)} reserved)")
-    header = f"{'namespace':<20} {'page':>9} {'used':>17} {'pinned':>7} {'spec':>6} {'hits':>9} {'misses':>9} " \
-             f"{'hit%':>6} {'puts':>9} {'evict lru/spec':>15}"
-    print(header)
-    for ns in stats.namespaces:
-        lookups = ns.hits + ns.misses
-        rate = f"{100 * ns.hits / lookups:.1f}" if lookups else "-"
-        print(f"{ns.namespace:<20} {format_size(ns.page_bytes):>9} "
-              f"{ns.used_slots:>8}/{ns.num_slots:<8} {ns.pinned_slots:>7} {ns.speculative_slots:>6} {ns.hits:>9} "
-              f"{ns.misses:>9} {rate:>6} {ns.puts:>9} "
-              f"{ns.evictions.get('lru', 0):>7}/{ns.evictions.get('speculative', 0):<7}")
+    print(render_stats(stats))
     return 0
 
 
@@ -82,15 +123,7 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(MessageToDict(status, preserving_proto_field_name=True), indent=2))
         return 0
-    print(f"view of {status.node_id}: {len(status.members)} live members, coordinator {status.coordinator}")
-    print(f"{'node':<16} {'role':<12} {'address':<22} {'transport':<22} {'capacity':>10} {'used':>10} "
-          f"{'hit%':>6} {'remote':>8} {'seen':>6}")
-    for m in status.members:
-        lookups = m.hits + m.misses
-        rate = f"{100 * m.hits / lookups:.1f}" if lookups else "-"
-        transport = ",".join(f"{e.kind}:{e.port}" for e in m.endpoints)
-        print(f"{m.node_id:<16} {m.role:<12} {m.address:<22} {transport:<22} {format_size(m.capacity_bytes):>10} "
-              f"{format_size(m.used_bytes):>10} {rate:>6} {m.remote_hits:>8} {m.last_seen_seconds_ago:>5.1f}s")
+    print(render_cluster_status(status))
     return 0
 
 
@@ -109,38 +142,87 @@ def cmd_create_namespace(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    bench = importlib.import_module(f"kvstore.bench.{args.which}")
-    return int(bench.main(args.rest) or 0)
+# Builders of the commands whose options live in the module that runs them: each imports that module, adds its
+# options to the sub-parser and makes its run function the command's.
+def _replay_command(parser: argparse.ArgumentParser) -> None:
+    from kvstore.replay import cli
+
+    parser.description = cli.__doc__
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    cli.add_replay_arguments(parser)
+    parser.set_defaults(fn=cli.run_replay)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from kvstore.predict.cli import train_main
+def _trace_command(parser: argparse.ArgumentParser) -> None:
+    from kvstore.replay import cli
 
-    return train_main(args.rest)
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    from kvstore.predict.cli import eval_main
-
-    return eval_main(args.rest)
+    parser.description = cli.TRACE_DESCRIPTION
+    cli.add_trace_arguments(parser)
+    parser.set_defaults(fn=cli.run_trace)
 
 
-def cmd_replay(args: argparse.Namespace) -> int:
-    from kvstore.replay.cli import replay_main
+def _train_command(parser: argparse.ArgumentParser) -> None:
+    from kvstore.predict import cli
 
-    return replay_main(args.rest)
-
-
-def cmd_trace(args: argparse.Namespace) -> int:
-    from kvstore.replay.cli import trace_main
-
-    return trace_main(args.rest)
+    parser.description = cli.TRAIN_DESCRIPTION
+    cli.add_train_arguments(parser)
+    parser.set_defaults(fn=cli.run_train)
 
 
-def make_parser() -> argparse.ArgumentParser:
+def _eval_predictor_command(parser: argparse.ArgumentParser) -> None:
+    from kvstore.predict import cli
+
+    parser.description = cli.EVAL_DESCRIPTION
+    cli.add_eval_predictor_arguments(parser)
+    parser.set_defaults(fn=cli.run_eval_predictor)
+
+
+def _bench_command(name: str) -> Callable[[argparse.ArgumentParser], None]:
+    def build(parser: argparse.ArgumentParser) -> None:
+        bench = importlib.import_module(f"kvstore.bench.{name}")
+        parser.description = bench.__doc__
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        bench.add_arguments(parser)
+        parser.set_defaults(fn=bench.run)
+
+    return build
+
+
+class _Commands(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """Sub-commands whose options are added when the command line names one (or at once: ``lazy=False``).
+
+    :meth:`add_command` adds the sub-parser with its name and help (what ``kvctl --help`` lists) and keeps
+    ``build``, which adds its options; parsing runs it just before the sub-parser parses, so only the chosen
+    command's module is imported. Everything else is argparse's own sub-parser action.
+    """
+
+    def __init__(self, *args: Any, lazy: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = lazy
+        self._pending: dict[argparse.ArgumentParser, Callable[[argparse.ArgumentParser], None]] = {}
+
+    def add_command(self, name: str, build: Callable[[argparse.ArgumentParser], None],
+                    **kwargs: Any) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = self.add_parser(name, **kwargs)
+        if self.lazy:
+            self._pending[parser] = build
+        else:
+            build(parser)
+        return parser
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        chosen = self.choices.get(values[0]) if values else None  # type: ignore[union-attr]
+        if chosen is not None and chosen in self._pending:
+            self._pending.pop(chosen)(chosen)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def make_parser(lazy: bool = True) -> argparse.ArgumentParser:
+    """kvctl's command tree. ``lazy=False`` adds every command's options now (the tests walk the whole tree);
+    by default a command's options are added when the command line names it."""
     parser = argparse.ArgumentParser(prog="kvctl", description="Admin CLI for kvstore nodes.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, action=_Commands, lazy=lazy)
     conn = _connection_flags()
 
     p = sub.add_parser("stats", help="print a node's pool and hit statistics", parents=[conn])
@@ -163,46 +245,27 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--exist-ok", action="store_true")
     p.set_defaults(fn=cmd_create_namespace)
 
-    p = sub.add_parser("train", help="train the burst predictor from a Mooncake-format trace "
-                       "(kvctl train --trace FILE --out MODEL; --help for all options)", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=cmd_train)
-
-    p = sub.add_parser("eval-predictor", help="LightGBM vs momentum on a time-held-out part of a trace "
-                       "(kvctl eval-predictor --trace FILE; --help for all options)", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=cmd_eval)
-
-    p = sub.add_parser("replay", help="trace replay on a local cluster, policies side by side (also "
-                       "`kvctl bench replay`; --help for all options)", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=cmd_replay)
-
-    p = sub.add_parser("trace", help="trace tools: kvctl trace synth ... --out FILE (--help for all options)",
-                       add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=cmd_trace)
+    sub.add_command("train", _train_command, help="train the burst predictor from a Mooncake-format trace "
+                    "(kvctl train --trace FILE --out MODEL)")
+    sub.add_command("eval-predictor", _eval_predictor_command, help="LightGBM vs momentum on a time-held-out "
+                    "part of a trace (kvctl eval-predictor --trace FILE)")
+    sub.add_command("replay", _replay_command, help="trace replay on a local cluster, policies side by side "
+                    "(also `kvctl bench replay`)")
+    sub.add_command("trace", _trace_command, help="trace tools: kvctl trace synth ... --out FILE")
 
     p = sub.add_parser("bench", help="run a benchmark of this machine (e.g. kvctl bench micro --total 64MiB; "
-                       "kvctl bench replay --help for the trace replay)")
-    p.add_argument("which", choices=BENCHES)
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
-    p.set_defaults(fn=cmd_bench)
+                       "kvctl bench replay is the trace replay)", description="Benchmarks of this machine.")
+    benches = p.add_subparsers(dest="which", required=True, action=_Commands, lazy=lazy)
+    for name in BENCHES:
+        benches.add_command(name, _bench_command(name), help=BENCH_HELP[name])
+    benches.add_command("replay", _replay_command, help="the trace replay: the same as `kvctl replay`")
     return parser
 
 
-_PASS_THROUGH = {"train": cmd_train, "eval-predictor": cmd_eval, "replay": cmd_replay, "trace": cmd_trace}
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in _PASS_THROUGH:  # these parse their own options (argparse REMAINDER drops --flags)
-        return _PASS_THROUGH[argv[0]](argparse.Namespace(rest=argv[1:]))
-    if argv[:2] == ["bench", "replay"]:  # the replay is a package, not a bench/*.py script
-        return cmd_replay(argparse.Namespace(rest=argv[2:]))
     args = make_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        return int(args.fn(args))
     except KvError as exc:
         print(f"kvctl: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

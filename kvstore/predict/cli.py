@@ -208,14 +208,27 @@ def run_eval(parts: Sequence[Parts], cfg: PredictorConfig, args: argparse.Namesp
     return results
 
 
+TRAIN_DESCRIPTION = ("Train the burst predictor across traces and workload shapes (the model kvstored loads with "
+                     "--predictor-model).")
+EVAL_DESCRIPTION = "Evaluate the burst predictor."
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``kvctl train``'s options to ``p``."""
+    p.add_argument("--out", required=True, help="model file to write")
+    p.add_argument("--label", choices=("remote", "reuse"), default="remote", help="target (planner uses remote)")
+    add_common_args(p)
+
+
 def train_main(argv: Sequence[str] | None = None) -> int:
+    """``kvctl train`` on an argument list (tests and scripts; kvctl itself calls :func:`run_train`)."""
+    ap = argparse.ArgumentParser(prog="kvctl train", description=TRAIN_DESCRIPTION)
+    add_train_arguments(ap)
+    return run_train(ap.parse_args(argv))
+
+
+def run_train(args: argparse.Namespace) -> int:
     """``kvctl train``: one model over the suite's training parts; writes it and ``MODEL.metrics.json``."""
-    ap = argparse.ArgumentParser(prog="kvctl train", description="Train the burst predictor across traces and "
-                                 "workload shapes (the model kvstored loads with --predictor-model).")
-    ap.add_argument("--out", required=True, help="model file to write")
-    ap.add_argument("--label", choices=("remote", "reuse"), default="remote", help="target (planner uses remote)")
-    add_common_args(ap)
-    args = ap.parse_args(argv)
     cfg = config_from_args(args)
     try:
         parts = parts_from_args(args, cfg)
@@ -239,19 +252,29 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def add_eval_predictor_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``kvctl eval-predictor``'s options to ``p``."""
+    p.add_argument("--out", default=None, help="directory for eval.json, eval.md, pr_curves.png")
+    p.add_argument("--labels", default="remote,reuse", help="labels to evaluate: remote, reuse")
+    p.add_argument("--holdout", default="conversation",
+                   help="source families also scored by a model trained without them ('' = none)")
+    p.add_argument("--model", default=None, help="score this saved model instead of training one")
+    p.add_argument("--forecast-horizon", type=float, default=10.0,
+                   help="T of the rate-forecast table: forecast the next T seconds (default 10)")
+    p.add_argument("--forecast-bucket", type=float, default=10.0, help="seconds between forecasts (default 10)")
+    add_common_args(p)
+
+
 def eval_main(argv: Sequence[str] | None = None) -> int:
+    """``kvctl eval-predictor`` on an argument list (tests and scripts; kvctl itself calls
+    :func:`run_eval_predictor`)."""
+    ap = argparse.ArgumentParser(prog="kvctl eval-predictor", description=EVAL_DESCRIPTION)
+    add_eval_predictor_arguments(ap)
+    return run_eval_predictor(ap.parse_args(argv))
+
+
+def run_eval_predictor(args: argparse.Namespace) -> int:
     """``kvctl eval-predictor``: cross-trace model vs momentum vs gated (held out), and the rate forecasts."""
-    ap = argparse.ArgumentParser(prog="kvctl eval-predictor", description="Evaluate the burst predictor.")
-    ap.add_argument("--out", default=None, help="directory for eval.json, eval.md, pr_curves.png")
-    ap.add_argument("--labels", default="remote,reuse", help="labels to evaluate: remote, reuse")
-    ap.add_argument("--holdout", default="conversation",
-                    help="source families also scored by a model trained without them ('' = none)")
-    ap.add_argument("--model", default=None, help="score this saved model instead of training one")
-    ap.add_argument("--forecast-horizon", type=float, default=10.0,
-                    help="T of the rate-forecast table: forecast the next T seconds (default 10)")
-    ap.add_argument("--forecast-bucket", type=float, default=10.0, help="seconds between forecasts (default 10)")
-    add_common_args(ap)
-    args = ap.parse_args(argv)
     labels = [x.strip() for x in args.labels.split(",") if x.strip()]
     if not labels or any(x not in ("remote", "reuse") for x in labels):
         print("kvctl eval-predictor: --labels takes remote and/or reuse", file=sys.stderr)

@@ -64,8 +64,18 @@ def _synth_spec(a: argparse.Namespace | ReplayConfig, prefix: str = "") -> Synth
 
 
 def replay_parser() -> argparse.ArgumentParser:
+    """A stand-alone parser of ``kvctl replay``'s options (kvctl builds its sub-command the same way)."""
     p = argparse.ArgumentParser(prog="kvctl replay", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_replay_arguments(p)
+    return p
+
+
+def add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``kvctl replay``'s options to ``p``; their dests are :class:`ReplayConfig`'s field names.
+
+    Give ``p`` ``formatter_class=argparse.ArgumentDefaultsHelpFormatter``: the help texts leave the defaults to it.
+    """
     w = p.add_argument_group("workloads")
     w.add_argument("--trace", action="append", default=None, metavar="NAME|PATH|synth|SHAPE",
                    help="'conversation' (the shipped Mooncake conversation trace), a Mooncake-format jsonl file, "
@@ -163,7 +173,6 @@ def replay_parser() -> argparse.ArgumentParser:
     m.add_argument("--sim-rpc-ms", type=float, default=DEFAULT_RPC_MS,
                    help="simulation: real ms one KV round trip (Lookup, Get, Put, Replicate) costs, x speedup in "
                         "trace time like every measured wait")
-    return p
 
 
 def build_workloads(a: ReplayConfig, seed: int | None = None) -> list[Workload]:
@@ -235,7 +244,13 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def replay_main(argv: list[str] | None = None) -> int:
-    args = replay_parser().parse_args(argv)
+    """``kvctl replay`` on an argument list (tests and scripts; kvctl itself calls :func:`run_replay`)."""
+    return run_replay(replay_parser().parse_args(argv))
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """Run the replay the parsed options describe (those of :func:`add_replay_arguments`; other attributes,
+    such as kvctl's own ``command`` and ``fn``, are ignored); returns the process exit code."""
     try:
         a = ReplayConfig.from_args(args)
     except (ValueError, OSError) as exc:
@@ -366,8 +381,18 @@ def _write(path: Path, obj: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+TRACE_DESCRIPTION = "Trace tools."
+
+
 def trace_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvctl trace", description="Trace tools.")
+    """A stand-alone parser of ``kvctl trace``'s actions and options."""
+    p = argparse.ArgumentParser(prog="kvctl trace", description=TRACE_DESCRIPTION)
+    add_trace_arguments(p)
+    return p
+
+
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``kvctl trace``'s actions (``synth``) and their options to ``p``."""
     sub = p.add_subparsers(dest="action", required=True)
     s = sub.add_parser("synth", help="write a synthetic workload as Mooncake jsonl",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -377,11 +402,15 @@ def trace_parser() -> argparse.ArgumentParser:
     _synth_args(s)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", type=Path, required=True, help="jsonl file to write")
-    return p
 
 
 def trace_main(argv: list[str] | None = None) -> int:
-    a = trace_parser().parse_args(argv)
+    """``kvctl trace`` on an argument list (tests and scripts; kvctl itself calls :func:`run_trace`)."""
+    return run_trace(trace_parser().parse_args(argv))
+
+
+def run_trace(a: argparse.Namespace) -> int:
+    """Run the trace action the parsed options name (``synth``: write the workload as Mooncake jsonl)."""
     spec = _synth_spec(a)
     reqs = synth_requests(spec) if a.shape == "fanout" else shape_requests(a.shape, a.seed)
     n = write_mooncake(reqs, a.out)
