@@ -1,8 +1,15 @@
-"""Node configuration: one typed object, built once and passed down.
+"""Node settings: each one defined once, as a typed field of :class:`NodeConfig`.
 
-One table of settings (:data:`SETTINGS`) drives the command-line flags, the
-TOML config file and the ``KVSTORED_*`` environment overrides, so the three
-never drift apart. Precedence: defaults < config file < environment < flags.
+A field carries its type, default, bounds, help text, group and flag metavar
+(:func:`setting`); the ``--flags`` and ``--help`` (:func:`add_arguments`), the
+TOML file and the ``KVSTORED_*`` environment (:func:`build_config`) and
+``docs/configuration.md`` (:func:`markdown`) are all made from those fields.
+Precedence: defaults < config file < environment < flags.
+
+The model is a frozen pydantic model: a value from any source goes through
+the same validators (sizes such as ``4GiB`` or ``1e9``, booleans such as
+``true``/``off``, comma lists), and a bad one is rejected naming the setting
+and where it came from.
 """
 
 from __future__ import annotations
@@ -11,15 +18,36 @@ import argparse
 import ipaddress
 import os
 import tomllib
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Literal
+
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import (
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, model_validator,
+)
+from pydantic.fields import FieldInfo
 
 from kvstore.units import parse_size
 
+ENV_PREFIX = "KVSTORED_"
+GROUPS: dict[str, str] = {
+    "node": "The node: its address, id, event loop, logs and local endpoints.",
+    "pool": "The page pool: its memory, where it lives and the namespaces made at start-up.",
+    "cluster": "Peers, membership, the peer transport and how a Get pulls what it lacks.",
+    "predictor": "The burst predictor that forecasts which prefixes are about to be requested.",
+    "planner": "The coordinator's planner: which forecast prefixes are copied, where, how fast and for how long.",
+    "security": "TLS, client tokens and the cluster secret (required off loopback).",
+    "limits": "Bounds on what one client, call or connection may take.",
+}
 DEVICES_HELP = ("auto (a GPU when CuPy finds one, else cpu), cpu, cuda:N, or cpu-staged (host memory driven "
                 "like a GPU pool, through staging copies: tests and CI)")
 
+
+# ---------------------------------------------------------------------------
+# value parsers shared by the fields (and by the replay's flags)
+# ---------------------------------------------------------------------------
 
 def parse_hostport(text: str, *, allow_zero_port: bool = True) -> tuple[str, int]:
     """Split ``host:port`` (``[v6]:port`` too); raises ValueError."""
@@ -38,11 +66,11 @@ def parse_hostport(text: str, *, allow_zero_port: bool = True) -> tuple[str, int
     return host, value
 
 
-def parse_peers(value: str | list[str]) -> tuple[str, ...]:
+def parse_peers(value: Any) -> tuple[str, ...]:
     """``host:port,host:port`` (or a TOML list) -> validated tuple."""
-    if not isinstance(value, (str, list)):
+    if not isinstance(value, (str, list, tuple)):
         raise ValueError(f"expected a string or list of HOST:PORT, got {value!r}")
-    items = value if isinstance(value, list) else [p for p in value.split(",") if p.strip()]
+    items = value if isinstance(value, (list, tuple)) else [p for p in value.split(",") if p.strip()]
     peers = []
     for item in items:
         if not isinstance(item, str):
@@ -54,15 +82,15 @@ def parse_peers(value: str | list[str]) -> tuple[str, ...]:
     return tuple(peers)
 
 
-def parse_device(value: str) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"bad device {value!r}: {DEVICES_HELP}")
-    if value in ("auto", "cpu", "cpu-staged") or (value.startswith("cuda:") and value[5:].isdigit()):
+def parse_device(value: Any) -> str:
+    if isinstance(value, str) and (value in ("auto", "cpu", "cpu-staged")
+                                   or (value.startswith("cuda:") and value[5:].isdigit())):
         return value
     raise ValueError(f"bad device {value!r}: {DEVICES_HELP}")
 
 
-def parse_bool(value: str | bool) -> bool:
+def parse_bool(value: Any) -> bool:
+    """The booleans users write: true/false, 1/0, yes/no, on/off (any case)."""
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -73,12 +101,25 @@ def parse_bool(value: str | bool) -> bool:
     raise ValueError(f"{value!r} is not a boolean (true/false)")
 
 
-def parse_choice(*choices: str) -> Callable[[str], str]:
-    def parse(value: str) -> str:
-        if value not in choices:
-            raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
+def parse_depths(value: Any) -> tuple[int, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"expected a comma list of block counts, got {value!r}")
+    depths = tuple(int(x) for x in items)
+    if not depths or any(d <= 0 for d in depths) or list(depths) != sorted(set(depths)):
+        raise ValueError("must be ascending positive block counts, e.g. 1,2,4,8")
+    return depths
+
+
+def _check_listen(value: str) -> str:
+    parse_hostport(value)
+    return value
+
+
+def _check_membership(value: str) -> str:
+    if value == "gossip" or value.startswith(("etcd://", "etcds://")):
         return value
-    return parse
+    raise ValueError("must be 'gossip' or etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +131,9 @@ class NamespaceSpec:
     capacity: int = 0
 
     @classmethod
-    def parse(cls, value: str | dict[str, Any]) -> "NamespaceSpec":
+    def parse(cls, value: str | dict[str, Any] | NamespaceSpec) -> NamespaceSpec:
+        if isinstance(value, NamespaceSpec):
+            return value
         if isinstance(value, dict):
             return cls(str(value["name"]), parse_size(value["page_bytes"]), parse_size(value.get("capacity", 0)))
         if not isinstance(value, str):
@@ -102,141 +145,186 @@ class NamespaceSpec:
 
 
 def _parse_namespaces(value: Any) -> tuple[NamespaceSpec, ...]:
-    items = value if isinstance(value, list) else [value]
-    return tuple(NamespaceSpec.parse(v) for v in items)
+    items = value if isinstance(value, (list, tuple)) else value.split(",") if isinstance(value, str) else [value]
+    try:
+        return tuple(NamespaceSpec.parse(v) for v in items)
+    except KeyError as exc:
+        raise ValueError(f"a namespace table needs {exc}") from None
 
 
-@dataclass(frozen=True, slots=True)
-class NodeConfig:
-    """Everything a node needs to start; validated on construction."""
+Size = Annotated[int, BeforeValidator(parse_size)]
+Bool = Annotated[bool, BeforeValidator(parse_bool)]
+Address = Annotated[str, AfterValidator(_check_listen)]
+Device = Annotated[str, BeforeValidator(parse_device)]
+Peers = Annotated[tuple[str, ...], BeforeValidator(parse_peers)]
+Namespaces = Annotated[tuple[NamespaceSpec, ...], BeforeValidator(_parse_namespaces)]
+Depths = Annotated[tuple[int, ...], BeforeValidator(parse_depths)]
+Membership = Annotated[str, AfterValidator(_check_membership)]
+Port = Annotated[int, Field(ge=-1, le=65535)]
 
-    listen: str = "127.0.0.1:7400"
-    node_id: str = ""
-    capacity: int = 1 << 30
-    device: str = "auto"
-    peers: tuple[str, ...] = ()
-    namespace: tuple[NamespaceSpec, ...] = ()
-    prefault: bool = True
-    checksum: bool = True
-    data_port: int = 0
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 2.0
-    transport: str = "auto"
-    transport_port: int = 0
-    replication: str = "reactive"
-    predictor_model: str = ""
-    predictor_depths: tuple[int, ...] = (1, 2, 4, 8)
-    predictor_horizon: float = 300.0
-    planner_tick: float = 1.0
-    spec_threshold: float = 0.65  # above the model's best-F1 point (0.5): an unread copy costs link time (docs/predictor.md)
-    spec_budget: float = 0.2
-    spec_bandwidth: int = 10**9
-    spec_ttl: float = 120.0
-    node_rate: float = 2.0  # sizes replica sets from forecast demand (docs/predictor.md); 0: unsized, 2 copies a tick
-    copy_fanout: int = 2
-    copy_chunks: int = 1
-    copy_part_min: float = 0.02
-    keep_fetched: bool = True
-    fetch_timeout: float = 5.0
-    max_pull_bytes: int = 64 << 20
-    link_rate: float = 0.0
-    link_latency: float = 0.0
-    metrics_port: int = -1
-    log_level: str = "info"
-    loop: str = "auto"
-    max_message_bytes: int = 64 << 20
-    max_batch_pages: int = 65536
-    max_batch_bytes: int = 1 << 30
-    max_pin_ttl: float = 3600.0
-    max_claim_seconds: float = 600.0   # the longest in-flight prefill claim a Lookup may make
-    grace: float = 5.0
-    deadline_share: float = 0.8
-    control_timeout: float = 5.0
-    transfer_timeout: float = 30.0
-    read_timeout: float = 5.0
-    idle_timeout: float = 120.0
-    max_connections: int = 256
-    predictor_momentum_window: float = 60.0
-    shm: bool = True
-    shm_dir: str = ""
-    shm_hold_timeout: float = 30.0
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
-    tls_client_auth: bool = False
-    token_file: str = ""
-    cluster_secret_file: str = ""
-    insecure: bool = False
-    membership: str = "gossip"
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
-    def __post_init__(self) -> None:
-        try:
-            parse_hostport(self.listen)
-        except ValueError as exc:
-            raise ValueError(f"listen: {exc}") from None
-        parse_device(self.device)
-        if self.capacity <= 0:
-            raise ValueError("capacity must be > 0")
-        if self.max_message_bytes < 1 << 20:
-            raise ValueError("max_message_bytes must be >= 1 MiB")
-        if self.max_batch_pages <= 0:
-            raise ValueError("max_batch_pages must be > 0")
-        if self.max_batch_bytes <= 0:
-            raise ValueError("max_batch_bytes must be > 0")
-        if not 0 < self.max_pin_ttl <= 86400 * 7:
-            raise ValueError("max_pin_ttl must be in (0, 604800] seconds")
-        if not 0 < self.max_claim_seconds <= 86400:
-            raise ValueError("max_claim_seconds must be in (0, 86400] seconds")
-        if not self.grace >= 0:  # also rejects NaN
-            raise ValueError("grace must be >= 0")
-        if not self.predictor_depths or any(d <= 0 for d in self.predictor_depths) \
-                or list(self.predictor_depths) != sorted(set(self.predictor_depths)):
-            raise ValueError("predictor_depths must be ascending positive block counts, e.g. 1,2,4,8")
-        if not 0 < self.planner_tick <= 60 or not 0 < self.spec_ttl or not 0 < self.predictor_horizon:
-            raise ValueError("planner_tick must be in (0, 60]; spec_ttl and predictor_horizon > 0")
-        if not self.shm_hold_timeout > 0:
-            raise ValueError("shm_hold_timeout must be > 0")
-        if not self.node_rate >= 0:
-            raise ValueError("node_rate must be >= 0")
-        if not 1 <= self.copy_fanout <= 64:
-            raise ValueError("copy_fanout must be in [1, 64]")
-        if not 1 <= self.copy_chunks <= 256:
-            raise ValueError("copy_chunks must be in [1, 256]")
-        if not self.copy_part_min > 0:
-            raise ValueError("copy_part_min must be > 0")
-        if not 0 <= self.spec_threshold <= 1 or not 0 <= self.spec_budget <= 1:
-            raise ValueError("spec_threshold and spec_budget must be in [0, 1]")
-        if self.spec_bandwidth <= 0:
-            raise ValueError("spec_bandwidth must be > 0")
-        if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
-            raise ValueError("need 0 < heartbeat_interval < heartbeat_timeout")
-        if not 0 < self.deadline_share <= 1:
-            raise ValueError("deadline_share must be in (0, 1]")
-        if not (self.control_timeout > 0 and self.transfer_timeout > 0 and self.predictor_momentum_window > 0):
-            raise ValueError("control_timeout, transfer_timeout and predictor_momentum_window must be > 0")
-        if not (self.read_timeout > 0 and self.idle_timeout > 0):
-            raise ValueError("read_timeout and idle_timeout must be > 0")
-        if self.max_connections <= 0:
-            raise ValueError("max_connections must be > 0")
-        if not self.fetch_timeout >= 0:
-            raise ValueError("fetch_timeout must be >= 0")
-        if self.max_pull_bytes < 1 << 20:
-            raise ValueError("max_pull_bytes must be >= 1 MiB")
-        if not (self.link_rate >= 0 and self.link_latency >= 0):
-            raise ValueError("link_rate and link_latency must be >= 0")
-        if not 0 <= self.transport_port <= 65535:
-            raise ValueError("transport_port must be 0..65535")
-        for port_name in ("data_port", "metrics_port"):
-            if not -1 <= getattr(self, port_name) <= 65535:
-                raise ValueError(f"{port_name} must be -1..65535")
+def setting(default: Any, help: str, metavar: str, *, group: str, repeat: bool = False,
+            planner: str = "", predictor: str = "", **bounds: Any) -> Any:
+    """One setting: its default, help, flag metavar, group and bounds (``gt``, ``ge``, ``le``, ``lt``).
 
+    ``planner``/``predictor`` name the :class:`~kvstore.predict.planner_types.PlannerConfig` or
+    :class:`~kvstore.predict.types.PredictorConfig` field the setting feeds; ``repeat``: the flag may
+    repeat and its values accumulate."""
+    extra = {"group": group, "metavar": metavar, "repeat": repeat, "planner": planner, "predictor": predictor}
+    return Field(default, description=help, json_schema_extra=extra, **bounds)
+
+
+def _in(group: str) -> Any:
+    def make(default: Any, help: str, metavar: str, **kw: Any) -> Any:
+        return setting(default, help, metavar, group=group, **kw)
+    return make
+
+
+node, pool, cluster, predictor, planner, security, limits = (_in(g) for g in GROUPS)
+
+
+class NodeConfig(BaseModel):
+    """Everything a node needs to start; validated on construction, frozen after."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    # -- node
+    listen: Address = node("127.0.0.1:7400", "gRPC address HOST:PORT (port 0 picks a free one)", "HOST:PORT")
+    node_id: str = node("", "this node's id in the cluster (default: the listen address)", "ID")
+    data_port: Port = node(0, "port of the bulk data channel on the listen host (0: pick one, -1: off)", "PORT")
+    metrics_port: Port = node(-1, "Prometheus metrics port on the listen host (0: pick one, -1: off)", "PORT")
+    log_level: Literal["debug", "info", "warning", "error"] = node("info", "logging level", "LEVEL")
+    loop: Literal["auto", "uvloop", "asyncio"] = node("auto", "event loop: auto prefers uvloop", "LOOP")
+    grace: float = node(5.0, "seconds in-flight calls get to finish on SIGTERM", "SECONDS", ge=0)
+    shm: Bool = node(True, "serve clients on this host through shared memory: host pools live in memfds a client "
+                     "maps after asking on a unix socket (true/false)", "BOOL")
+    shm_dir: str = node("", "folder of the shared-memory unix socket (default: a 0700 folder /tmp/kvstored-UID)",
+                        "DIR")
+
+    # -- pool
+    capacity: Size = pool(1 << 30, "bytes of page memory for all namespaces, e.g. 4GiB", "SIZE", gt=0)
+    device: Device = pool("auto", f"where pages live: {DEVICES_HELP}", "DEVICE")
+    namespace: Namespaces = pool((), "create a namespace at start-up, NAME:PAGE_BYTES[:CAPACITY]; repeatable (a "
+                                 "comma list in the environment)", "SPEC", repeat=True)
+    prefault: Bool = pool(True, "touch host pool memory at namespace creation so first puts don't page-fault "
+                          "(true/false)", "BOOL")
+    checksum: Bool = pool(True, "xxh3 checksum of every page at put, verified on peer transfers", "BOOL")
+
+    # -- cluster
+    peers: Peers = cluster((), "other nodes, HOST:PORT,HOST:PORT,... (used by the cluster layer)", "LIST")
+    membership: Membership = cluster(
+        "gossip", "gossip (heartbeats between --peers) or etcd://HOST:PORT[,HOST:PORT] (etcds:// for TLS with "
+        "--tls-ca/--tls-cert/--tls-key): liveness and the coordinator by etcd leases", "URL")
+    heartbeat_interval: float = cluster(0.5, "seconds between heartbeats to each peer", "SECONDS", gt=0)
+    heartbeat_timeout: float = cluster(2.0, "a peer silent this long is dead: its directory entries are dropped",
+                                       "SECONDS", gt=0)
+    transport: Literal["auto", "ucx", "tcp"] = cluster(
+        "auto", "peer page transport: auto prefers UCX (ucxx) when it imports, else TCP", "NAME")
+    transport_port: int = cluster(0, "port of the peer transport listener (0: pick one)", "PORT", ge=0, le=65535)
+    replication: Literal["none", "reactive", "predictive", "full"] = cluster(
+        "reactive", "none: a Get serves local pages only; reactive: a Get pulls missing pages from the peers that "
+        "hold them; predictive: reactive, plus the coordinator copies prefixes it forecasts to nodes before their "
+        "requests arrive; full: every page is copied to every node (the cost ceiling)", "POLICY")
+    keep_fetched: Bool = cluster(True, "keep pages a Get pulled from a peer as local replicas", "BOOL")
+    fetch_timeout: float = cluster(5.0, "longest a Get waits for remote pages when the client gives no deadline; "
+                                   "what has not arrived by then is reported missing", "SECONDS", ge=0)
+    deadline_share: float = cluster(0.8, "share of a Get's deadline spent fetching from peers; the rest is left to "
+                                    "send what arrived", "FRACTION", gt=0, le=1)
+    max_pull_bytes: Size = cluster(64 << 20, "largest single peer transfer; bigger pulls are chunked so a deadline "
+                                   "keeps what arrived", "SIZE", ge=1 << 20)
+    control_timeout: float = cluster(5.0, "timeout of the coordinator's control calls to nodes (Replicate, "
+                                     "DropSpeculative), seconds", "SECONDS", gt=0)
+    link_rate: float = cluster(0.0, "shape peer transfers to this many bytes/s per node and direction, shared "
+                               "fairly by concurrent transfers (0: unshaped; benchmarks set it)", "BYTES_PER_S", ge=0)
+    link_latency: float = cluster(0.0, "one-way latency added to each peer transfer's request and reply (with "
+                                  "--link-rate)", "SECONDS", ge=0)
+
+    # -- predictor
+    predictor_model: str = predictor(
+        "", "LightGBM model file from `kvctl train` (default: the shipped model, kvstore/data/burst_model.json; "
+        "'none': the momentum rule until online retraining has enough data)", "FILE")
+    predictor_depths: Depths = predictor((1, 2, 4, 8), "prefix depths in blocks the predictor tracks", "LIST",
+                                         predictor="depths")
+    predictor_horizon: float = predictor(300.0, "H: the predictor forecasts requests within this many seconds",
+                                         "SECONDS", gt=0, predictor="horizon_s")
+    predictor_momentum_window: float = predictor(
+        60.0, "W of the momentum rule: a prefix seen at least twice within W seconds is forecast to recur",
+        "SECONDS", gt=0, predictor="momentum_window_s")
+
+    # -- planner
+    planner_tick: float = planner(1.0, "seconds between planner ticks on the coordinator", "SECONDS",
+                                  gt=0, le=60, planner="tick_s")
+    # above the model's best-F1 point (0.5): an unread copy costs link time (docs/predictor.md)
+    spec_threshold: float = planner(0.65, "replicate a prefix when its forecast probability is at least this", "P",
+                                    ge=0, le=1, planner="threshold")
+    spec_budget: float = planner(0.2, "share of each node's capacity that speculative replicas may use",
+                                 "FRACTION", ge=0, le=1, planner="spec_budget")
+    spec_bandwidth: Size = planner(10**9, "bytes/s the planner may spend on speculative copies, cluster-wide",
+                                   "BYTES", gt=0, planner="spec_bandwidth")
+    spec_ttl: float = planner(120.0, "seconds an unread speculative replica lives unless renewed", "SECONDS",
+                              gt=0, planner="ttl_s")
+    node_rate: float = planner(
+        2.0, "requests/s one node's engines serve: sizes each prefix's replica set from its forecast demand, "
+        "copied as a tree (0: unknown; at most 2 new copies per prefix per tick)", "RPS", ge=0, planner="node_rate")
+    copy_fanout: int = planner(2, "copies one node sends at once in a copy tree (each wave's copies share its "
+                               "egress): 1 doubles the holders every single-copy time", "N", ge=1, le=64,
+                               planner="fanout")
+    copy_chunks: int = planner(
+        1, "> 1: a copy tree relays instead, each source heading a chain of its targets and every target "
+        "forwarding each of this many parts of the copy once it landed (the last of L targets holds it after "
+        "1 + (L - 1) / N copy times); 1: store and forward in waves", "N", ge=1, le=256, planner="chunks")
+    copy_part_min: float = planner(
+        0.02, "a relayed copy is cut only into parts that take at least this long at the measured copy bandwidth "
+        "(each part costs a Replicate round trip per hop), so a copy short next to its round trips is not relayed",
+        "SECONDS", gt=0, planner="min_part_s")
+
+    # -- security
+    tls_cert: str = security("", "PEM certificate chain of this node: every port (gRPC, data channel, peer "
+                             "transport, metrics) speaks TLS with it; re-read when the file changes", "FILE")
+    tls_key: str = security("", "PEM private key of --tls-cert", "FILE")
+    tls_ca: str = security("", "PEM CA bundle that signs the cluster's node certificates (peers are verified "
+                           "against it) and, with --tls-client-auth, client certificates", "FILE")
+    tls_client_auth: Bool = security(False, "require a client certificate signed by --tls-ca on every port (mTLS; "
+                                     "true/false)", "BOOL")
+    token_file: str = security("", "TOML file of client tokens, each with a tenant and a role (read, write, admin), "
+                               "and tenant quotas; re-read when it changes (rotation without restart). Unset: no "
+                               "client authentication (loopback development mode only)", "FILE")
+    cluster_secret_file: str = security(
+        "", "file holding the cluster's shared secret: peers prove membership with an HMAC of every cluster call "
+        "(replay-protected). Unset: any caller may act as a peer (loopback development mode only)", "FILE")
+    insecure: Bool = security(False, "allow listening beyond loopback without TLS, tokens and a cluster secret "
+                              "(logged loudly; never in production)", "BOOL")
+
+    # -- limits
+    max_message_bytes: Size = limits(64 << 20, "largest gRPC message either way", "SIZE", ge=1 << 20)
+    max_batch_pages: int = limits(65536, "most pages in one Put/Get batch", "N", gt=0)
+    max_batch_bytes: Size = limits(1 << 30, "most page bytes in one Put/Get batch", "SIZE", gt=0)
+    max_pin_ttl: float = limits(3600.0, "longest lease a Pin may ask for, seconds", "SECONDS", gt=0, le=86400 * 7)
+    max_claim_seconds: float = limits(600.0, "longest in-flight prefill claim a Lookup may make, seconds",
+                                      "SECONDS", gt=0, le=86400)
+    transfer_timeout: float = limits(30.0, "longest a Put or a peer transfer may hold reserved slots waiting for "
+                                     "its bytes; then it aborts and frees them", "SECONDS", gt=0)
+    read_timeout: float = limits(5.0, "longest a data-channel frame, a peer pull or a gRPC Put stream may go "
+                                 "without a byte (a message) once it started; then it gets an error, is closed "
+                                 "and its slots freed", "SECONDS", gt=0)
+    idle_timeout: float = limits(120.0, "a data-channel or peer-transport connection that starts no frame for this "
+                                 "long is closed", "SECONDS", gt=0)
+    max_connections: int = limits(256, "most open connections on the data channel and on the peer transport "
+                                  "listener (each); one more is answered with an error and closed", "N", gt=0)
+    shm_hold_timeout: float = limits(30.0, "longest a shared-memory client may hold pages it was granted (a Get's "
+                                     "read holds, a Put's reserved slots) before the node takes them back",
+                                     "SECONDS", gt=0)
+
+    @model_validator(mode="after")
+    def _together(self) -> NodeConfig:
+        """Checks that span two settings."""
+        if not self.heartbeat_interval < self.heartbeat_timeout:
+            raise ValueError("need heartbeat_interval < heartbeat_timeout")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_auth and not self.tls_ca:
             raise ValueError("tls_client_auth needs tls_ca (the CA that signs client certificates)")
-        if not (self.membership == "gossip" or self.membership.startswith(("etcd://", "etcds://"))):
-            raise ValueError("membership must be 'gossip' or etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS)")
+        return self
 
     @property
     def host(self) -> str:
@@ -263,178 +351,285 @@ class NodeConfig:
         """TLS, client tokens and a cluster secret: what a node off loopback needs."""
         return self.tls and bool(self.token_file) and bool(self.cluster_secret_file)
 
+    def replace(self, **changes: Any) -> NodeConfig:
+        """A copy with ``changes``, validated like any other construction."""
+        return NodeConfig(**{**dict(self), **changes})
 
-_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(NodeConfig) if f.name != "extra"}
+    def feeding(self, part: Literal["planner", "predictor"]) -> dict[str, Any]:
+        """The values of the settings that feed ``part``, by the names of its knobs: ``PlannerConfig(
+        **config.feeding("planner"))`` (:mod:`kvstore.predict.planner_types`) and the same for the
+        predictor's ``PredictorConfig``; knobs no setting names keep their defaults there."""
+        return {s.extra[part]: getattr(self, s.name) for s in SETTINGS if s.extra[part]}
 
+
+# ---------------------------------------------------------------------------
+# the settings, as flags, file keys, environment variables and a document
+# ---------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
 class Setting:
-    """How one :class:`NodeConfig` field is set from a flag, the file or env.
-
-    The default lives once, on the field; :attr:`default` reads it there."""
+    """One field of :class:`NodeConfig` seen from outside: its names in each source and its text."""
 
     name: str
-    parse: Callable[[Any], Any]
-    help: str
-    metavar: str | None = None
-    repeat: bool = False  # flag may repeat; values accumulate
+    info: FieldInfo
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return self.info.json_schema_extra  # type: ignore[return-value]
+
+    @property
+    def group(self) -> str:
+        return str(self.extra["group"])
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def help(self) -> str:
+        return self.info.description or ""
+
+    @property
+    def metavar(self) -> str:
+        return str(self.extra["metavar"])
+
+    @property
+    def repeat(self) -> bool:
+        return bool(self.extra["repeat"])
 
     @property
     def default(self) -> Any:
-        return _DEFAULTS[self.name]
+        return self.info.default
+
+    @property
+    def default_text(self) -> str:
+        d = self.default
+        if isinstance(d, bool):
+            return "true" if d else "false"
+        if isinstance(d, tuple):
+            return ",".join(map(str, d)) or "none"
+        return '""' if d == "" else str(d)
+
+    @property
+    def bounds_text(self) -> str:
+        """The bounds, e.g. ``> 0``, ``-1..65535``; choices as ``a|b|c``; empty when free."""
+        low = high = ""
+        for m in self.info.metadata:
+            if isinstance(m, Gt):
+                low = f"> {m.gt}"
+            elif isinstance(m, Ge):
+                low = f">= {m.ge}"
+            elif isinstance(m, Lt):
+                high = f"< {m.lt}"
+            elif isinstance(m, Le):
+                high = f"<= {m.le}"
+        choices = getattr(self.info.annotation, "__args__", None)
+        if getattr(self.info.annotation, "__origin__", None) is Literal and choices:
+            return "|".join(choices)
+        if low.startswith(">=") and high.startswith("<="):
+            return f"{low[3:]}..{high[3:]}"
+        return ", ".join(x for x in (low, high) if x)
 
 
+def settings() -> tuple[Setting, ...]:
+    """Every setting, in the order of their groups."""
+    return tuple(Setting(name, info) for name, info in NodeConfig.model_fields.items())
 
 
-SETTINGS: tuple[Setting, ...] = (
-    Setting("listen", str, "gRPC address HOST:PORT (port 0 picks a free one)", "HOST:PORT"),
-    Setting("node_id", str, "this node's id in the cluster (default: the listen address)", "ID"),
-    Setting("capacity", parse_size, "bytes of page memory for all namespaces, e.g. 4GiB", "SIZE"),
-    Setting("device", parse_device, f"where pages live: {DEVICES_HELP}", "DEVICE"),
-    Setting("peers", parse_peers, "other nodes, HOST:PORT,HOST:PORT,... (used by the cluster layer)", "LIST"),
-    Setting("namespace", _parse_namespaces, "create a namespace at start-up, NAME:PAGE_BYTES[:CAPACITY]; repeatable",
-            "SPEC", repeat=True),
-    Setting("prefault", parse_bool, "touch host pool memory at namespace creation so first puts don't "
-            "page-fault (true/false)", "BOOL"),
-    Setting("checksum", parse_bool, "xxh3 checksum of every page at put, verified on peer transfers",
-            "BOOL"),
-    Setting("data_port", int, "port of the bulk data channel on the listen host (0: pick one, -1: off)", "PORT"),
-    Setting("heartbeat_interval", float, "seconds between heartbeats to each peer", "SECONDS"),
-    Setting("heartbeat_timeout", float, "a peer silent this long is dead: its directory entries are dropped",
-            "SECONDS"),
-    Setting("transport", parse_choice("auto", "ucx", "tcp"), "peer page transport: auto prefers UCX (ucxx) when it imports, else TCP", "NAME"),
-    Setting("transport_port", int, "port of the peer transport listener (0: pick one)", "PORT"),
-    Setting("replication", parse_choice("none", "reactive", "predictive", "full"), "none: a Get serves local pages only; reactive: a Get pulls missing pages from the peers that hold "
-            "them; predictive: reactive, plus the coordinator copies prefixes it forecasts to nodes before "
-            "their requests arrive; full: every page is copied to every node (the cost ceiling)", "POLICY"),
-    Setting("predictor_model", str, "LightGBM model file from `kvctl train` (default: the shipped model, "
-            "kvstore/data/burst_model.json; 'none': the momentum rule until online retraining has enough data)",
-            "FILE"),
-    Setting("predictor_depths", lambda v: tuple(int(x) for x in (v.split(",") if isinstance(v, str) else v)),
-            "prefix depths in blocks the predictor tracks", "LIST"),
-    Setting("predictor_horizon", float, "H: the predictor forecasts requests within this many seconds",
-            "SECONDS"),
-    Setting("planner_tick", float, "seconds between planner ticks on the coordinator", "SECONDS"),
-    Setting("spec_threshold", float, "replicate a prefix when its forecast probability is at least this",
-            "P"),
-    Setting("spec_budget", float, "share of each node's capacity that speculative replicas may use",
-            "FRACTION"),
-    Setting("spec_bandwidth", parse_size, "bytes/s the planner may spend on speculative "
-            "copies, cluster-wide", "BYTES"),
-    Setting("spec_ttl", float, "seconds an unread speculative replica lives unless renewed", "SECONDS"),
-    Setting("node_rate", float, "requests/s one node's engines serve: sizes each prefix's replica set from its "
-            "forecast demand, copied as a tree (0: unknown; at most 2 new copies per prefix per tick)", "RPS"),
-    Setting("copy_fanout", int, "copies one node sends at once in a copy tree (each wave's copies share its "
-            "egress): 1 doubles the holders every single-copy time", "N"),
-    Setting("copy_chunks", int, "> 1: a copy tree relays instead, each source heading a chain of its targets "
-            "and every target forwarding each of this many parts of the copy once it landed (the last of L "
-            "targets holds it after 1 + (L - 1) / N copy times); 1: store and forward in waves", "N"),
-    Setting("copy_part_min", float, "a relayed copy is cut only into parts that take at least this long at the "
-            "measured copy bandwidth (each part costs a Replicate round trip per hop), so a copy short next to "
-            "its round trips is not relayed", "SECONDS"),
-    Setting("keep_fetched", parse_bool, "keep pages a Get pulled from a peer as local replicas", "BOOL"),
-    Setting("fetch_timeout", float, "longest a Get waits for remote pages when the client gives no deadline; "
-            "what has not arrived by then is reported missing", "SECONDS"),
-    Setting("max_pull_bytes", parse_size, "largest single peer transfer; bigger pulls are "
-            "chunked so a deadline keeps what arrived", "SIZE"),
-    Setting("link_rate", float, "shape peer transfers to this many bytes/s per node and direction, shared "
-            "fairly by concurrent transfers (0: unshaped; benchmarks set it)", "BYTES_PER_S"),
-    Setting("link_latency", float, "one-way latency added to each peer transfer's request and reply "
-            "(with --link-rate)", "SECONDS"),
-    Setting("metrics_port", int, "Prometheus metrics port on the listen host (0: pick one, -1: off)", "PORT"),
-    Setting("log_level", parse_choice("debug", "info", "warning", "error"), "logging level", "LEVEL"),
-    Setting("loop", parse_choice("auto", "uvloop", "asyncio"), "event loop: auto prefers uvloop", "LOOP"),
-    Setting("max_message_bytes", parse_size, "largest gRPC message either way", "SIZE"),
-    Setting("max_batch_pages", int, "most pages in one Put/Get batch", "N"),
-    Setting("max_batch_bytes", parse_size, "most page bytes in one Put/Get batch", "SIZE"),
-    Setting("max_pin_ttl", float, "longest lease a Pin may ask for, seconds", "SECONDS"),
-    Setting("max_claim_seconds", float, "longest in-flight prefill claim a Lookup may make, seconds", "SECONDS"),
-    Setting("grace", float, "seconds in-flight calls get to finish on SIGTERM", "SECONDS"),
-    Setting("deadline_share", float, "share of a Get's deadline spent fetching from peers; the rest is left to "
-            "send what arrived", "FRACTION"),
-    Setting("control_timeout", float, "timeout of the coordinator's control calls to nodes (Replicate, "
-            "DropSpeculative), seconds", "SECONDS"),
-    Setting("transfer_timeout", float, "longest a Put or a peer transfer may hold reserved slots waiting for its "
-            "bytes; then it aborts and frees them", "SECONDS"),
-    Setting("read_timeout", float, "longest a data-channel frame, a peer pull or a gRPC Put stream may go "
-            "without a byte (a message) once it started; then it gets an error, is closed and its slots freed",
-            "SECONDS"),
-    Setting("idle_timeout", float, "a data-channel or peer-transport connection that starts no frame for this "
-            "long is closed", "SECONDS"),
-    Setting("max_connections", int, "most open connections on the data channel and on the peer transport "
-            "listener (each); one more is answered with an error and closed", "N"),
-    Setting("shm", parse_bool, "serve clients on this host through shared memory: host pools live in memfds a "
-            "client maps after asking on a unix socket (true/false)", "BOOL"),
-    Setting("shm_dir", str, "folder of the shared-memory unix socket (default: a 0700 folder "
-            "/tmp/kvstored-UID)", "DIR"),
-    Setting("shm_hold_timeout", float, "longest a shared-memory client may hold pages it was granted (a Get's "
-            "read holds, a Put's reserved slots) before the node takes them back", "SECONDS"),
-    Setting("tls_cert", str, "PEM certificate chain of this node: every port (gRPC, data channel, peer transport, "
-            "metrics) speaks TLS with it; re-read when the file changes", "FILE"),
-    Setting("tls_key", str, "PEM private key of --tls-cert", "FILE"),
-    Setting("tls_ca", str, "PEM CA bundle that signs the cluster's node certificates (peers are verified "
-            "against it) and, with --tls-client-auth, client certificates", "FILE"),
-    Setting("tls_client_auth", parse_bool, "require a client certificate signed by --tls-ca on every port "
-            "(mTLS; true/false)", "BOOL"),
-    Setting("token_file", str, "TOML file of client tokens, each with a tenant and a role (read, write, admin), "
-            "and tenant quotas; re-read when it changes (rotation without restart). Unset: no client "
-            "authentication (loopback development mode only)", "FILE"),
-    Setting("cluster_secret_file", str, "file holding the cluster's shared secret: peers prove membership with "
-            "an HMAC of every cluster call (replay-protected). Unset: any caller may act as a peer (loopback "
-            "development mode only)", "FILE"),
-    Setting("insecure", parse_bool, "allow listening beyond loopback without TLS, tokens and a cluster secret "
-            "(logged loudly; never in production)", "BOOL"),
-    Setting("membership", str, "gossip (heartbeats between --peers) or etcd://HOST:PORT[,HOST:PORT] "
-            "(etcds:// for TLS with --tls-ca/--tls-cert/--tls-key): liveness and the coordinator by etcd "
-            "leases", "URL"),
-    Setting("predictor_momentum_window", float, "W of the momentum rule: a prefix seen at least twice within W "
-            "seconds is forecast to recur", "SECONDS"),
-)
+SETTINGS: tuple[Setting, ...] = settings()
+_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def setting_named(name: str) -> Setting:
+    return _BY_NAME[name]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting, plus ``--config``."""
+    """One flag per setting, in a help section per group, plus ``--config``."""
     parser.add_argument("--config", type=Path, metavar="FILE",
-                        help="TOML file with any of the settings below (keys as the flags, '-' or '_')")
+                        help="TOML file with any of the settings below: keys as the flags ('-' or '_'), at the top "
+                             "level or in a table named by the setting's group, e.g. [pool] capacity = \"4GiB\"")
+    for group, text in GROUPS.items():
+        section = parser.add_argument_group(group, text)
+        for s in SETTINGS:
+            if s.group != group:
+                continue
+            bounds = s.bounds_text.replace("|", ", ")
+            bounds = f"; {'one of ' if '|' in s.bounds_text else ''}{bounds}" if bounds else ""
+            kwargs: dict[str, Any] = dict(dest=s.name, metavar=s.metavar, default=None,
+                                          help=f"{s.help} [default: {s.default_text}{bounds}; env {s.env}]")
+            if s.repeat:
+                kwargs["action"] = "append"
+            section.add_argument(s.flag, **kwargs)
+
+
+def add_override(parser: Any, name: str, default: Any, *, flag: str | None = None, dest: str | None = None,
+                 note: str = "") -> None:
+    """A flag for a program that starts nodes (the replay) with its own default for one setting.
+
+    The help is the setting's own, with ``note``; a value is checked by the setting's own validators and
+    kept in the type of ``default`` (a string stays as written, to be passed on as a flag)."""
+    s = _BY_NAME[name]
+    typ = Annotated[(s.info.annotation, *s.info.metadata)] if s.info.metadata else s.info.annotation  # type: ignore[misc]
+    adapter: TypeAdapter[Any] = TypeAdapter(typ)
+    keep = type(default)
+
+    def check(text: str) -> Any:
+        try:
+            value = adapter.validate_python(text)
+        except ValidationError as exc:
+            raise ValueError(_explain(exc, {})) from None
+        return text if keep is str else keep(value)
+
+    check.__name__ = name  # argparse says "invalid <name> value: ..."
+    parser.add_argument(flag or s.flag, dest=dest or name, metavar=s.metavar, default=default, type=check,
+                        help=f"kvstored {s.flag}: {s.help}{'; ' + note if note else ''}")
+
+
+def _file_values(path: Path) -> dict[str, Any]:
+    """A TOML file's settings, flat: top-level keys and the keys of each group's table."""
+    with open(path, "rb") as fh:
+        data = tomllib.load(fh)
+    flat: dict[str, Any] = {}
+
+    def put(key: str, value: Any, group: str = "") -> None:
+        name = key.replace("-", "_")
+        where = f" in [{group}]" if group else ""
+        if name not in _BY_NAME:
+            raise ValueError(f"{path}: unknown setting {key!r}{where}")
+        if group and _BY_NAME[name].group != group:
+            raise ValueError(f"{path}: {key!r} belongs in [{_BY_NAME[name].group}], not{where}")
+        flat[name] = value
+
+    for key, value in data.items():
+        if key in GROUPS and isinstance(value, dict):
+            for k, v in value.items():
+                put(k, v, key)
+        else:
+            put(key, value)
+    return flat
+
+
+def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    out = {}
     for s in SETTINGS:
-        flag = "--" + s.name.replace("_", "-")
-        env = "KVSTORED_" + s.name.upper()
-        default_text = s.default if not isinstance(s.default, tuple) else ",".join(map(str, s.default)) or "none"
-        kwargs: dict[str, Any] = dict(dest=s.name, metavar=s.metavar, default=None,
-                                      help=f"{s.help} [default: {default_text}; env {env}]")
-        if s.repeat:
-            kwargs["action"] = "append"
-        parser.add_argument(flag, **kwargs)
+        value = getattr(args, s.name, None)
+        if value is not None:
+            out[s.name] = [x for v in value for x in (v if isinstance(v, list) else [v])] if s.repeat else value
+    return out
 
 
-def _parse_value(setting: Setting, value: Any, origin: str) -> Any:
-    try:
-        if setting.repeat and isinstance(value, list):
-            return tuple(x for v in value for x in setting.parse(v))
-        return setting.parse(value)
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise ValueError(f"{origin}: {setting.name}: {exc}") from None
+def _explain(exc: ValidationError, origins: Mapping[str, str]) -> str:
+    """One line per error: where the value came from, the setting, what is wrong."""
+    lines = []
+    for err in exc.errors(include_url=False):
+        name = str(err["loc"][0]) if err["loc"] else ""
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        where = origins.get(name, "")
+        lines.append(f"{where}: {name}: {msg}" if name else (f"{msg}" if not where else f"{where}: {msg}"))
+    return "; ".join(lines)[:2000]
 
 
-def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None) -> NodeConfig:
-    """Merge defaults, the config file, ``KVSTORED_*`` env and flags."""
+def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> NodeConfig:
+    """Merge defaults < the config file < ``KVSTORED_*`` environment < flags into one :class:`NodeConfig`.
+
+    ``environ`` replaces ``os.environ`` (``{}``: ignore the environment, as the simulator does). Raises
+    ValueError naming the source and the setting of a bad value, OSError for an unreadable file."""
     environ = os.environ if environ is None else environ
-    by_name = {s.name: s for s in SETTINGS}
-    values: dict[str, Any] = {}
+    layers: list[tuple[str, dict[str, Any]]] = []
     if getattr(args, "config", None):
-        with open(args.config, "rb") as fh:
-            data = tomllib.load(fh)
-        for key, value in data.items():
-            name = key.replace("-", "_")
-            if name not in by_name:
-                raise ValueError(f"{args.config}: unknown setting {key!r}")
-            values[name] = _parse_value(by_name[name], value, str(args.config))
-    for s in SETTINGS:
-        env = environ.get("KVSTORED_" + s.name.upper())
-        if env is not None:
-            values[s.name] = _parse_value(s, env, "KVSTORED_" + s.name.upper())
-        flag = getattr(args, s.name, None)
-        if flag is not None:
-            values[s.name] = _parse_value(s, flag, "--" + s.name.replace("_", "-"))
-    known = {f.name for f in fields(NodeConfig)}
-    return NodeConfig(**{k: v for k, v in values.items() if k in known})
+        layers.append((str(args.config), _file_values(Path(args.config))))
+    layers.append(("env", {s.name: environ[s.env] for s in SETTINGS if s.env in environ}))
+    layers.append(("flags", _flag_values(args)))
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for origin, layer in layers:
+        values.update(layer)
+        for name in layer:
+            origins[name] = (_BY_NAME[name].env if origin == "env" else _BY_NAME[name].flag if origin == "flags"
+                             else origin)
+    try:
+        return NodeConfig(**values)
+    except ValidationError as exc:
+        cross = ", ".join(dict.fromkeys(origins.values()))
+        raise ValueError(_explain(exc, {**origins, "": cross})) from None
+
+
+def setting_flags(values: Mapping[str, Any]) -> list[str]:
+    """kvstored flags that set these settings (by name) to these values: how a program that starts nodes
+    passes settings on, written as a user would write them (``--predictor-depths 1,2,4``, ``--shm false``)."""
+    out: list[str] = []
+    for name, value in values.items():
+        s = _BY_NAME[name]
+        if s.repeat:
+            for v in value:
+                out += [s.flag, f"{v.name}:{v.page_bytes}:{v.capacity}" if isinstance(v, NamespaceSpec) else str(v)]
+        elif isinstance(value, bool):
+            out += [s.flag, "true" if value else "false"]
+        else:
+            out += [s.flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+    return out
+
+
+def as_flags(config: NodeConfig, *names: str) -> list[str]:
+    """``config``'s values of ``names`` as kvstored flags."""
+    return setting_flags({name: getattr(config, name) for name in names})
+
+
+def markdown() -> str:
+    """``docs/configuration.md``, made from the settings (``python -m kvstore.config > docs/configuration.md``)."""
+    out = [
+        "# Configuration",
+        "",
+        "<!-- generated by `python -m kvstore.config` from kvstore/config.py; "
+        "tests/test_config.py fails when it is stale -->",
+        "",
+        "Every `kvstored` setting can be given four ways. Later ones win:",
+        "",
+        "1. its default (below);",
+        "2. a TOML file named by `--config FILE`: the key is the flag's name with `-` or `_`, at the top level or",
+        "   in a table named by the setting's group (`[pool]`, `[limits]`, ...);",
+        f"3. the environment: `{ENV_PREFIX}` and the name in capitals, e.g. `{ENV_PREFIX}CAPACITY=4GiB`;",
+        "4. the flag, e.g. `--capacity 4GiB`.",
+        "",
+        "Sizes take a number with an optional unit: `4096`, `1e9`, `512MiB`, `4GiB`, `2TB` (`KiB`, `MiB`, `GiB`,",
+        "`TiB` are powers of 1024; `KB`, `MB`, `GB`, `TB` and the short `k`, `m`, `g`, `t` powers of 1000).",
+        "Booleans take `true`/`false`, `1`/`0`, `yes`/`no`, `on`/`off`. Lists are comma-separated in flags and",
+        "the environment and TOML arrays in the file. A bad value stops `kvstored` at start-up with a message",
+        "that names the setting and where the value came from.",
+        "",
+        "```toml",
+        "# kvstored --config kvstored.toml",
+        'listen = "10.0.0.5:7400"',
+        'peers = ["10.0.0.6:7400", "10.0.0.7:7400"]',
+        "",
+        "[pool]",
+        'capacity = "64GiB"',
+        'namespace = [{ name = "llama3-70b", page_bytes = "160MiB" }]',
+        "",
+        "[security]",
+        'tls_cert = "/etc/kvstore/node.pem"',
+        'tls_key = "/etc/kvstore/node.key"',
+        'tls_ca = "/etc/kvstore/ca.pem"',
+        'token_file = "/etc/kvstore/tokens.toml"',
+        'cluster_secret_file = "/etc/kvstore/cluster.secret"',
+        "```",
+    ]
+    for group, text in GROUPS.items():
+        out += ["", f"## {group}", "", text, "", "| flag | environment | default | bounds | what it does |",
+                "|---|---|---|---|---|"]
+        for s in SETTINGS:
+            if s.group == group:
+                bounds = s.bounds_text.replace("|", ", ")
+                repeat = " (repeatable)" if s.repeat else ""
+                out.append(f"| `{s.flag} {s.metavar}`{repeat} | `{s.env}` | `{s.default_text}` | {bounds} | "
+                           f"{s.help.replace('|', '/')} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

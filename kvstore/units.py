@@ -1,17 +1,27 @@
-"""Human byte sizes ("4GiB", "512MiB", "1e9") for flags and config files."""
+"""Byte sizes as people write them ("4GiB", "512MiB", "1e9") and read them ("4.0 GiB").
+
+The units and the formatting are pydantic's :class:`~pydantic.ByteSize`; on top of it a size may be written
+in scientific notation (``1e9``, ``1.5e3KiB``) and with the short binary units ``Ki``, ``Mi``, ``Gi``, ``Ti``.
+"""
 
 from __future__ import annotations
 
 import re
 from decimal import Decimal, InvalidOperation
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
-}
+from pydantic import ByteSize
+
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+]?[0-9]+)?)\s*([A-Za-z]*)\s*")
 _MAX_SIZE = 1 << 62
+_FORMS = "use a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB, TiB)"
+
+
+def _unit(name: str) -> int | None:
+    """Bytes in one ``name`` (any case; ``Gi`` is ``GiB``); None for anything but a byte unit."""
+    name = name.lower() or "b"
+    name = name + "b" if name.endswith("i") else name
+    value = ByteSize.byte_sizes.get(name)
+    return value if isinstance(value, int) and not name.endswith("bit") and name[0] not in "pe" else None
 
 
 def parse_size(text: str | int) -> int:
@@ -23,10 +33,11 @@ def parse_size(text: str | int) -> int:
             raise ValueError(f"size must be >= 0, got {text}")
         return text
     match = _SIZE.fullmatch(str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"bad size {text!r}: use a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB, TiB)")
+    unit = _unit(match.group(2)) if match else None
+    if match is None or unit is None:
+        raise ValueError(f"bad size {text!r}: {_FORMS}")
     try:
-        value = Decimal(match.group(1)) * _UNITS[match.group(2).lower()]
+        value = Decimal(match.group(1)) * unit
     except InvalidOperation:
         raise ValueError(f"bad size {text!r}") from None
     if value > _MAX_SIZE:
@@ -35,9 +46,5 @@ def parse_size(text: str | int) -> int:
 
 
 def format_size(n: float) -> str:
-    """Format bytes with a binary unit, e.g. 4.0 GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    """Bytes with a binary unit, e.g. ``4.0 GiB`` (``1023 B`` below a KiB)."""
+    return re.sub(r"^(-?[0-9.]+)", r"\1 ", ByteSize(int(n)).human_readable(), count=1)

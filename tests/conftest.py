@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -61,14 +61,23 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str,
 
 
 def require_gpu():  # type: ignore[no-untyped-def]
-    """CuPy with a usable CUDA device, or skip the calling test module cleanly."""
-    cupy = pytest.importorskip("cupy")
+    """CuPy with a usable CUDA device, or skip the calling test module cleanly; with
+    ``KVSTORE_REQUIRE_GPU=1`` (scripts/gpu-check) fail instead, so a GPU run never passes by skipping."""
+    def missing(why: str) -> None:
+        if os.environ.get("KVSTORE_REQUIRE_GPU") == "1":
+            pytest.fail(f"KVSTORE_REQUIRE_GPU=1 but {why}", pytrace=False)
+        pytest.skip(why, allow_module_level=True)
+
+    try:
+        import cupy
+    except ImportError as exc:
+        missing(f"CuPy does not import ({exc})")
     try:
         usable = bool(cupy.is_available())
     except Exception:  # CUDA libraries present but unusable
         usable = False
     if not usable:
-        pytest.skip("CuPy is installed but no CUDA device is available", allow_module_level=True)
+        missing("CuPy is installed but no CUDA device is available")
     return cupy
 
 
@@ -148,7 +157,7 @@ def make_server() -> Iterator:  # type: ignore[type-arg]
     started: list[ServerThread] = []
 
     def make(ops: str = "numpy", loop: str = "auto", **overrides) -> ServerThread:  # type: ignore[no-untyped-def]
-        srv = ServerThread(replace(BASE_CONFIG, **overrides), OPS[ops](), loop).start()
+        srv = ServerThread(BASE_CONFIG.replace(**overrides), OPS[ops](), loop).start()
         started.append(srv)
         return srv
 

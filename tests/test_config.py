@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 import tomllib
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,11 @@ import pytest
 
 from kvstore.cli.kvstored import main, make_parser
 from kvstore.config import (
-    SETTINGS, NamespaceSpec, NodeConfig, build_config, parse_bool, parse_device, parse_hostport, parse_peers,
+    GROUPS, SETTINGS, NamespaceSpec, NodeConfig, add_override, as_flags, build_config, markdown, parse_bool,
+    parse_device, parse_hostport, parse_peers,
 )
+from kvstore.predict.planner_types import PlannerConfig
+from kvstore.predict.types import PredictorConfig
 from kvstore.errors import InvalidArgument
 from kvstore.pool.layout import DTYPES, MAX_KEY_BYTES, PageLayout, check_keys
 from kvstore.units import format_size, parse_size
@@ -75,7 +77,7 @@ def test_parse_size_large_integers_are_exact() -> None:
 
 @pytest.mark.parametrize(("n", "text"), [
     (0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"), (64 * MiB, "64.0 MiB"), (4 * GiB, "4.0 GiB"),
-    (3 * TiB, "3.0 TiB"), (2048 * TiB, "2048.0 TiB"),
+    (3 * TiB, "3.0 TiB"), (2048 * TiB, "2.0 PiB"),
 ])
 def test_format_size(n: int, text: str) -> None:
     assert format_size(n) == text
@@ -203,12 +205,34 @@ def test_namespace_spec_dict_without_page_bytes() -> None:
 # the settings table and build_config
 # ---------------------------------------------------------------------------
 
-def test_settings_table_matches_node_config() -> None:
-    field_defaults = {f.name: f.default for f in fields(NodeConfig) if f.name != "extra"}
-    assert sorted(s.name for s in SETTINGS) == sorted(field_defaults)
+def test_every_setting_is_described_once() -> None:
+    """Each setting has its help, metavar and group on its field; flags and env names follow from the name."""
+    assert [s.name for s in SETTINGS] == list(NodeConfig.model_fields)
     for s in SETTINGS:
-        assert s.default == field_defaults[s.name], s.name
-        assert s.help and s.metavar
+        assert s.help and s.metavar and s.group in GROUPS, s.name
+        assert s.flag == "--" + s.name.replace("_", "-") and s.env == "KVSTORED_" + s.name.upper()
+        assert NodeConfig().__getattribute__(s.name) == s.default
+    # the groups appear in order in the field list, each once
+    seen = [g for i, g in enumerate(s.group for s in SETTINGS) if i == 0 or SETTINGS[i - 1].group != g]
+    assert seen == list(GROUPS)
+
+
+def test_configuration_doc_is_generated_from_the_settings() -> None:
+    """docs/configuration.md is `python -m kvstore.config` output: regenerate it when a setting changes."""
+    doc = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    assert doc.read_text() == markdown(), "docs/configuration.md is stale: python -m kvstore.config > " \
+                                          "docs/configuration.md"
+    for s in SETTINGS:
+        assert f"`{s.flag} {s.metavar}`" in doc.read_text() and f"`{s.env}`" in doc.read_text()
+
+
+def test_settings_feed_the_planner_and_predictor_by_knob_name() -> None:
+    cfg = config_from(["--spec-threshold", "0.7", "--copy-fanout", "3", "--planner-tick", "0.25",
+                       "--predictor-depths", "1,2,4,8,16", "--predictor-horizon", "120"])
+    plan, pred = PlannerConfig(**cfg.feeding("planner")), PredictorConfig(**cfg.feeding("predictor"))
+    assert (plan.threshold, plan.fanout, plan.tick_s, plan.ttl_s) == (0.7, 3, 0.25, 120.0)
+    assert (pred.depths, pred.horizon_s, pred.momentum_window_s) == ((1, 2, 4, 8, 16), 120.0, 60.0)
+    assert plan.max_targets == PlannerConfig().max_targets  # a knob no setting names keeps its default
 
 
 def test_defaults_without_any_source() -> None:
@@ -359,19 +383,19 @@ def test_bad_values_name_the_setting_and_source(tmp_path: Path, setting: str, va
 
 def test_toml_namespace_table_without_page_bytes_names_the_setting(tmp_path: Path) -> None:
     path = write_toml(tmp_path, '[[namespace]]\nname = "a"\n')
-    with pytest.raises(ValueError, match="namespace: 'page_bytes'"):
+    with pytest.raises(ValueError, match="namespace: a namespace table needs 'page_bytes'"):
         config_from(["--config", str(path)])
 
 
 @pytest.mark.parametrize(("setting", "value", "message"), [
-    ("capacity", "0", "capacity must be > 0"),
-    ("data_port", "70000", "data_port must be -1..65535"),
-    ("data_port", "-2", "data_port must be -1..65535"),
-    ("metrics_port", "65536", "metrics_port must be -1..65535"),
-    ("max_message_bytes", "1KiB", "max_message_bytes must be >= 1 MiB"),
-    ("max_pin_ttl", "0", "max_pin_ttl must be in"),
-    ("max_pin_ttl", "1e9", "max_pin_ttl must be in"),
-    ("grace", "-1", "grace must be >= 0"),
+    ("capacity", "0", "capacity: Input should be greater than 0"),
+    ("data_port", "70000", "data_port: Input should be less than or equal to 65535"),
+    ("data_port", "-2", "data_port: Input should be greater than or equal to -1"),
+    ("metrics_port", "65536", "metrics_port: Input should be less than or equal to 65535"),
+    ("max_message_bytes", "1KiB", "max_message_bytes: Input should be greater than or equal to 1048576"),
+    ("max_pin_ttl", "0", "max_pin_ttl: Input should be greater than 0"),
+    ("max_pin_ttl", "1e9", "max_pin_ttl: Input should be less than or equal to 604800"),
+    ("grace", "-1", "grace: Input should be greater than or equal to 0"),
 ])
 def test_values_rejected_by_node_config_name_the_setting(setting: str, value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -397,7 +421,7 @@ def test_kvstored_main_reports_bad_config_as_usage_error(capsys: pytest.CaptureF
     with pytest.raises(SystemExit) as info:
         main(["--capacity", "0"])
     assert info.value.code == 2
-    assert "capacity must be > 0" in capsys.readouterr().err
+    assert "--capacity: capacity: Input should be greater than 0" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------
@@ -405,8 +429,8 @@ def test_kvstored_main_reports_bad_config_as_usage_error(capsys: pytest.CaptureF
 # ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"capacity": 0}, "capacity must be > 0"),
-    ({"capacity": -1}, "capacity must be > 0"),
+    ({"capacity": 0}, "capacity"),
+    ({"capacity": -1}, "capacity"),
     ({"device": "gpu"}, "bad device"),
     ({"device": "cuda:"}, "bad device"),
     ({"listen": "nohost"}, "bad address"),
@@ -443,11 +467,13 @@ def test_node_config_rejects_nan_grace() -> None:
         NodeConfig(grace=math.nan)
 
 
-def test_node_config_is_frozen_and_extra_not_compared() -> None:
+def test_node_config_is_frozen_and_rejects_unknown_settings() -> None:
     cfg = NodeConfig()
-    with pytest.raises(AttributeError):
+    with pytest.raises(ValueError, match="frozen"):
         cfg.capacity = 5  # type: ignore[misc]
-    assert NodeConfig(extra={"a": 1}) == NodeConfig()
+    with pytest.raises(ValueError, match="bogus"):
+        NodeConfig(bogus=1)  # type: ignore[call-arg]
+    assert cfg == NodeConfig() and hash(cfg) == hash(NodeConfig())
 
 
 # ---------------------------------------------------------------------------
@@ -528,3 +554,89 @@ def test_check_keys_duplicates() -> None:
     with pytest.raises(InvalidArgument, match="duplicate key 0102 in one batch"):
         check_keys(keys)  # names the first key seen twice
     check_keys(keys, allow_duplicates=True)
+
+
+# ---------------------------------------------------------------------------
+# every source gives every setting the same value; grouped TOML tables
+# ---------------------------------------------------------------------------
+
+# A value users write for each setting, other than its default: flags, env and TOML strings all take it.
+SAMPLES: dict[str, str] = {
+    "listen": "127.0.0.1:7999", "node_id": "n9", "data_port": "-1", "metrics_port": "9100", "log_level": "debug",
+    "loop": "asyncio", "grace": "1.5", "shm": "off", "shm_dir": "/tmp/kv-shm", "capacity": "4GiB",
+    "device": "cpu-staged", "namespace": "a:256MiB:1GiB", "prefault": "no", "checksum": "false",
+    "peers": "10.0.0.1:7400,10.0.0.2:7400", "membership": "etcd://127.0.0.1:2379", "heartbeat_interval": "0.2",
+    "heartbeat_timeout": "3", "transport": "tcp", "transport_port": "7500", "replication": "predictive",
+    "keep_fetched": "0", "fetch_timeout": "2", "deadline_share": "0.5", "max_pull_bytes": "128MiB",
+    "control_timeout": "2", "link_rate": "1.25e10", "link_latency": "5e-6", "predictor_model": "none",
+    "predictor_depths": "1,2,4,8,16", "predictor_horizon": "120", "predictor_momentum_window": "30",
+    "planner_tick": "0.2", "spec_threshold": "0.5", "spec_budget": "0.3", "spec_bandwidth": "2.5e9",
+    "spec_ttl": "60", "node_rate": "0", "copy_fanout": "4", "copy_chunks": "8", "copy_part_min": "0.05",
+    "tls_cert": "/etc/node.pem", "tls_key": "/etc/node.key", "tls_ca": "/etc/ca.pem", "tls_client_auth": "yes",
+    "token_file": "/etc/tokens.toml", "cluster_secret_file": "/etc/secret", "insecure": "on",
+    "max_message_bytes": "256MiB", "max_batch_pages": "1024", "max_batch_bytes": "2GiB", "max_pin_ttl": "60",
+    "max_claim_seconds": "30", "transfer_timeout": "10", "read_timeout": "1", "idle_timeout": "30",
+    "max_connections": "64", "shm_hold_timeout": "10",
+}
+
+
+def test_samples_cover_every_setting() -> None:
+    assert sorted(SAMPLES) == sorted(s.name for s in SETTINGS)
+
+
+def test_every_source_parses_every_setting_alike(tmp_path: Path) -> None:
+    flags = [x for s in SETTINGS for x in (s.flag, SAMPLES[s.name])]
+    env = {s.env: SAMPLES[s.name] for s in SETTINGS}
+    toml = write_toml(tmp_path, "".join(f'{s.name} = "{SAMPLES[s.name]}"\n' for s in SETTINGS))
+    grouped = write_toml(tmp_path / "..", "".join(
+        f"[{g}]\n" + "".join(f'{s.name.replace("_", "-")} = "{SAMPLES[s.name]}"\n' for s in SETTINGS if s.group == g)
+        for g in GROUPS))
+    by_flags = config_from(flags)
+    assert config_from([], env) == by_flags
+    assert config_from(["--config", str(toml)]) == by_flags
+    assert config_from(["--config", str(grouped)]) == by_flags
+    for s in SETTINGS:
+        assert getattr(by_flags, s.name) != s.default, s.name
+    assert by_flags.capacity == 4 * GiB and by_flags.spec_bandwidth == 25 * 10**8 and by_flags.link_rate == 1.25e10
+    assert by_flags.shm is False and by_flags.tls_client_auth is True and by_flags.peers[1] == "10.0.0.2:7400"
+    assert by_flags.namespace == (NamespaceSpec("a", 256 * MiB, GiB),)
+    # a node started with as_flags(...) of a config gets the same values back
+    assert config_from(as_flags(by_flags, *(s.name for s in SETTINGS))) == by_flags
+
+
+def test_a_setting_in_the_wrong_group_table_is_rejected(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, '[pool]\nheartbeat_interval = 0.2\n')
+    with pytest.raises(ValueError, match=r"'heartbeat_interval' belongs in \[cluster\], not in \[pool\]"):
+        config_from(["--config", str(path)])
+
+
+def test_help_lists_settings_by_group_with_bounds() -> None:
+    text = make_parser().format_help()
+    for group in GROUPS:
+        assert f"\n{group}:\n" in text, group
+    assert "[default: 1073741824; > 0; env KVSTORED_CAPACITY]" in " ".join(text.split())
+    assert "[default: -1; -1..65535; env KVSTORED_METRICS_PORT]" in " ".join(text.split())
+
+
+def test_override_flag_keeps_the_setting_text_and_its_own_default() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_override(p, "heartbeat_interval", 0.2, flag="--heartbeat", note="real seconds")
+    args = p.parse_args([])
+    assert args.heartbeat_interval == 0.2
+    text = " ".join(p.format_help().split())
+    assert "kvstored --heartbeat-interval: seconds between heartbeats to each peer; real seconds" in text
+    assert p.parse_args(["--heartbeat", "0.3"]).heartbeat_interval == 0.3  # in the type of the default
+    add_override(p, "predictor_depths", "1,2,4,8,16")
+    assert p.parse_args(["--predictor-depths", "1,2,4"]).predictor_depths == "1,2,4"  # a string stays as written
+    for bad in (["--heartbeat", "-1"], ["--predictor-depths", "4,2"]):  # the setting's own bounds and checks
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+
+
+def test_a_cross_setting_error_names_no_setting_but_says_what() -> None:
+    with pytest.raises(ValueError, match="heartbeat_interval < heartbeat_timeout"):
+        config_from(["--heartbeat-interval", "3", "--heartbeat-timeout", "2"])
+    with pytest.raises(ValueError, match="tls_cert and tls_key go together"):
+        config_from([], {"KVSTORED_TLS_CERT": "/x.pem"})

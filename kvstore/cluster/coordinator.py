@@ -71,12 +71,8 @@ class Coordinator:
         self._page_bytes = page_bytes
         self.policy = config.replication
         self.control_timeout = config.control_timeout
-        self.pcfg = PredictorConfig(depths=config.predictor_depths, horizon_s=config.predictor_horizon,
-                                    momentum_window_s=config.predictor_momentum_window)
-        self.plan_cfg = PlannerConfig(threshold=config.spec_threshold, spec_budget=config.spec_budget,
-                                      spec_bandwidth=config.spec_bandwidth, tick_s=config.planner_tick,
-                                      ttl_s=config.spec_ttl, node_rate=config.node_rate, fanout=config.copy_fanout,
-                                      chunks=config.copy_chunks, min_part_s=config.copy_part_min)
+        self.pcfg = PredictorConfig(**config.feeding("predictor"))
+        self.plan_cfg = PlannerConfig(**config.feeding("planner"))
         self.predictor = None
         if self.policy == "predictive":
             from kvstore.predict.model import DEFAULT_MODEL_PATH
