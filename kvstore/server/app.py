@@ -232,18 +232,26 @@ class NodeServer:
 
 def _metrics_server(port: int, host: str, registry: Any, tls: Callable[[], ssl.SSLContext] | None,
                     read_timeout: float) -> Any:
-    """Prometheus' HTTP server; with ``tls`` (the node's reloading server
-    context) HTTPS, each connection wrapped with the current context and its
-    handshake done in the request's own thread."""
-    from prometheus_client import start_http_server
+    """Prometheus' exposition app (``make_wsgi_app``) on a threading WSGI server of the standard library;
+    with ``tls`` (the node's reloading server context) HTTPS, each connection wrapped with the context
+    current when it is accepted, its handshake done in the request's own thread."""
+    import socket
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import make_wsgi_app, start_http_server
 
     if tls is None:
         return start_http_server(port, host, registry=registry)[0]
-    from wsgiref.simple_server import make_server
 
-    from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler, make_wsgi_app
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
 
-    class HttpsServer(ThreadingWSGIServer):
+    class HttpsServer(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+
         def get_request(self) -> tuple[Any, Any]:
             sock, addr = self.socket.accept()
             sock.settimeout(read_timeout)
@@ -252,7 +260,6 @@ def _metrics_server(port: int, host: str, registry: Any, tls: Callable[[], ssl.S
         def handle_error(self, request: Any, client_address: Any) -> None:
             log.debug("metrics: a request from %s failed", client_address, exc_info=True)
 
-    HttpsServer.address_family, addr = _get_best_family(host, port)
-    httpd = make_server(addr, port, make_wsgi_app(registry), HttpsServer, handler_class=_SilentHandler)
+    httpd = make_server(host, port, make_wsgi_app(registry), HttpsServer, handler_class=Quiet)
     threading.Thread(target=httpd.serve_forever, daemon=True, name="metrics-https").start()
     return httpd
