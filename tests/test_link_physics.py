@@ -49,7 +49,9 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             pytest.fail(f"KVSTORE_REQUIRE_NETNS is set but {available()}")
         pytest.skip(available())
     spec = ClusterSpec(nodes=3, policy="reactive", namespace=NS, page_bytes=PAGE, capacity="160MiB",
-                       heartbeat_interval=0.1, heartbeat_timeout=3.0, network=request.param, link_rate=RATE)
+                       settings={"device": "cpu", "transport": "tcp", "heartbeat_interval": 0.1,
+                                 "heartbeat_timeout": 3.0},
+                       network=request.param, link_rate=RATE)
     with LocalCluster(spec, tmp_path_factory.mktemp(f"phys-{request.param}")) as c:
         yield c
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvstore.replay.claiming import margin_for, split_policy
 from kvstore.replay.cluster import LocalCluster
-from kvstore.replay.config import POLICIES, ReplayConfig, cluster_and_router, link_of
+from kvstore.replay.config import POLICIES, ReplayConfig, add_daemon_overrides, cluster_and_router, link_of
 from kvstore.replay.costmodel import LINKS, PRESETS, CostModel
 from kvstore.replay.engine import Driver, RunConfig
 from kvstore.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum, replica_gib_s
@@ -107,12 +107,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--no-hints", action="store_true", help="cache-aware ignores pending/speculative placement hints")
     c.add_argument("--hint-cover", type=float, default=0.5, help="cache-aware: a hinted copy covering this share "
                    "of the longest cached prefix counts as holding all of it")
-    c.add_argument("--predictor-depths", default="1,2,4,8,16", help="kvstored --predictor-depths for predictive "
-                   "(16 lets the planner copy prefixes up to 8k tokens deep)")
-    c.add_argument("--device", default="cpu", help="kvstored --device")
     c.add_argument("--capacity", default="auto", help="kvstored --capacity per node (real bytes); auto: 1 TiB "
                    "modelled, i.e. 1 TiB / --byte-scale")
-    c.add_argument("--transport", default="tcp", choices=["tcp", "ucx", "auto"])
     c.add_argument("--network", default="shaped", choices=["shaped", "netns", "none"],
                    help="how node-to-node bytes cost time: shaped = a fair link shaper in each kvstored's peer "
                         "transport (any user); netns = each kvstored in its own network namespace on a bridge "
@@ -122,17 +118,15 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                        f"{k} {v[0] / 1e9:g} GB/s" for k, v in LINKS.items()))
     c.add_argument("--link-latency-us", type=float, default=None, help="one-way link latency, us (default: preset)")
 
-    c.add_argument("--heartbeat", type=float, default=0.2, help="kvstored --heartbeat-interval (real s)")
     c.add_argument("--heartbeat-timeout", type=float, default=3.0, help="kvstored --heartbeat-timeout in trace s "
                    "(a fleet's membership timeout): the daemons get it divided by --speedup, as every other time of "
                    "the replay, but at least 4 real heartbeats")
-    c.add_argument("--planner-tick", type=float, default=0.2, help="kvstored --planner-tick for predictive (real s)")
-    c.add_argument("--spec-ttl", type=float, default=60.0, help="speculative replica TTL (real s), also the oracle's")
     c.add_argument("--oracle-lead", type=float, default=4.0, help="the oracle copies a prefix to a request's node "
                    "no earlier than this before the request arrives (trace s)")
     c.add_argument("--kill", action="append", default=[], metavar="NODE@T",
                    help="failover: SIGKILL node NODE (n3, or 3) at trace second T of every run (repeatable); the "
                         "report gives TTFT in the 30 s after it; the engine in front of it recomputes")
+    add_daemon_overrides(c)
     c.add_argument("--kvstored-arg", action="append", default=[], help="extra kvstored flag (repeat; e.g. "
                    "--kvstored-arg=--spec-threshold=0.3)")
     e = p.add_argument_group("engines and cost model")

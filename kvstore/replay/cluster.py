@@ -22,9 +22,11 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
+from kvstore.config import setting_flags
 from kvstore.replay.netns import NetnsLinks
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -49,14 +51,8 @@ class ClusterSpec:
     namespace: str = "llama3-8b"
     page_bytes: int = 16384
     capacity: str = "256MiB"
-    device: str = "cpu"
-    transport: str = "tcp"
-    heartbeat_interval: float = 0.2
-    heartbeat_timeout: float = 3.0
-    planner_tick: float = 0.2
-    spec_ttl: float = 60.0
-    predictor_depths: str = "1,2,4,8,16"
-    extra: list[str] = field(default_factory=list)   # more kvstored flags
+    settings: dict[str, Any] = field(default_factory=dict)  # more kvstored settings, by name
+    extra: list[str] = field(default_factory=list)   # kvstored flags as given (--kvstored-arg), last
     network: str = "none"              # none | shaped (--link-rate in the daemons) | netns (tc on veths)
     link_rate: float = 0.0             # real bytes/s per node and direction (already scaled)
     link_latency: float = 0.0          # real seconds, one way
@@ -67,13 +63,9 @@ class ClusterSpec:
         # a netns node listens on its veth address inside namespaces this benchmark made and removes,
         # reachable from nothing else: development mode without the loopback check
         private = ["--insecure", "true"] if host != "127.0.0.1" else []
-        return ["--node-id", node_id, "--listen", f"{host}:0", "--device", self.device, *private,
+        return ["--node-id", node_id, "--listen", f"{host}:0", *private,
                 "--capacity", self.capacity, "--namespace", f"{self.namespace}:{self.page_bytes}",
-                "--replication", self.policy, "--transport", self.transport,
-                "--heartbeat-interval", str(self.heartbeat_interval),
-                "--heartbeat-timeout", str(self.heartbeat_timeout),
-                "--planner-tick", str(self.planner_tick), "--spec-ttl", str(self.spec_ttl),
-                "--predictor-depths", self.predictor_depths,
+                "--replication", self.policy, *setting_flags(self.settings),
                 "--metrics-port", "0", "--log-level", "warning", *shaped, *self.extra]
 
 

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kvstore.config import add_override
 from kvstore.replay import netns
 from kvstore.replay.claiming import margin_for, split_policy
 from kvstore.replay.cluster import ClusterSpec
@@ -29,6 +30,37 @@ from kvstore.replay.workload import DEFAULT_TRACE
 from kvstore.units import parse_size
 
 POLICIES = ("none", "reactive", "full", "predictive", "oracle")
+
+
+# The replay's deliberate departures from kvstored's defaults, each a replay flag that carries the
+# setting's own help (kvstore.config.add_override): a replay lasts minutes of real time, so membership,
+# the planner and speculative replicas run on faster clocks; pools are host memory and the transport is
+# TCP, which every machine has; the predictor tracks deeper prefixes.
+# (kvstored setting, replay flag and ReplayConfig field, default here, why)
+DAEMON_OVERRIDES: tuple[tuple[str, str, Any, str], ...] = (
+    ("device", "device", "cpu", "the replay's pools"),
+    ("transport", "transport", "tcp", "the replay's peer transport"),
+    ("heartbeat_interval", "heartbeat", 0.2, "real seconds"),
+    ("planner_tick", "planner_tick", 0.2, "real seconds, for predictive"),
+    ("spec_ttl", "spec_ttl", 60.0, "real seconds; also the oracle's copies"),
+    ("predictor_depths", "predictor_depths", "1,2,4,8,16",
+     "16 lets the planner copy prefixes up to 8k tokens deep"),
+)
+_OVERRIDE_DEFAULT = {field_name: default for _, field_name, default, _ in DAEMON_OVERRIDES}
+
+
+def add_daemon_overrides(group: Any) -> None:
+    """The replay's flags for :data:`DAEMON_OVERRIDES`."""
+    for name, field_name, default, why in DAEMON_OVERRIDES:
+        add_override(group, name, default, flag="--" + field_name.replace("_", "-"), dest=field_name, note=why)
+
+
+def daemon_settings(cfg: ReplayConfig) -> dict[str, Any]:
+    """The kvstored settings the replay's daemons get beyond their defaults (the simulator parses the same)."""
+    out = {name: getattr(cfg, field_name) for name, field_name, _, _ in DAEMON_OVERRIDES}
+    # a fleet's membership timeout in trace seconds: divided by --speedup, but at least 4 real heartbeats
+    out["heartbeat_timeout"] = max(cfg.heartbeat_timeout / cfg.speedup, 4 * cfg.heartbeat)
+    return out
 
 
 @dataclass(frozen=True)
@@ -61,17 +93,17 @@ class ReplayConfig:
     match_threshold: float = 0.0
     no_hints: bool = False
     hint_cover: float = 0.5
-    predictor_depths: str = "1,2,4,8,16"
-    device: str = "cpu"
+    predictor_depths: str = _OVERRIDE_DEFAULT["predictor_depths"]
+    device: str = _OVERRIDE_DEFAULT["device"]
     capacity: str = "auto"
-    transport: str = "tcp"
+    transport: str = _OVERRIDE_DEFAULT["transport"]
     network: str = "shaped"
     link: str = "rdma-400g"
     link_latency_us: float | None = None
-    heartbeat: float = 0.2
+    heartbeat: float = _OVERRIDE_DEFAULT["heartbeat"]
     heartbeat_timeout: float = 3.0
-    planner_tick: float = 0.2
-    spec_ttl: float = 60.0
+    planner_tick: float = _OVERRIDE_DEFAULT["planner_tick"]
+    spec_ttl: float = _OVERRIDE_DEFAULT["spec_ttl"]
     oracle_lead: float = 4.0
     kill: tuple[str, ...] = ()
     kvstored_arg: tuple[str, ...] = ()
@@ -219,11 +251,8 @@ def cluster_and_router(cfg: ReplayConfig, policy: str, router_cfg: tuple[str, st
     rate, latency = link_of(cfg)
     base, _ = split_policy(policy)
     spec = ClusterSpec(nodes=cfg.nodes, policy="reactive" if base == "oracle" else base, namespace=cfg.preset,
-                       page_bytes=cost.scaled_page_bytes, capacity=cfg.capacity, device=cfg.device,
-                       transport=cfg.transport, heartbeat_interval=cfg.heartbeat,
-                       heartbeat_timeout=max(cfg.heartbeat_timeout / cfg.speedup, 4 * cfg.heartbeat),
-                       planner_tick=cfg.planner_tick,
-                       spec_ttl=cfg.spec_ttl, predictor_depths=cfg.predictor_depths, extra=list(cfg.kvstored_arg),
+                       page_bytes=cost.scaled_page_bytes, capacity=cfg.capacity, settings=daemon_settings(cfg),
+                       extra=list(cfg.kvstored_arg),
                        network=cfg.network, link_rate=rate * cfg.speedup / cost.byte_scale,
                        link_latency=latency / cfg.speedup)
     _, router_name, balance_abs = router_cfg
