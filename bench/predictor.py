@@ -241,11 +241,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def replace_ns(ns: argparse.Namespace, **kw: Any) -> argparse.Namespace:
-    d = vars(ns).copy()
-    d.update(kw)
-    return argparse.Namespace(**d)
-
-
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -189,15 +189,6 @@ def vs_best_lines(w: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def ratio_lines(policies: dict[str, dict[str, Any]]) -> str:
-    out = []
-    for name, r in ratios(policies).items():
-        out.append(f"- **{name}**: TTFT p50 {_fmt(r['ttft_p50_s'], 2)}x, p95 {_fmt(r['ttft_p95_s'], 2)}x, "
-                   f"p99 {_fmt(r['ttft_p99_s'], 2)}x, mean {_fmt(r['ttft_mean_s'], 2)}x; "
-                   f"TTFT(link) p99 {_fmt(r['ttft_link_p99_s'], 2)}x; KV fetch p99 {_fmt(r['kv_fetch_p99_s'], 2)}x")
-    return "\n".join(out) or "- (needs predictive with reactive and/or oracle in the run)"
-
-
 MEASURED_NOTE = """\
 What is measured and what is modelled:
 
