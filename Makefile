@@ -15,9 +15,9 @@ VSTAMP  := $(VVENV)/.installed
 
 install: $(STAMP)
 
-# setup.py compiles some of kvstore/predict (compiled_modules.COMPILED): an edit there installs again
+# setup.py compiles kvstore/placement (compiled_modules.COMPILED): an edit there installs again
 # here; until then kvstore runs those modules from source.
-$(STAMP): pyproject.toml setup.py $(wildcard kvstore/predict/*.py)
+$(STAMP): pyproject.toml setup.py $(wildcard kvstore/placement/*.py)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'

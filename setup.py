@@ -5,8 +5,8 @@ same typed source to C extension modules (no second implementation to keep in
 step): a planner tick runs about a third fewer instructions
 (``docs/benchmarks.md``). Where it cannot compile (``KVSTORE_PURE_PYTHON=1``,
 no mypy, no C compiler, a type error), the package installs as pure Python and
-says so; ``kvstore.predict`` also loads the sources whenever a compiled module
-no longer matches its source (``kvstore/predict/__init__.py``).
+says so; ``kvstore.placement`` also loads the sources whenever a compiled module
+no longer matches its source (``kvstore/placement/__init__.py``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "kvstore" / "predict"))
+sys.path.insert(0, str(HERE / "kvstore" / "placement"))
 from compiled_modules import COMPILED, MANIFEST, source_hashes  # noqa: E402  (shared with the loader)
 
 sys.path.pop(0)
-PREDICT = HERE / "kvstore" / "predict"
+PLACEMENT = HERE / "kvstore" / "placement"
 
 
 def _warn(why: str) -> None:
@@ -32,7 +32,7 @@ def _warn(why: str) -> None:
 
 
 def _ext_modules() -> list:  # type: ignore[type-arg]
-    manifest = PREDICT / MANIFEST
+    manifest = PLACEMENT / MANIFEST
     manifest.unlink(missing_ok=True)  # no manifest: the loader never trusts an old compiled module
     if os.environ.get("KVSTORE_PURE_PYTHON"):
         _warn("KVSTORE_PURE_PYTHON is set")
@@ -42,7 +42,7 @@ def _ext_modules() -> list:  # type: ignore[type-arg]
     except ImportError:
         _warn("mypy is not installed")
         return []
-    paths = [f"kvstore/predict/{name}.py" for name in COMPILED]  # mypy's settings: [tool.mypy] in pyproject.toml
+    paths = [f"kvstore/placement/{name}.py" for name in COMPILED]  # mypy's settings: [tool.mypy] in pyproject.toml
     try:
         old = os.getcwd()
         os.chdir(HERE)
@@ -53,7 +53,7 @@ def _ext_modules() -> list:  # type: ignore[type-arg]
     except (Exception, SystemExit) as exc:  # mypy's type errors end in SystemExit
         _warn(f"mypyc failed: {exc!r}")
         return []
-    manifest.write_text(json.dumps(source_hashes(PREDICT), indent=1, sort_keys=True) + "\n")
+    manifest.write_text(json.dumps(source_hashes(PLACEMENT), indent=1, sort_keys=True) + "\n")
     return modules
 
 
@@ -64,7 +64,7 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:  # noqa: BLE001 -- compiler missing or failing: fall back, loudly
-            (PREDICT / MANIFEST).unlink(missing_ok=True)
+            (PLACEMENT / MANIFEST).unlink(missing_ok=True)
             _warn(f"the C build failed: {exc!r}")
 
 

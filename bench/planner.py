@@ -53,11 +53,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvstore.cluster.coordinator import TICK_SLICE_S  # noqa: E402
 from kvstore.cluster.tickplan import BUILD_STEP  # noqa: E402
 from kvstore.loops.slices import Steps, finish, sliced  # noqa: E402
-from kvstore.predict import compiled_modules  # noqa: E402
-from kvstore.predict.candidates import Ranked, select_candidates  # noqa: E402
-from kvstore.predict.planner import plan_steps  # noqa: E402
-from kvstore.predict.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig, PlanResult  # noqa: E402
-from kvstore.predict.renewals import to_review_steps  # noqa: E402
+from kvstore.placement import compiled_modules  # noqa: E402
+from kvstore.placement.candidates import Ranked, select_candidates  # noqa: E402
+from kvstore.placement.planner import plan_steps  # noqa: E402
+from kvstore.placement.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig, PlanResult  # noqa: E402
+from kvstore.placement.renewals import to_review_steps  # noqa: E402
 from kvstore.predict.types import PrefixId  # noqa: E402
 
 DEPTHS = (1, 2, 4, 8)

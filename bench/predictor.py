@@ -43,12 +43,12 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvstore.predict.cli import eval_main, json_safe  # noqa: E402
-from kvstore.predict.evaluate import build_dataset, evaluate  # noqa: E402
+from kvstore.training.cli import eval_main, json_safe  # noqa: E402
+from kvstore.training.evaluate import build_dataset, evaluate  # noqa: E402
 from kvstore.predict.features import FeatureStore  # noqa: E402
 from kvstore.predict.model import DEFAULT_MODEL_PATH, BurstModel  # noqa: E402
 from kvstore.predict.online import Predictor  # noqa: E402
-from kvstore.predict.trace import Simulator  # noqa: E402
+from kvstore.training.trace import Simulator  # noqa: E402
 from kvstore.workloads.traces import load_mooncake  # noqa: E402
 from kvstore.predict.types import Access, Outcome, PredictorConfig  # noqa: E402
 

@@ -167,7 +167,7 @@ def setting(default: Any, help: str, metavar: str, *, group: str, repeat: bool =
             planner: str = "", predictor: str = "", **bounds: Any) -> Any:
     """One setting: its default, help, flag metavar, group and bounds (``gt``, ``ge``, ``le``, ``lt``).
 
-    ``planner``/``predictor`` name the :class:`~kvstore.predict.planner_types.PlannerConfig` or
+    ``planner``/``predictor`` name the :class:`~kvstore.placement.planner_types.PlannerConfig` or
     :class:`~kvstore.predict.types.PredictorConfig` field the setting feeds; ``repeat``: the flag may
     repeat and its values accumulate."""
     extra = {"group": group, "metavar": metavar, "repeat": repeat, "planner": planner, "predictor": predictor}
@@ -357,7 +357,7 @@ class NodeConfig(BaseModel):
 
     def feeding(self, part: Literal["planner", "predictor"]) -> dict[str, Any]:
         """The values of the settings that feed ``part``, by the names of its knobs: ``PlannerConfig(
-        **config.feeding("planner"))`` (:mod:`kvstore.predict.planner_types`) and the same for the
+        **config.feeding("planner"))`` (:mod:`kvstore.placement.planner_types`) and the same for the
         predictor's ``PredictorConfig``; knobs no setting names keep their defaults there."""
         return {s.extra[part]: getattr(self, s.name) for s in SETTINGS if s.extra[part]}
 

@@ -269,8 +269,8 @@ def test_a_copy_tree_sends_one_wave_at_a_time_from_each_holder(fail: set[str]) -
     from kvstore.cluster.coordinator import Coordinator
     from kvstore.cluster.directory import Directory
     from kvstore.metrics import NodeMetrics
-    from kvstore.predict.planner import copy_tree
-    from kvstore.predict.planner_types import Decision
+    from kvstore.placement.planner import copy_tree
+    from kvstore.placement.planner_types import Decision
 
     class NoNamespaces:
         namespaces: dict[str, object] = {}
@@ -305,8 +305,8 @@ def test_a_relayed_copy_tree_forwards_each_part_as_it_lands(fail: set[str]) -> N
     from kvstore.cluster.coordinator import Coordinator
     from kvstore.cluster.directory import Directory
     from kvstore.metrics import NodeMetrics
-    from kvstore.predict.planner import copy_tree
-    from kvstore.predict.planner_types import Decision
+    from kvstore.placement.planner import copy_tree
+    from kvstore.placement.planner_types import Decision
 
     class NoNamespaces:
         namespaces: dict[str, object] = {}

@@ -1,6 +1,6 @@
 """The planner's mypyc build: used when it matches its source, never when it does not, same plans either way.
 
-``setup.py`` compiles ``kvstore.predict.compiled_modules.COMPILED``; ``compiled_modules.choose`` picks
+``setup.py`` compiles ``kvstore.placement.compiled_modules.COMPILED``; ``compiled_modules.choose`` picks
 the compiled modules or the sources. CI sets ``KVSTORE_REQUIRE_COMPILED=1`` (``.ci/run``), so a build
 that silently fell back to pure Python fails there instead of passing slower.
 """
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.predict import compiled_modules
+from kvstore.placement import compiled_modules
 
 ROOT = Path(__file__).resolve().parent.parent
-PREDICT = ROOT / "kvstore" / "predict"
+PLACEMENT = ROOT / "kvstore" / "placement"
 IS_COMPILED = compiled_modules.BUILD == "compiled (mypyc)"
-PROBE = ("import kvstore.predict.planner as p; from kvstore.predict import compiled_modules as c; "
+PROBE = ("import kvstore.placement.planner as p; from kvstore.placement import compiled_modules as c; "
          "print(p.__file__); print(c.BUILD)")
 
 
@@ -32,7 +32,7 @@ def _is_extension(path: str) -> bool:
 
 def test_build_is_what_runs() -> None:
     """``BUILD`` says what this process imported: every module compiled, or every one from source."""
-    modules = [sys.modules.get(f"kvstore.predict.{name}") or __import__(f"kvstore.predict.{name}", fromlist=["_"])
+    modules = [sys.modules.get(f"kvstore.placement.{name}") or __import__(f"kvstore.placement.{name}", fromlist=["_"])
                for name in compiled_modules.COMPILED]
     kinds = {_is_extension(m.__file__) for m in modules}
     assert kinds == {IS_COMPILED}, (compiled_modules.BUILD, [m.__file__ for m in modules])
@@ -41,11 +41,11 @@ def test_build_is_what_runs() -> None:
 
 
 def _copy_package(dest: Path) -> None:
-    """What importing the planner needs: the package roots, kvstore.loops, kvstore.predict and mypyc's
+    """What importing the planner needs: the package roots, kvstore.loops, kvstore.predict (the types the planner reads), kvstore.placement and mypyc's
     shared library (compiled modules and manifest included, as built)."""
     (dest / "kvstore").mkdir()
     shutil.copy2(ROOT / "kvstore" / "__init__.py", dest / "kvstore" / "__init__.py")
-    for part in ("loops", "predict"):
+    for part in ("loops", "predict", "placement"):
         shutil.copytree(ROOT / "kvstore" / part, dest / "kvstore" / part,
                         ignore=shutil.ignore_patterns("__pycache__"))
     for lib in ROOT.glob("*__mypyc*"):
@@ -71,14 +71,14 @@ def test_an_edited_source_runs_from_source(tmp_path: Path) -> None:
     _, build = _probe(tmp_path, KVSTORE_PURE_PYTHON="1")
     assert build == "pure Python (KVSTORE_PURE_PYTHON is set)"
 
-    with (tmp_path / "kvstore" / "predict" / "planner.py").open("a") as f:
+    with (tmp_path / "kvstore" / "placement" / "planner.py").open("a") as f:
         f.write("\n# edited after the build\n")
     module_file, build = _probe(tmp_path)
     assert module_file.endswith("planner.py")
     assert build.startswith("pure Python (planner changed since compiled"), build
 
-    (tmp_path / "kvstore" / "predict" / "planner.py").write_bytes((PREDICT / "planner.py").read_bytes())
-    (tmp_path / "kvstore" / "predict" / compiled_modules.MANIFEST).unlink()  # e.g. a build that fell back
+    (tmp_path / "kvstore" / "placement" / "planner.py").write_bytes((PLACEMENT / "planner.py").read_bytes())
+    (tmp_path / "kvstore" / "placement" / compiled_modules.MANIFEST).unlink()  # e.g. a build that fell back
     module_file, build = _probe(tmp_path)
     assert module_file.endswith("planner.py") and "changed since compiled" in build
 

@@ -17,7 +17,7 @@ from kvstore.config import (
     GROUPS, SETTINGS, NamespaceSpec, NodeConfig, add_override, as_flags, build_config, markdown, parse_bool,
     parse_device, parse_hostport, parse_peers,
 )
-from kvstore.predict.planner_types import PlannerConfig
+from kvstore.placement.planner_types import PlannerConfig
 from kvstore.predict.types import PredictorConfig
 from kvstore.errors import InvalidArgument
 from kvstore.pool.layout import DTYPES, MAX_KEY_BYTES, PageLayout, check_keys

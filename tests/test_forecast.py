@@ -16,7 +16,7 @@ from kvstore.cluster.peers import PeerClient
 from kvstore.config import NodeConfig
 from kvstore.metrics import NodeMetrics
 from kvstore.predict.forecast import CLUSTER, ForecastConfig, RateForecaster
-from kvstore.predict.forecast_eval import evaluate_forecasts
+from kvstore.training.forecast_eval import evaluate_forecasts
 from kvstore.workloads.traces import Request, hash_key
 from kvstore.predict.types import Access, Outcome
 from kvstore.v1 import kvstore_pb2 as pb

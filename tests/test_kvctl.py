@@ -71,7 +71,7 @@ def test_kvctl_help_lists_every_command_without_importing_them() -> None:
             "    main(['stats', '--help'])\n"
             "except SystemExit:\n"
             "    pass\n"
-            "heavy = [m for m in ('lightgbm', 'numpy', 'kvstore.replay.cli', 'kvstore.predict.cli', "
+            "heavy = [m for m in ('lightgbm', 'numpy', 'kvstore.replay.cli', 'kvstore.training.cli', "
             "'kvstore.bench.micro') if m in sys.modules]\n"
             "print('HEAVY', heavy)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout
@@ -132,7 +132,7 @@ def test_replay_parses_as_replay_main(prefix: list[str]) -> None:
 
 def test_other_commands_parse_as_their_modules() -> None:
     from kvstore.bench import micro
-    from kvstore.predict import cli as predict
+    from kvstore.training import cli as predict
     from kvstore.replay.cli import trace_parser
 
     def alone(add, argv: list[str]) -> dict[str, object]:  # type: ignore[no-untyped-def]

@@ -26,8 +26,10 @@ SCANNED = ((ROOT, PACKAGE), (ROOT / "clients", ROOT / "clients"), (ROOT, ROOT / 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("cli", "demo")),  # user-facing entry code
     ("replay/bench", ("replay", "bench", "launch")),  # what users run against daemons they start
+    ("training", ("training",)),  # offline: the predictor's labels, training and evaluation
     ("server/datapath", ("server", "datapath")),
     ("cluster", ("cluster",)),
+    ("placement", ("placement",)),  # the planner: decides from the predictor's scores
     ("predict/transport", ("predict", "transport")),
     ("node", ("node",)),
     ("pool", ("pool",)),

@@ -1,10 +1,10 @@
-"""Per-node, per-direction copy rates (kvstore.predict.links): pure bookkeeping, no sockets."""
+"""Per-node, per-direction copy rates (kvstore.placement.links): pure bookkeeping, no sockets."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvstore.predict.links import LinkRates
+from kvstore.placement.links import LinkRates
 
 GB = 1e9
 

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.predict.planner import SKIP_REASONS, copy_tree, plan, renew_or_drop, select_candidates
-from kvstore.predict.renewals import chain_demand
-from kvstore.predict.planner_types import Candidate, Drop, NodeState, PlannerConfig, PlanResult, Renewal
+from kvstore.placement.planner import SKIP_REASONS, copy_tree, plan, renew_or_drop, select_candidates
+from kvstore.placement.renewals import chain_demand
+from kvstore.placement.planner_types import Candidate, Drop, NodeState, PlannerConfig, PlanResult, Renewal
 
 MB = 1_000_000
 GB = 1_000_000_000
@@ -509,7 +509,7 @@ def test_copy_tree_waves_and_fanout() -> None:
 def test_a_relayed_copy_tree_is_chains_and_lands_in_about_one_copy_time() -> None:
     """With the copy in parts each target forwards as they land, the tree is one chain per source (every
     node sends once: no egress shared), and L targets take 1 + (L - 1) / parts copy times."""
-    from kvstore.predict.planner import chunk_bounds, copy_times, relay_parts
+    from kvstore.placement.planner import chunk_bounds, copy_times, relay_parts
 
     edges, waves = copy_tree(["a"], list("bcdefgh"), fanout=2, chunks=8)
     assert edges == list(zip("abcdefg", "bcdefgh")) and waves == 2

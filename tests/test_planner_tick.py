@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 
 from conftest import drain_steps
 
-from kvstore.predict.candidates import GATE_REASONS, RANK_CHUNK, Ranked, gate_row
-from kvstore.predict.planner import PLAN_STEP, plan, plan_steps, tick_bounds
-from kvstore.predict.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig
-from kvstore.predict.renewals import RENEW_STEP, REVIEW_STEP, renew_or_drop, renew_or_drop_steps, to_review, to_review_steps
+from kvstore.placement.candidates import GATE_REASONS, RANK_CHUNK, Ranked, gate_row
+from kvstore.placement.planner import PLAN_STEP, plan, plan_steps, tick_bounds
+from kvstore.placement.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig
+from kvstore.placement.renewals import RENEW_STEP, REVIEW_STEP, renew_or_drop, renew_or_drop_steps, to_review, to_review_steps
 
 MB = 1_000_000
 GB = 1_000_000_000

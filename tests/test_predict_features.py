@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.predict.features import FEATURE_NAMES, FeatureStore, feature_names, momentum_prob, need_in_s
 from kvstore.predict.labels import EventLog, future_counts, labels_for, make_labels
-from kvstore.predict.trace import Simulator, simulate
+from kvstore.training.trace import Simulator, simulate
 from kvstore.workloads.traces import Request, hash_key, key_hash, load_azure, load_mooncake, synth_fanout
 from kvstore.predict.types import Access, Outcome, PredictorConfig
 

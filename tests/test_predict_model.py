@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from kvstore.predict import online
-from kvstore.predict.cli import eval_main, train_main
-from kvstore.predict.evaluate import (Dataset, best_f1_threshold, gate, pr_auc, pr_curve, precision_recall_at, roc_auc,
-                                      time_split)
+from kvstore.training.cli import eval_main, train_main
+from kvstore.predict.evaluate import best_f1_threshold, gate, pr_auc, pr_curve, precision_recall_at, roc_auc
+from kvstore.training.evaluate import Dataset, time_split
 from kvstore.predict.features import FEATURE_NAMES, momentum_prob
 from kvstore.predict.model import BurstModel, ModelError
 from kvstore.predict.online import Predictor
-from kvstore.predict.trace import Simulator
+from kvstore.training.trace import Simulator
 from kvstore.workloads.traces import synth_fanout
 from kvstore.predict.types import PredictorConfig
 

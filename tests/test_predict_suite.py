@@ -7,12 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from kvstore.predict import suite
-from kvstore.predict.evaluate import build_dataset
+from kvstore.training import suite
+from kvstore.training.evaluate import build_dataset
 from kvstore.predict.features import FEATURE_NAMES, FeatureStore
 from kvstore.predict.model import DEFAULT_MODEL_PATH, BurstModel
 from kvstore.predict.online import Predictor
-from kvstore.predict.trace import Simulator
+from kvstore.training.trace import Simulator
 from kvstore.workloads.traces import synth_fanout
 from kvstore.predict.types import PredictorConfig
 

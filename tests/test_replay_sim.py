@@ -121,7 +121,7 @@ def test_a_copy_tree_finishes_in_log_waves() -> None:
     """The coordinator's copy tree (the planner's copy_tree edges, carried out by the simulated
     coordinator) over 1 + 7 nodes with fanout 1: 3 waves of one copy time, where a star from the
     primary would queue 7 copies on its egress."""
-    from kvstore.predict.planner import copy_tree
+    from kvstore.placement.planner import copy_tree
 
     c = _cluster(nodes=8)
     keys = [bytes([i]) * 8 for i in range(10)]       # 1 GB: one copy takes 1 s on a 1 GB/s link

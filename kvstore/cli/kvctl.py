@@ -162,7 +162,7 @@ def _trace_command(parser: argparse.ArgumentParser) -> None:
 
 
 def _train_command(parser: argparse.ArgumentParser) -> None:
-    from kvstore.predict import cli
+    from kvstore.training import cli
 
     parser.description = cli.TRAIN_DESCRIPTION
     cli.add_train_arguments(parser)
@@ -170,7 +170,7 @@ def _train_command(parser: argparse.ArgumentParser) -> None:
 
 
 def _eval_predictor_command(parser: argparse.ArgumentParser) -> None:
-    from kvstore.predict import cli
+    from kvstore.training import cli
 
     parser.description = cli.EVAL_DESCRIPTION
     cli.add_eval_predictor_arguments(parser)

@@ -21,7 +21,7 @@ from kvstore import __version__
 from kvstore.errors import KvError
 from kvstore.config import NodeConfig, add_arguments, build_config
 from kvstore.loops import loop_factory, resolve_loop
-from kvstore.predict import compiled_modules
+from kvstore.placement import compiled_modules
 from kvstore.server.app import NodeServer
 
 log = logging.getLogger("kvstored")

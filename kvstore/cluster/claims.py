@@ -42,8 +42,8 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.predict.copytree import copy_times, copy_tree
-from kvstore.predict.planner_types import Decision
+from kvstore.placement.copytree import copy_times, copy_tree
+from kvstore.placement.planner_types import Decision
 
 DEFAULT_MAX_KEYS = 200_000      # claimed keys kept at once (a claim that does not fit is not recorded)
 DEFAULT_GRACE_S = 2.0           # a claim lives this long past its ready time before it is dropped

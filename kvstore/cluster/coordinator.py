@@ -43,9 +43,9 @@ from kvstore.errors import KvError
 from kvstore.loops.slices import Steps, on_loop, sliced
 from kvstore.metrics import NodeMetrics
 from kvstore.pool.pool import PageKind
-from kvstore.predict.copytree import chunk_bounds, relay_parts
-from kvstore.predict.links import LinkRates
-from kvstore.predict.planner_types import Decision, NodeState, PlannerConfig
+from kvstore.placement.copytree import chunk_bounds, relay_parts
+from kvstore.placement.links import LinkRates
+from kvstore.placement.planner_types import Decision, NodeState, PlannerConfig
 from kvstore.predict.types import Access, Outcome, PredictorConfig
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -137,7 +137,7 @@ class Coordinator:
 
     def relay_parts(self, namespace: str, keys: int) -> int:
         """Parts a copy tree of ``keys`` pages relays in at the measured copy bandwidth (1: store and
-        forward; :func:`~kvstore.predict.copytree.relay_parts`), for the claims' copy-time estimate too."""
+        forward; :func:`~kvstore.placement.copytree.relay_parts`), for the claims' copy-time estimate too."""
         copy_s = keys * self._page_bytes(namespace) / self.bandwidth if self.bandwidth > 0 else 0.0
         return relay_parts(copy_s, self.plan_cfg.chunks, self.plan_cfg.min_part_s)
 

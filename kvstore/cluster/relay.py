@@ -1,7 +1,7 @@
 """Carrying out a relayed copy tree: each part of the copy is forwarded as soon as it landed.
 
 The coordinator's ``_copy_tree`` hands a tree here when the planner cut its copy into parts
-(:func:`~kvstore.predict.copytree.relay_parts`); the I/O (one ``Replicate`` per part and hop, and the
+(:func:`~kvstore.placement.copytree.relay_parts`); the I/O (one ``Replicate`` per part and hop, and the
 end of a target's pending entry) comes in as two callables, so the scheduling is all this module does.
 """
 
@@ -18,7 +18,7 @@ async def relay(tree: Sequence[tuple[str, str]], keys: list[bytes], nbytes: int,
     """Copy ``keys`` (``nbytes`` per target) down ``tree`` in ``parts``: a target starts sending part j to
     its own targets once part j reached it, so a chain of L targets holds the prefix after about
     ``1 + (L - 1) / len(parts)`` copy times instead of L (the planner shapes relayed trees as chains:
-    :func:`~kvstore.predict.copytree.copy_tree`). Every node sends to ``fanout`` targets at a time. A part
+    :func:`~kvstore.placement.copytree.copy_tree`). Every node sends to ``fanout`` targets at a time. A part
     that did not land on a node is sent from the nearest node above it that has it; the failed node gets
     nothing more. ``ended(target)`` runs once per target when its copy is over, landed or not."""
     parent = {dst: src for src, dst in tree}

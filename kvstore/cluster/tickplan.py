@@ -2,17 +2,17 @@
 
 The coordinator (and the simulated replay's, ``kvstore/replay/sim_coord.py``) call :meth:`TickPlanner.plan`
 once a tick, on the event loop: it keeps that step short at 100k scored prefixes by building
-:class:`~kvstore.predict.planner_types.Candidate` objects only where the planner reads them.
+:class:`~kvstore.placement.planner_types.Candidate` objects only where the planner reads them.
 
 * Candidates come from three scorers (:meth:`TickPlanner.chosen`): the classifier's best rows at the
   keep threshold, the placed prefixes under review this tick (``renewals.to_review``: a slice of the
   placed chains in turn, and those due for renewal), and the rate forecaster's due bursts.
 * They are grouped by chain (the prefixes sharing a first block, scored apart at each tracked depth:
   they read each other's scores and demands). A chain under review is built at once; the others go
-  to the planner as :class:`~kvstore.predict.candidates.Ranked` rows, one a chain, that it builds
+  to the planner as :class:`~kvstore.placement.candidates.Ranked` rows, one a chain, that it builds
   only as far as its room and byte budget last. A chain with nothing under review and no prefix at
   the copy threshold is not built at all.
-* Holders are looked up lazily (:class:`~kvstore.predict.planner_types.LazyHolders`), when the
+* Holders are looked up lazily (:class:`~kvstore.placement.planner_types.LazyHolders`), when the
   planner reads them.
 * The tick runs a step at a time (:meth:`TickPlanner.steps`, :mod:`kvstore.loops.slices`): the
   coordinator gives the loop back between slices of a few milliseconds, so a long tick delays no
@@ -28,11 +28,11 @@ import numpy as np
 
 from kvstore.cluster.directory import Directory
 from kvstore.cluster.membership import Membership
-from kvstore.predict.candidates import Ranked, select_candidates
+from kvstore.placement.candidates import Ranked, select_candidates
 from kvstore.loops.slices import Steps, finish
-from kvstore.predict.planner import plan_steps
-from kvstore.predict.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig, PlanResult
-from kvstore.predict.renewals import Speculative, to_review_steps
+from kvstore.placement.planner import plan_steps
+from kvstore.placement.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig, PlanResult
+from kvstore.placement.renewals import Speculative, to_review_steps
 from kvstore.predict.types import PredictorConfig, PrefixId
 
 BUILD_STEP = 64

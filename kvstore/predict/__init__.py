@@ -1,9 +1,5 @@
-"""The burst predictor and the placement planner (pure logic: no sockets, no clocks).
-
-The planner's modules run compiled with mypyc where the install could compile them, else as pure
-Python from the same source (:mod:`kvstore.predict.compiled_modules` chooses, before any is imported).
+"""The burst predictor: features of the access stream, the LightGBM model retrained online and gated
+against the momentum rule, the rate forecaster and the links' measured rates (pure logic: no sockets,
+no clocks). Placement decides from its scores (:mod:`kvstore.placement`); the offline training and
+evaluation of the shipped model is :mod:`kvstore.training`.
 """
-
-from kvstore.predict import compiled_modules
-
-compiled_modules.choose()

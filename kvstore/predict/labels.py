@@ -10,7 +10,7 @@ For a row of prefix ``p`` snapshotted at time ``t0``:
 "Lacked" comes from each :class:`Access`: ``depth > local_blocks`` when the
 serving node reported how many leading blocks it held, else
 ``outcome != LOCAL`` (exact for the deepest tracked prefix, conservative for
-shallower ones). Offline the :class:`~kvstore.predict.trace.Simulator` fills
+shallower ones). Offline the :class:`~kvstore.training.trace.Simulator` fills
 ``local_blocks`` from its holders model, so the oracle is exact there.
 """
 

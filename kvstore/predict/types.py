@@ -3,7 +3,7 @@
 Pure data: no I/O. The coordinator turns node reports into :class:`Access`
 events and the predictor turns them into scored prefixes; the planner's own
 types (candidates, decisions) live beside it in
-:mod:`kvstore.predict.planner_types`.
+:mod:`kvstore.placement.planner_types`.
 
 A *prefix* is identified by ``(namespace, key)`` where ``key`` is the chain
 key of its last block (keys are chained hashes, so the last key names the

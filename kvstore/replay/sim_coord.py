@@ -33,7 +33,7 @@ from kvstore.replay.sim_cluster import REPLICA, SPECULATIVE, SimCluster
 from kvstore.replay.sim_kernel import Event
 from kvstore.cluster.coordinator import Coordinator
 from kvstore.config import NodeConfig, add_arguments, build_config
-from kvstore.predict.copytree import chunk_bounds
+from kvstore.placement.copytree import chunk_bounds
 from kvstore.predict.types import Access, Outcome
 from kvstore.v1 import kvstore_pb2 as pb
 

@@ -3,7 +3,7 @@
 ``setup.py`` compiles :data:`COMPILED` (the planner's pure, typed modules: same source, a third fewer
 instructions a tick) and writes :data:`MANIFEST`, the SHA-256 of each source it compiled. Python
 imports a compiled module in preference to its ``.py``, so an edited source would otherwise run stale
-machine code: :func:`choose` (called by ``kvstore/predict/__init__.py`` before any of them is imported)
+machine code: :func:`choose` (called by ``kvstore/placement/__init__.py`` before any of them is imported)
 loads every one of them from source instead when any compiled module is missing or no longer matches
 its source, or when ``KVSTORE_PURE_PYTHON`` is set. All or none: compiled modules reach each other's
 classes directly, so a mix would not work. :data:`BUILD` says which was chosen and why.
@@ -28,7 +28,7 @@ COMPILED = ("planner_types", "copytree", "holderwalk", "renewals", "candidates",
 the standard library, numpy and ``kvstore.loops.slices``/``kvstore.predict.types``)."""
 MANIFEST = "compiled.json"
 """Written by ``setup.py`` beside the sources: ``{module: sha256 of the source compiled}``."""
-PACKAGE = "kvstore.predict"
+PACKAGE = "kvstore.placement"
 HERE = Path(__file__).resolve().parent
 
 BUILD = "pure Python (not compiled)"

@@ -6,7 +6,7 @@ each source's held-out part, against momentum:
 * a **window** source is one recorded trace (the Mooncake conversation
   trace, the Azure code trace, ``mixed``: the conversation with fan-out
   bursts overlaid). It is split by time (train / validation / test, see
-  :func:`~kvstore.predict.evaluate.time_split`); rows before
+  :func:`~kvstore.training.evaluate.time_split`); rows before
   ``train_from_s`` are never trained on (the replay's conversation window,
   0-120 s, plus H);
 * a **generator** source (``synth`` and every shape in
@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.predict.evaluate import (Dataset, best_f1_threshold, build_dataset, gate, metrics, pr_auc, pr_curve,
-                                      time_split)
+from kvstore.predict.evaluate import best_f1_threshold, gate, metrics, pr_auc, pr_curve
+from kvstore.training.evaluate import Dataset, build_dataset, time_split
 from kvstore.predict.features import momentum_prob
 from kvstore.predict.model import BurstModel
 from kvstore.workloads.traces import Request, load_azure, load_mooncake, synth_fanout

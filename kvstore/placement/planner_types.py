@@ -2,7 +2,7 @@
 
 Pure data: no I/O. The coordinator builds :class:`Candidate`\\ s from the
 predictor's scores and :class:`NodeState`\\ s from heartbeats; the planner
-(:mod:`kvstore.predict.planner`) returns a :class:`PlanResult`.
+(:mod:`kvstore.placement.planner`) returns a :class:`PlanResult`.
 """
 
 from __future__ import annotations

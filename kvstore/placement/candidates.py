@@ -1,8 +1,8 @@
 """Candidate selection: the few hundred rows of the predictor's score vector worth planning.
 
 Vectorised and pure (numpy only): the coordinator calls :func:`select_candidates` every tick over the
-scores of 100k+ prefixes and builds :class:`~kvstore.predict.planner_types.Candidate` objects only for
-the rows it returns (rule 1 of :mod:`kvstore.predict.planner`), less those :func:`gate_row` turns away.
+scores of 100k+ prefixes and builds :class:`~kvstore.placement.planner_types.Candidate` objects only for
+the rows it returns (rule 1 of :mod:`kvstore.placement.planner`), less those :func:`gate_row` turns away.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.predict.planner_types import Candidate
+from kvstore.placement.planner_types import Candidate
 
 
 def select_candidates(probs: np.ndarray, threshold: float, limit: int) -> np.ndarray:
@@ -49,7 +49,7 @@ def select_candidates(probs: np.ndarray, threshold: float, limit: int) -> np.nda
 
 GATE_REASONS = ("", "too_late", "no_room", "bandwidth", "no_target", "unknown_size")
 """What :func:`gate_row` returns, by index: ``""`` (a copy may start) or the reason
-:func:`~kvstore.predict.planner.plan` would give for skipping it."""
+:func:`~kvstore.placement.planner.plan` would give for skipping it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ def gate_row(least: float, need_in_s: float, b: Bounds, safety: float) -> int:
 
     ``least``: its shallowest usable copy in bytes (the smallest depth option within its chain, times its
     page bytes; 0 when no depth is usable, -1 when the page size is unknown). The planner's cheap checks
-    (rules 3 and 6 of :mod:`kvstore.predict.planner`), in its order. Room, rate and budget only shrink as
+    (rules 3 and 6 of :mod:`kvstore.placement.planner`), in its order. Room, rate and budget only shrink as
     a tick books copies, so a row turned away here is turned away by :func:`plan` wherever it comes in
     the order: the caller need not build its candidate unless another candidate reads its demand or
     score (a prefix of the same chain). Scalar on purpose: a tick gates a few rows at a time, where a

@@ -30,7 +30,7 @@ Rules, and why:
    pages from ``src`` to ``dst`` takes ``depth * page_bytes / rate`` seconds,
    ``rate`` being its share of both ends: ``min(egress(src) / (copies
    leaving src + 1), ingress(dst) / (copies entering dst + 1))``, from each
-   node's measured rates (:class:`~kvstore.predict.links.LinkRates`;
+   node's measured rates (:class:`~kvstore.placement.links.LinkRates`;
    ``bandwidth_bps`` for a node that reports none) and the copies in flight
    or planned this tick. A target is kept only if its copy from the chosen
    source fits ``transfer_s * cfg.safety <= need_in_s``; the fastest copy
@@ -81,11 +81,11 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.loops.slices import Steps, in_one_go
-from kvstore.predict.candidates import Bounds, Ranked, select_candidates, unfold
-from kvstore.predict.copytree import chunk_bounds, copy_times, copy_tree, relay_parts
-from kvstore.predict.holderwalk import HolderWalk
-from kvstore.predict.planner_types import Candidate, Decision, NodeState, PlannerConfig, PlanResult, usable_depths
-from kvstore.predict.renewals import Coverage, Speculative, renew_or_drop, renew_or_drop_steps
+from kvstore.placement.candidates import Bounds, Ranked, select_candidates, unfold
+from kvstore.placement.copytree import chunk_bounds, copy_times, copy_tree, relay_parts
+from kvstore.placement.holderwalk import HolderWalk
+from kvstore.placement.planner_types import Candidate, Decision, NodeState, PlannerConfig, PlanResult, usable_depths
+from kvstore.placement.renewals import Coverage, Speculative, renew_or_drop, renew_or_drop_steps
 from kvstore.predict.types import PrefixId
 
 SKIP_REASONS = (

@@ -1,6 +1,6 @@
 """Keeping, renewing and dropping the speculative replicas already placed.
 
-Pure logic, called by :func:`kvstore.predict.planner.plan` every tick with
+Pure logic, called by :func:`kvstore.placement.planner.plan` every tick with
 the same candidates: a replica lives while its prefix is forecast hot (with
 hysteresis), is renewed before its TTL runs out, and goes when it expired,
 when its prefix's score decayed, or when the forecast demand asks for fewer
@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterable, KeysView, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.loops.slices import Steps, in_one_go
-from kvstore.predict.planner_types import Candidate, Drop, PlannerConfig, Renewal, usable_depths
+from kvstore.placement.planner_types import Candidate, Drop, PlannerConfig, Renewal, usable_depths
 from kvstore.predict.types import PrefixId
 
 Speculative = Mapping[PrefixId, Mapping[str, float]]

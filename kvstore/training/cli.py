@@ -3,7 +3,7 @@
     kvctl train --out MODEL [--source NAME ...] [--trace FILE ...] [--nodes N --horizon S ...]
     kvctl eval-predictor [--source NAME ...] [--trace FILE ...] [--out DIR] [--model MODEL] [...]
 
-Both work on the cross-trace suite (:mod:`kvstore.predict.suite`): every
+Both work on the cross-trace suite (:mod:`kvstore.training.suite`): every
 source by default (the conversation and Azure traces, ``synth`` and every
 workload shape), ``--source`` picks some, ``--trace`` adds a Mooncake jsonl or
 Azure csv as a window source. ``train`` writes the model and
@@ -26,13 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.predict.evaluate import jsonable, markdown_table
-from kvstore.predict.forecast_eval import evaluate_forecasts
-from kvstore.predict.forecast_eval import markdown as forecast_markdown
+from kvstore.training.evaluate import jsonable, markdown_table
+from kvstore.training.forecast_eval import evaluate_forecasts
+from kvstore.training.forecast_eval import markdown as forecast_markdown
 from kvstore.predict.model import BurstModel
-from kvstore.predict.suite import (EVAL_SEEDS, RECENCY_TAU_S, TRAIN_FROM_S, TRAIN_SEEDS, VALID_SEED, Parts, Source,
+from kvstore.training.suite import (EVAL_SEEDS, RECENCY_TAU_S, TRAIN_FROM_S, TRAIN_SEEDS, VALID_SEED, Parts, Source,
                                    build_parts, default_sources, evaluate_suite, fit, score_part)
-from kvstore.predict.trace import ROUTERS
+from kvstore.training.trace import ROUTERS
 from kvstore.workloads.traces import load_trace
 from kvstore.predict.types import PredictorConfig
 

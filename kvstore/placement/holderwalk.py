@@ -1,15 +1,15 @@
 """Who holds a candidate's prefix, depth by depth: the planner's walk from the deepest depth up.
 
-Pure logic over a :class:`~kvstore.predict.planner_types.Candidate`, the live nodes, the speculative
-replicas and the copies planned this tick; used by :func:`kvstore.predict.planner.plan`.
+Pure logic over a :class:`~kvstore.placement.planner_types.Candidate`, the live nodes, the speculative
+replicas and the copies planned this tick; used by :func:`kvstore.placement.planner.plan`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvstore.predict.planner_types import Candidate
-from kvstore.predict.renewals import Speculative
+from kvstore.placement.planner_types import Candidate
+from kvstore.placement.renewals import Speculative
 from kvstore.predict.types import PrefixId
 
 
