@@ -415,8 +415,14 @@ class Setting:
         return '""' if d == "" else str(d)
 
     @property
+    def choices(self) -> tuple[str, ...]:
+        """The values a ``Literal`` setting takes; empty for the others."""
+        literal = getattr(self.info.annotation, "__origin__", None) is Literal
+        return tuple(self.info.annotation.__args__) if literal else ()  # type: ignore[union-attr]
+
+    @property
     def bounds_text(self) -> str:
-        """The bounds, e.g. ``> 0``, ``-1..65535``; choices as ``a|b|c``; empty when free."""
+        """The bounds, e.g. ``> 0``, ``-1..65535``; empty when free."""
         low = high = ""
         for m in self.info.metadata:
             if isinstance(m, Gt):
@@ -427,25 +433,14 @@ class Setting:
                 high = f"< {m.lt}"
             elif isinstance(m, Le):
                 high = f"<= {m.le}"
-        choices = getattr(self.info.annotation, "__args__", None)
-        if getattr(self.info.annotation, "__origin__", None) is Literal and choices:
-            return "|".join(choices)
         if low.startswith(">=") and high.startswith("<="):
             return f"{low[3:]}..{high[3:]}"
         return ", ".join(x for x in (low, high) if x)
 
 
-def settings() -> tuple[Setting, ...]:
-    """Every setting, in the order of their groups."""
-    return tuple(Setting(name, info) for name, info in NodeConfig.model_fields.items())
-
-
-SETTINGS: tuple[Setting, ...] = settings()
+SETTINGS: tuple[Setting, ...] = tuple(Setting(name, info) for name, info in NodeConfig.model_fields.items())
+"""Every setting, in the order of their groups."""
 _BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
-
-
-def setting_named(name: str) -> Setting:
-    return _BY_NAME[name]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -458,8 +453,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         for s in SETTINGS:
             if s.group != group:
                 continue
-            bounds = s.bounds_text.replace("|", ", ")
-            bounds = f"; {'one of ' if '|' in s.bounds_text else ''}{bounds}" if bounds else ""
+            allowed = f"one of {', '.join(s.choices)}" if s.choices else s.bounds_text
+            bounds = f"; {allowed}" if allowed else ""
             kwargs: dict[str, Any] = dict(dest=s.name, metavar=s.metavar, default=None,
                                           help=f"{s.help} [default: {s.default_text}{bounds}; env {s.env}]")
             if s.repeat:
@@ -482,7 +477,7 @@ def add_override(parser: Any, name: str, default: Any, *, flag: str | None = Non
         try:
             value = adapter.validate_python(text)
         except ValidationError as exc:
-            raise ValueError(_explain(exc, {})) from None
+            raise ValueError(_explain(exc)) from None
         return text if keep is str else keep(value)
 
     check.__name__ = name  # argparse says "invalid <name> value: ..."
@@ -514,23 +509,14 @@ def _file_values(path: Path) -> dict[str, Any]:
     return flat
 
 
-def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
-    out = {}
-    for s in SETTINGS:
-        value = getattr(args, s.name, None)
-        if value is not None:
-            out[s.name] = [x for v in value for x in (v if isinstance(v, list) else [v])] if s.repeat else value
-    return out
-
-
-def _explain(exc: ValidationError, origins: Mapping[str, str]) -> str:
-    """One line per error: where the value came from, the setting, what is wrong."""
+def _explain(exc: ValidationError, origins: Mapping[str, str] | None = None, everywhere: str = "") -> str:
+    """One line per error: where the value came from, the setting, what is wrong (a check across settings
+    names no setting; ``everywhere`` is where its values came from)."""
     lines = []
     for err in exc.errors(include_url=False):
         name = str(err["loc"][0]) if err["loc"] else ""
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        where = origins.get(name, "")
-        lines.append(f"{where}: {name}: {msg}" if name else (f"{msg}" if not where else f"{where}: {msg}"))
+        where = (origins or {}).get(name, everywhere) if name else everywhere
+        lines.append(": ".join(x for x in (where, name, str(err["msg"]).removeprefix("Value error, ")) if x))
     return "; ".join(lines)[:2000]
 
 
@@ -540,23 +526,20 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     ``environ`` replaces ``os.environ`` (``{}``: ignore the environment, as the simulator does). Raises
     ValueError naming the source and the setting of a bad value, OSError for an unreadable file."""
     environ = os.environ if environ is None else environ
-    layers: list[tuple[str, dict[str, Any]]] = []
-    if getattr(args, "config", None):
-        layers.append((str(args.config), _file_values(Path(args.config))))
-    layers.append(("env", {s.name: environ[s.env] for s in SETTINGS if s.env in environ}))
-    layers.append(("flags", _flag_values(args)))
     values: dict[str, Any] = {}
-    origins: dict[str, str] = {}
-    for origin, layer in layers:
-        values.update(layer)
-        for name in layer:
-            origins[name] = (_BY_NAME[name].env if origin == "env" else _BY_NAME[name].flag if origin == "flags"
-                             else origin)
+    origins: dict[str, str] = {}  # setting -> where its value came from: the file, its variable or its flag
+    if getattr(args, "config", None):
+        values = _file_values(Path(args.config))
+        origins = dict.fromkeys(values, str(args.config))
+    for s in SETTINGS:
+        if s.env in environ:
+            values[s.name], origins[s.name] = environ[s.env], s.env
+        if (flag := getattr(args, s.name, None)) is not None:
+            values[s.name], origins[s.name] = flag, s.flag
     try:
         return NodeConfig(**values)
     except ValidationError as exc:
-        cross = ", ".join(dict.fromkeys(origins.values()))
-        raise ValueError(_explain(exc, {**origins, "": cross})) from None
+        raise ValueError(_explain(exc, origins, everywhere=", ".join(dict.fromkeys(origins.values())))) from None
 
 
 def setting_flags(values: Mapping[str, Any]) -> list[str]:
@@ -573,11 +556,6 @@ def setting_flags(values: Mapping[str, Any]) -> list[str]:
         else:
             out += [s.flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
     return out
-
-
-def as_flags(config: NodeConfig, *names: str) -> list[str]:
-    """``config``'s values of ``names`` as kvstored flags."""
-    return setting_flags({name: getattr(config, name) for name in names})
 
 
 def markdown() -> str:
@@ -624,7 +602,7 @@ def markdown() -> str:
                 "|---|---|---|---|---|"]
         for s in SETTINGS:
             if s.group == group:
-                bounds = s.bounds_text.replace("|", ", ")
+                bounds = ", ".join(s.choices) or s.bounds_text
                 repeat = " (repeatable)" if s.repeat else ""
                 out.append(f"| `{s.flag} {s.metavar}`{repeat} | `{s.env}` | `{s.default_text}` | {bounds} | "
                            f"{s.help.replace('|', '/')} |")

@@ -14,8 +14,8 @@ import pytest
 
 from kvstore.cli.kvstored import main, make_parser
 from kvstore.config import (
-    GROUPS, SETTINGS, NamespaceSpec, NodeConfig, add_override, as_flags, build_config, markdown, parse_bool,
-    parse_device, parse_hostport, parse_peers,
+    GROUPS, SETTINGS, NamespaceSpec, NodeConfig, add_override, build_config, markdown, parse_bool,
+    parse_device, parse_hostport, parse_peers, setting_flags,
 )
 from kvstore.placement.planner_types import PlannerConfig
 from kvstore.predict.types import PredictorConfig
@@ -600,8 +600,8 @@ def test_every_source_parses_every_setting_alike(tmp_path: Path) -> None:
     assert by_flags.capacity == 4 * GiB and by_flags.spec_bandwidth == 25 * 10**8 and by_flags.link_rate == 1.25e10
     assert by_flags.shm is False and by_flags.tls_client_auth is True and by_flags.peers[1] == "10.0.0.2:7400"
     assert by_flags.namespace == (NamespaceSpec("a", 256 * MiB, GiB),)
-    # a node started with as_flags(...) of a config gets the same values back
-    assert config_from(as_flags(by_flags, *(s.name for s in SETTINGS))) == by_flags
+    # a node started with setting_flags(...) of a config gets the same values back
+    assert config_from(setting_flags({s.name: getattr(by_flags, s.name) for s in SETTINGS})) == by_flags
 
 
 def test_a_setting_in_the_wrong_group_table_is_rejected(tmp_path: Path) -> None:
