@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 
-from kvstore.bench import micro, peers
+from kvstore import bench
+from kvstore.bench import peers
 
 
 def test_page_count_is_at_least_one_batch() -> None:
@@ -22,7 +23,7 @@ def test_page_count_is_at_least_one_batch() -> None:
 
 def test_micro_runs_and_reports_every_row(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    assert micro.main(["--out", str(out), "--total", "4MiB", "--paths", "shm,tcp", "--batch", "1,8",
+    assert bench.main("micro", ["--out", str(out), "--total", "4MiB", "--paths", "shm,tcp", "--batch", "1,8",
                        "--sizes", "64KiB,1MiB", "--clients", "2"]) == 0
     results = json.loads((out / "micro.json").read_text())
     rows = {(r["path"], r["page"], r["batch"]) for r in results["rows"]}

@@ -1,8 +1,8 @@
 """Benchmarks users run against their own machine: ``kvctl bench NAME``.
 
-Each module has ``add_arguments(parser)`` (its options), ``run(args) -> int``
-(the benchmark, on the parsed options) and ``main(argv) -> int`` (both, on an
-argument list), and writes JSON, a Markdown table and a PNG to ``--out``
+Each module has ``add_arguments(parser)`` (its options) and ``run(args) -> int``
+(the benchmark, on the parsed options); :func:`configure` puts both on a
+parser and :func:`main` runs one on an argument list. Each writes JSON, a Markdown table and a PNG to ``--out``
 (default ``./kvstore-out/bench``); every number is a ratio against a ceiling
 measured in the same run (:mod:`kvstore.bench.ceilings`).
 
@@ -10,6 +10,9 @@ measured in the same run (:mod:`kvstore.bench.ceilings`).
 * :mod:`kvstore.bench.replication` -- Replicate between two nodes against the raw transports
 * :mod:`kvstore.bench.replication_raw` -- the raw TCP and UCX transfers alone
 """
+
+import argparse
+import importlib
 
 BENCHES = ("micro", "replication", "replication_raw")
 
@@ -19,3 +22,20 @@ BENCH_HELP = {
     "replication": "Replicate between two nodes against the raw transports",
     "replication_raw": "the raw TCP and UCX transfers alone",
 }
+
+
+def configure(name: str, parser: argparse.ArgumentParser) -> None:
+    """Give ``parser`` the description and options of bench ``name``, and its ``run`` as ``fn``."""
+    bench = importlib.import_module(f"{__name__}.{name}")
+    parser.description = bench.__doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    bench.add_arguments(parser)
+    parser.set_defaults(fn=bench.run)
+
+
+def main(name: str, argv: list[str] | None = None) -> int:
+    """``kvctl bench NAME ARGV...``: bench ``name`` on an argument list."""
+    parser = argparse.ArgumentParser(prog=f"kvctl bench {name}")
+    configure(name, parser)
+    args = parser.parse_args(argv)
+    return int(args.fn(args))

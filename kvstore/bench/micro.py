@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -260,13 +259,6 @@ def plot(results: dict, path: Path) -> None:  # type: ignore[type-arg]
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``kvctl bench micro`` on an argument list (kvctl itself calls :func:`run`)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``kvctl bench micro``'s options to ``parser``."""
     parser.add_argument("--out", type=Path, default=Path("kvstore-out/bench"), help="folder for micro.{json,md,png}")
@@ -358,6 +350,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"raw TCP after the kvstore runs: {results['raw_tcp_gbps_after']:.2f} GB/s")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -101,13 +100,6 @@ def xxh3_seconds(nbytes: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``kvctl bench replication`` on an argument list (kvctl itself calls :func:`run`)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``kvctl bench replication``'s options to ``parser``."""
     parser.add_argument("--out", type=Path, default=Path("kvstore-out/bench"))
@@ -175,6 +167,3 @@ def run(args: argparse.Namespace) -> int:
     print(table)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -48,7 +48,6 @@ import os
 import platform
 import socket
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -416,13 +415,6 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``kvctl bench replication_raw`` on an argument list (kvctl itself calls :func:`run`)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``kvctl bench replication_raw``'s options to ``parser``."""
     parser.add_argument("--out", type=Path, default=Path("kvstore-out/bench"),
@@ -471,6 +463,3 @@ def run(args: argparse.Namespace) -> int:
     print(table)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

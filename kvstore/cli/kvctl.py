@@ -18,6 +18,7 @@ import os
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import argparse  # noqa: E402
+import functools
 import importlib
 import json
 import sys
@@ -26,6 +27,7 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
+from kvstore import bench
 from kvstore.bench import BENCH_HELP, BENCHES
 from kvstore.errors import KvError
 from kvstore.units import format_size, parse_size
@@ -142,50 +144,26 @@ def cmd_create_namespace(args: argparse.Namespace) -> int:
     return 0
 
 
-# Builders of the commands whose options live in the module that runs them: each imports that module, adds its
-# options to the sub-parser and makes its run function the command's.
-def _replay_command(parser: argparse.ArgumentParser) -> None:
-    from kvstore.replay import cli
-
-    parser.description = cli.__doc__
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    cli.add_replay_arguments(parser)
-    parser.set_defaults(fn=cli.run_replay)
+Build = Callable[[argparse.ArgumentParser], None]
 
 
-def _trace_command(parser: argparse.ArgumentParser) -> None:
-    from kvstore.replay import cli
-
-    parser.description = cli.TRACE_DESCRIPTION
-    cli.add_trace_arguments(parser)
-    parser.set_defaults(fn=cli.run_trace)
-
-
-def _train_command(parser: argparse.ArgumentParser) -> None:
-    from kvstore.training import cli
-
-    parser.description = cli.TRAIN_DESCRIPTION
-    cli.add_train_arguments(parser)
-    parser.set_defaults(fn=cli.run_train)
-
-
-def _eval_predictor_command(parser: argparse.ArgumentParser) -> None:
-    from kvstore.training import cli
-
-    parser.description = cli.EVAL_DESCRIPTION
-    cli.add_eval_predictor_arguments(parser)
-    parser.set_defaults(fn=cli.run_eval_predictor)
-
-
-def _bench_command(name: str) -> Callable[[argparse.ArgumentParser], None]:
+def _command(module: str, add: str, run: str, description: str = "__doc__",
+             formatter: type[argparse.HelpFormatter] = argparse.HelpFormatter) -> Build:
+    """The builder of a command whose options live in the module that runs it: it imports ``module``, adds its
+    options (``add``) to the sub-parser and makes ``run`` the command's; ``description`` names the module's
+    text for ``--help``."""
     def build(parser: argparse.ArgumentParser) -> None:
-        bench = importlib.import_module(f"kvstore.bench.{name}")
-        parser.description = bench.__doc__
-        parser.formatter_class = argparse.RawDescriptionHelpFormatter
-        bench.add_arguments(parser)
-        parser.set_defaults(fn=bench.run)
+        mod = importlib.import_module(module)
+        parser.description = getattr(mod, description)
+        parser.formatter_class = formatter
+        getattr(mod, add)(parser)
+        parser.set_defaults(fn=getattr(mod, run))
 
     return build
+
+
+_replay_command = _command("kvstore.replay.cli", "add_replay_arguments", "run_replay",
+                           formatter=argparse.ArgumentDefaultsHelpFormatter)
 
 
 class _Commands(argparse._SubParsersAction):  # type: ignore[type-arg]
@@ -245,19 +223,22 @@ def make_parser(lazy: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--exist-ok", action="store_true")
     p.set_defaults(fn=cmd_create_namespace)
 
-    sub.add_command("train", _train_command, help="train the burst predictor from a Mooncake-format trace "
+    train, evaluate = (_command("kvstore.training.cli", f"add_{name}_arguments", f"run_{name}", text)
+                       for name, text in (("train", "TRAIN_DESCRIPTION"), ("eval_predictor", "EVAL_DESCRIPTION")))
+    sub.add_command("train", train, help="train the burst predictor from a Mooncake-format trace "
                     "(kvctl train --trace FILE --out MODEL)")
-    sub.add_command("eval-predictor", _eval_predictor_command, help="LightGBM vs momentum on a time-held-out "
-                    "part of a trace (kvctl eval-predictor --trace FILE)")
+    sub.add_command("eval-predictor", evaluate, help="LightGBM vs momentum on a time-held-out part of a trace "
+                    "(kvctl eval-predictor --trace FILE)")
     sub.add_command("replay", _replay_command, help="trace replay on a local cluster, policies side by side "
                     "(also `kvctl bench replay`)")
-    sub.add_command("trace", _trace_command, help="trace tools: kvctl trace synth ... --out FILE")
+    sub.add_command("trace", _command("kvstore.replay.cli", "add_trace_arguments", "run_trace", "TRACE_DESCRIPTION"),
+                    help="trace tools: kvctl trace synth ... --out FILE")
 
     p = sub.add_parser("bench", help="run a benchmark of this machine (e.g. kvctl bench micro --total 64MiB; "
                        "kvctl bench replay is the trace replay)", description="Benchmarks of this machine.")
     benches = p.add_subparsers(dest="which", required=True, action=_Commands, lazy=lazy)
     for name in BENCHES:
-        benches.add_command(name, _bench_command(name), help=BENCH_HELP[name])
+        benches.add_command(name, functools.partial(bench.configure, name), help=BENCH_HELP[name])
     benches.add_command("replay", _replay_command, help="the trace replay: the same as `kvctl replay`")
     return parser
 
