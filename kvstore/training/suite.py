@@ -35,18 +35,18 @@ from typing import Any
 import numpy as np
 
 from kvstore.predict.evaluate import best_f1_threshold, gate, metrics, pr_auc, pr_curve
-from kvstore.training.evaluate import Dataset, build_dataset, time_split
 from kvstore.predict.features import momentum_prob
 from kvstore.predict.model import BurstModel
-from kvstore.workloads.traces import Request, load_azure, load_mooncake, synth_fanout
 from kvstore.predict.types import PredictorConfig
+from kvstore.training.evaluate import Dataset, build_dataset, time_split
+from kvstore.workloads import data_path
+from kvstore.workloads.traces import Request, load_azure, load_mooncake, synth_fanout
 
 TRAIN_SEEDS = (100, 101)
 VALID_SEED = 102
 EVAL_SEEDS = (0, 1, 2)
 RECENCY_TAU_S = 1800.0    # a trace's training rows weigh exp((t - t_last) / tau): drift (chosen on validation)
 TRAIN_FROM_S = 420.0      # the replay's conversation window (0-120 s) plus H is never trained on
-DATA_DIRS = (Path(__file__).resolve().parents[1] / "workloads" / "data",)  # the traces kvstore ships
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,11 @@ class Source:
 
 
 def find_data(name: str) -> Path | None:
-    """A shipped trace file by name (kvstore/workloads/data)."""
-    for d in DATA_DIRS:
-        if (d / name).is_file():
-            return d / name
-    return None
+    """A shipped trace file by name (:func:`kvstore.workloads.data_path`), None when it is not installed."""
+    try:
+        return data_path(name)
+    except FileNotFoundError:
+        return None
 
 
 def shape_names() -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """Workloads: the request type, trace loaders, generators, named shapes and the shipped traces.
 
 The replay (:mod:`kvstore.replay`), the predictor's offline training
-(:mod:`kvstore.predict`) and the benchmarks all read requests from here.
+(:mod:`kvstore.training`) and the benchmarks all read requests from here.
 The traces this package ships live in ``data/`` (package data); see
 :func:`kvstore.workloads.data_path`.
 """
