@@ -176,12 +176,12 @@ def test_the_coordinator_sees_only_replicas_it_placed_on_live_nodes() -> None:
     for node in ("b", "c"):
         directory.report(node, "i", 1, True, [pb.DirectoryBatch(namespace="m", adds=[b"deep", b"other"],
                                                                 speculative=spec)], now=0.0)
-    assert coordinator.speculative == {}  # not placed by this coordinator
-    coordinator._placed[("m", b"deep")] = 0.0
-    assert coordinator.speculative == {("m", b"deep"): {"b": 20.0, "c": 20.0}}
+    assert coordinator.core.speculative == {}  # not placed by this coordinator
+    coordinator.core._placed[("m", b"deep")] = 0.0
+    assert coordinator.core.speculative == {("m", b"deep"): {"b": 20.0, "c": 20.0}}
     clock.t += 5  # c falls silent past the timeout
     members.observe(info("b"))
-    assert coordinator.speculative == {("m", b"deep"): {"b": 20.0}}
+    assert coordinator.core.speculative == {("m", b"deep"): {"b": 20.0}}
 
 
 def test_hints_name_reported_replicas_with_their_remaining_life() -> None:
@@ -195,11 +195,11 @@ def test_hints_name_reported_replicas_with_their_remaining_life() -> None:
     directory.report("b", "i", 1, True, [pb.DirectoryBatch(
         namespace="m", adds=[b"k1", b"k2"], speculative=[pb.SpeculativePage(key=b"k2", expires_in_seconds=20)])],
         now=now)
-    (hint,) = coordinator.hints("m", [b"k1", b"k2", b"k3"])
+    (hint,) = coordinator.core.hints("m", [b"k1", b"k2", b"k3"])
     assert (hint.node_id, hint.prefix_length, hint.pending) == ("b", 2, False)
     assert 19 < hint.expires_in_seconds <= 20 and hint.address == info("b").address
-    coordinator.pending[("m", b"k3")] = {"b": now + 1}  # a deeper copy on its way
-    (hint,) = coordinator.hints("m", [b"k1", b"k2", b"k3"])
+    coordinator.core.pending[("m", b"k3")] = {"b": now + 1}  # a deeper copy on its way
+    (hint,) = coordinator.core.hints("m", [b"k1", b"k2", b"k3"])
     assert (hint.prefix_length, hint.pending) == (3, True)
 
 
@@ -259,6 +259,18 @@ class _RecordingPeers:
         return pb.ReplicateResponse(copied=len(request.keys) if ok else 0)
 
 
+async def _carry(coordinator, decision, nbytes: int) -> None:  # type: ignore[no-untyped-def]
+    """Start ``decision``'s copy tree in the daemon's coordinator and wait until every copy of it ended."""
+    import asyncio
+
+    coordinator.core.copy_tree(decision, nbytes)
+    for _ in range(2000):
+        if not coordinator.core.pending and not coordinator._tasks:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the copy tree did not end")
+
+
 @pytest.mark.parametrize("fail", [set(), {"b"}])
 def test_a_copy_tree_sends_one_wave_at_a_time_from_each_holder(fail: set[str]) -> None:
     """With fanout 2 and 7 targets, the holder sends two copies at a time
@@ -284,7 +296,7 @@ def test_a_copy_tree_sends_one_wave_at_a_time_from_each_holder(fail: set[str]) -
     edges, waves = copy_tree(["a"], targets, coordinator.plan_cfg.fanout)
     decision = Decision(namespace="m", keys=(b"k" * 16,), depth=1, source="a", targets=tuple(targets), prob=1.0,
                         ttl_s=30.0, reason="test", bytes=7 * 4096, tree=tuple(edges), waves=waves)
-    asyncio.run(coordinator._copy_tree(decision, 4096))
+    asyncio.run(_carry(coordinator, decision, 4096))
     assert sorted(dst for _, dst in peers.sent) == targets  # every target got exactly one copy
     assert max(peers.most.values()) <= coordinator.plan_cfg.fanout, peers.most
     if not fail:
@@ -320,7 +332,7 @@ def test_a_relayed_copy_tree_forwards_each_part_as_it_lands(fail: set[str]) -> N
     edges, waves = copy_tree(["a"], targets, coordinator.plan_cfg.fanout, coordinator.plan_cfg.chunks)
     decision = Decision(namespace="m", keys=keys, depth=len(keys), source="a", targets=tuple(targets), prob=1.0,
                         ttl_s=30.0, reason="test", bytes=7 * 8 * 4096, tree=tuple(edges), waves=waves, parts=4)
-    asyncio.run(coordinator._copy_tree(decision, 8 * 4096))
+    asyncio.run(_carry(coordinator, decision, 8 * 4096))
     chain = ["a", *targets]
     for i, dst in enumerate(targets):
         got = [(src, part) for src, t, part in peers.parts if t == dst]
@@ -330,7 +342,7 @@ def test_a_relayed_copy_tree_forwards_each_part_as_it_lands(fail: set[str]) -> N
         assert [k for _, part in got for k in part] == list(keys)  # four parts, in order, once each
         before = chain[i] if chain[i] not in fail else chain[i - 1]
         assert {src for src, _ in got} == {before}
-    assert not coordinator.pending  # every target's pending entry ended with its copy
+    assert not coordinator.core.pending  # every target's pending entry ended with its copy
     if not fail:
         order = [(src, t, part[0]) for src, t, part in peers.parts]
         assert order.index(("b", "c", keys[0])) < order.index(("a", "b", keys[6]))  # b relayed part 0 early
@@ -354,12 +366,12 @@ def test_a_copy_in_flight_is_pending_under_every_prefix_of_its_chain() -> None:
     coordinator = Coordinator(config, Directory(), members, _RecordingPeers(),  # type: ignore[arg-type]
                               NodeMetrics(NoNamespaces()), page_bytes=lambda ns: 4096)  # type: ignore[arg-type]
     keys = tuple(bytes([i]) * 16 for i in range(8))
-    coordinator.note_pending(("m", keys[-1]), keys, "e", 1.0)
-    coordinator.note_pending(("m", keys[3]), keys[:4], "f", 1.0)
-    pending = coordinator.planner_pending()
+    coordinator.core.note_pending(("m", keys[-1]), keys, "e", 1.0)
+    coordinator.core.note_pending(("m", keys[3]), keys[:4], "f", 1.0)
+    pending = coordinator.core.planner_pending()
     assert set(pending) == {("m", k) for k in keys}
     assert all(pending[("m", k)] == {"e", "f"} for k in keys[:4]) and pending[("m", keys[5])] == {"e"}
-    coordinator._landed(("m", keys[-1]), "e")
-    assert set(coordinator.planner_pending()) == {("m", k) for k in keys[:4]}
-    coordinator._landed(("m", keys[3]), "f")
-    assert coordinator.planner_pending() == {} and not coordinator._pending_chain
+    coordinator.core._landed(("m", keys[-1]), "e")
+    assert set(coordinator.core.planner_pending()) == {("m", k) for k in keys[:4]}
+    coordinator.core._landed(("m", keys[3]), "f")
+    assert coordinator.core.planner_pending() == {} and not coordinator.core._pending_chain

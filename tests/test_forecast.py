@@ -160,12 +160,12 @@ def test_the_coordinator_considers_a_recurring_prefix_before_its_burst() -> None
                                                  outcome=Outcome.MISS, page_bytes=4096, total_blocks=8))
     pid = ("m", chain[-1])
     scores = coordinator.predictor.score(200.0)  # quiet, momentum has forgotten it, the next burst 70 s away
-    idle = {c.chain[-1]: c for c in coordinator.tick_planner.candidates(scores, {}, 200.0)}
+    idle = {c.chain[-1]: c for c in coordinator.core.tick_planner.candidates(scores, {}, 200.0)}
     assert chain[-1] not in idle
     scores = coordinator.predictor.score(255.0)  # the next burst is due at ~270
-    soon = {(c.namespace, c.chain[-1]): c for c in coordinator.tick_planner.candidates(scores, {}, 255.0)}
+    soon = {(c.namespace, c.chain[-1]): c for c in coordinator.core.tick_planner.candidates(scores, {}, 255.0)}
     assert pid in soon and soon[pid].prob > 0.5 and 5 < soon[pid].need_in_s < 20
-    assert coordinator.tick_planner.scorer[pid] == "forecast"
+    assert coordinator.core.tick_planner.scorer[pid] == "forecast"
     assert CLUSTER not in soon
 
 
@@ -186,7 +186,7 @@ def test_a_tick_builds_the_chains_under_review_and_ranks_the_others_by_chain() -
     scores = p.score(14.0)
     hot = {pid: float(prob) for pid, prob in zip(scores.ids, scores.probs)}
     assert hot[("m", a[-1])] >= coordinator.plan_cfg.threshold > hot[("m", c[-1])]
-    eager, ranked = coordinator.tick_planner.split(scores, {("m", c[-1])}, 14.0)
+    eager, ranked = coordinator.core.tick_planner.split(scores, {("m", c[-1])}, 14.0)
     assert {x.chain[0] for x in eager} == {c[0]} and ("m", c[-1]) in {(x.namespace, x.chain[-1]) for x in eager}
     assert ranked is not None and len(ranked) == 2  # chains a and b, one row each
     rows = [{x.chain[0] for x in ranked.build(i, i + 1)} for i in range(2)]

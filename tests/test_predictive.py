@@ -162,10 +162,10 @@ def test_demand_sized_fanout_is_copied_as_a_tree(make_server, chunks) -> None:  
         ka.put("m", keys, random_pages(8, PAGE))
         # the planner sits out the burst's arrival (as under a long tick), so its first tick sees the
         # whole demand: on a slow machine the lookups would otherwise straddle ticks
-        a.call(lambda: setattr(coordinator, "policy", "reactive"))
+        a.call(lambda: setattr(coordinator.core, "policy", "reactive"))
         for _ in range(12):
             assert ka.lookup("m", keys, record=True) == 8
-        a.call(lambda: setattr(coordinator, "policy", "predictive"))
+        a.call(lambda: setattr(coordinator.core, "policy", "predictive"))
 
         def spread() -> int:
             return sum(1 for s in others if s.call(lambda s=s: s.node.namespace("m").pool.speculative_slots) == 8)
@@ -173,7 +173,7 @@ def test_demand_sized_fanout_is_copied_as_a_tree(make_server, chunks) -> None:  
         wait_until(lambda: spread() == 5, 15, "speculative replicas on all five other nodes", state=spread)
 
     def sent_now() -> dict[str, int]:
-        return a.call(lambda: dict(a.server.coordinator.pages_from))
+        return a.call(lambda: dict(a.server.coordinator.core.pages_from))
 
     # a target holds its pages a moment before the coordinator has the Replicate's reply and counts them
     wait_until(lambda: sum(sent_now().values()) >= 5 * 8, 5, "the coordinator to count the copies", state=sent_now)
@@ -185,8 +185,8 @@ def test_demand_sized_fanout_is_copied_as_a_tree(make_server, chunks) -> None:  
     # its more contended one (tests/test_links.py): a sender whose target was busier (a later tick's
     # copy to it still in flight) has no egress sample, so only "some end of the copies" is certain
     def links_now():  # type: ignore[no-untyped-def]
-        return a.call(lambda: (coordinator.links.stats(), dict(coordinator.links.sending),
-                               dict(coordinator.links.receiving)))
+        return a.call(lambda: (coordinator.core.links.stats(), dict(coordinator.core.links.sending),
+                               dict(coordinator.core.links.receiving)))
 
     wait_until(lambda: not any(links_now()[1].values()), 5, "the copies in flight to end", state=links_now)
     rates, sending, receiving = links_now()

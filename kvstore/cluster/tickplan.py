@@ -1,7 +1,7 @@
 """One planner tick's inputs, from the predictor's scores, the directory and the membership, and its plan.
 
-The coordinator (and the simulated replay's, ``kvstore/replay/sim_coord.py``) call :meth:`TickPlanner.plan`
-once a tick, on the event loop: it keeps that step short at 100k scored prefixes by building
+The coordinator core (:mod:`kvstore.cluster.coordinator_core`, in the daemon and in the simulated replay) calls
+:meth:`TickPlanner.steps` once a tick, on the event loop: it keeps that step short at 100k scored prefixes by building
 :class:`~kvstore.placement.planner_types.Candidate` objects only where the planner reads them.
 
 * Candidates come from three scorers (:meth:`TickPlanner.chosen`): the classifier's best rows at the

@@ -1,6 +1,6 @@
 """The shape of a copy tree, pure: which node sends to which, in how many waves or relayed parts, and how
 many single-copy times its last target waits. The planner shapes its demand-sized decisions with it,
-the claims their waiter trees, and the coordinator carries both out (``Coordinator._copy_tree``)."""
+the claims their waiter trees, and the coordinator carries both out (``CoordinatorCore.copy_tree``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def copy_tree(sources: Sequence[str], targets: Sequence[str], fanout: int,
 
     Relayed (``chunks`` > 1): each source heads one chain of the targets and
     every target forwards each of the ``chunks`` parts of the copy as soon as
-    that part landed (the coordinator's ``_copy_tree`` runs both shapes), so
+    that part landed (the coordinator core's ``copy_tree`` runs both shapes), so
     the last of L targets behind a source holds it after about
     ``1 + (L - 1) / chunks`` copy times (:func:`copy_times`); ``waves`` is that
     rounded up."""

@@ -132,8 +132,8 @@ class SimDriver:
             self.coord = SimCoordinator(dcfg, self.cluster, rpc_s=cfg.rpc_ms / 1e3)
             self.cluster.placement = self.coord
             if cfg.policy == "predictive":  # the coordinator copies a landed claim to its waiters as a tree
-                self.cluster.claims.tree_fanout = self.coord.coord.plan_cfg.fanout
-                self.cluster.claims.tree_parts = self.coord.coord.relay_parts
+                self.cluster.claims.tree_fanout = self.coord.core.plan_cfg.fanout
+                self.cluster.claims.tree_parts = self.coord.core.relay_parts
         self.engines = [SimEngine(self.sim, cfg.concurrency) for _ in range(cfg.nodes)]
         self.rpc = cfg.rpc_ms / 1e3 * S          # one KV round trip, trace s
         self.records: list[RequestRecord] = []
