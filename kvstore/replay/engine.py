@@ -5,21 +5,14 @@ at ``t / speedup`` real seconds from the start. Each arrival is routed (the
 cache-aware router asks ``n0``, the coordinator, for the per-node prefixes
 and placement hints) and queued on its node's :class:`Engine`.
 
-An engine has ``concurrency`` slots (its batch) and one prefill unit:
-
-1. wait for a slot (queue);
-2. ``Lookup(record=True)`` on its node (the predictor learns from it), then
-   ``Get`` of the request's cluster-cached prefix: the node serves local
-   pages and, under reactive/predictive/full, pulls the rest from peers;
-   the fetched pages' bytes are checked against their keys;
-3. wait for the prefill unit (prefill is compute-bound: one at a time), then
-   sleep the modelled prefill of the uncached tokens / speedup; the first
-   token is out here (TTFT);
-4. ``Put`` the pages the node lacked (KV exists once prefill is done, so it
-   is stored then -- not after decode -- as prefix-caching engines do), on
-   the engine's second client, as the vLLM connector saves on a connection
-   of its own (``--shared-save``: on the one client, behind its Gets);
-5. sleep the modelled decode / speedup in the slot, then free the slot.
+An engine has ``concurrency`` slots (its batch) and one prefill unit (prefill is compute-bound: one
+at a time). Once a request has a slot, the engine steps the serve loop of
+:mod:`kvstore.replay.serve` (the same one the simulated replay steps) and carries out its operations
+for real: ``Lookup`` and ``Get`` on its node (the node serves local pages and, under
+reactive/predictive/full, pulls the rest from peers; the fetched pages' bytes are checked against
+their keys), the prefill unit held for the modelled prefill / speedup, ``Put`` on the engine's second
+client, as the vLLM connector saves on a connection of its own (``--shared-save``: on the one client,
+behind its Gets), and sleeps of the modelled times / speedup.
 
 Every loop is bounded (request count, ``drain_timeout_s``); the caller owns
 the cluster and stops it in a ``finally``.
@@ -37,11 +30,12 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvstore.replay import claiming
 from kvstore.replay.costmodel import CostModel
-from kvstore.replay.metrics import RequestRecord, record_hits
+from kvstore.replay.metrics import RequestRecord
 from kvstore.replay.oracle import Plan, Step, plan
 from kvstore.replay.routers import NodeView, Router, views_from_lookup
+from kvstore.replay.serve import (EngineState, Get, Lookup, Op, Prefill, Put, Rules, Sleep, StoreError, WaitHeld,
+                                  serve)
 from kvstore.replay.workload import Workload, reusable_blocks
 from kvstore.errors import KvError
 from kvstore.workloads.traces import hash_key
@@ -172,12 +166,10 @@ class Engine:
         self.prefill = asyncio.Lock()
         self.waiting = 0        # queued for a slot
         self.running = 0        # in a slot
-        self.backlog_s = 0.0    # trace s of prefill queued for or on the prefill unit
-        self.own: set[bytes] = set()     # keys this node got by its own Put or its own Get's fetch
-        self.used_placed: set[bytes] = set()
+        self.state = EngineState(index, node_id, Rules(cfg.cost, cfg.speedup, claims=cfg.claims,
+                                                       claim_margin=cfg.claim_margin, link_bytes_s=cfg.link_bytes_s),
+                                 held=held, oracle=result.oracle)
         self._on_done = on_done
-        self._result = result
-        self.held = held        # oracle: which pages each node holds, as events
         self.clock_start = 0.0  # perf_counter of trace time 0 (set by the driver)
         self._buffers: list[np.ndarray] = []  # Get output buffers, reused: a fresh one per Get costs page faults
         self.workers = [asyncio.create_task(self._worker()) for _ in range(cfg.concurrency)]
@@ -207,7 +199,7 @@ class Engine:
             self.waiting -= 1
             self.running += 1
             try:
-                await self._serve(item)
+                await self._serve(item, (time.perf_counter() - item.t_enq) * self.cfg.speedup)
             except (KvError, grpc.RpcError, OSError, ConnectionError, asyncio.TimeoutError) as exc:
                 item.rec.error = f"{type(exc).__name__}: {exc}"[:200]
             finally:
@@ -222,101 +214,61 @@ class Engine:
                 return buf
         return np.zeros((max(pages, 128), self.cfg.cost.scaled_page_bytes), dtype=np.uint8)
 
-    async def _serve(self, item: _Req) -> None:
-        cfg, cost, rec, keys = self.cfg, self.cfg.cost, item.rec, item.keys
-        S = cfg.speedup
-        slot_wait = time.perf_counter() - item.t_enq
-        # -- KV: Lookup on the serving node (recorded for the predictor), then Get --
-        t0 = time.perf_counter()
-        step = item.step
-        if step is not None and step.depth > 0 and self.held is not None:
-            # oracle: the plan has this request wait for its prefix (being computed, or copied here); never
-            # longer than the plan's time plus recomputing it
-            late = self.clock_start + step.kv_at / S - time.perf_counter()
-            if not await self.held.wait(self.index, keys[:step.depth],
-                                        max(0.0, late) + cost.prefill_s(step.depth * cost.block_tokens) / S):
-                stats = self._result.oracle  # the plan's prefix never came: this request computes what it lacks
-                stats["late_waits"] = stats.get("late_waits", 0) + 1
-        local = cluster_max = cached = 0
-        try:
-            claim = claiming.claim_seconds(cost, rec.input_tokens, 0, self.backlog_s, S) if cfg.claims else 0.0
-            lk = await self.kv.lookup_nodes(cfg.namespace, keys, record=True, claim_seconds=claim)
-            local = int(lk.prefix_length)
-            cluster_max = claiming.held(lk.nodes, local)
-            wait = claiming.choose(lk.nodes, self.node_id, local, cost, S, cfg.link_bytes_s, self.backlog_s,
-                                   cfg.claim_margin) if cfg.claims else None
-            if wait is not None:  # another request is computing this prefix: wait for it, then read it
-                rec.claim_wait = True
-                t_wait, held_before = time.perf_counter(), cluster_max
-                while True:  # re-look about 8 times over what is left (real s = trace s / S)
-                    await asyncio.sleep(claiming.look_again(lk.nodes, self.node_id, local, wait, cost, S,
-                                                            cfg.link_bytes_s) / S)
-                    lk = await self.kv.lookup_nodes(cfg.namespace, keys)
-                    local = int(lk.prefix_length)
-                    came = claiming.landed(lk.nodes, self.node_id, local, wait.length, wait.node)
-                    if (came or (time.perf_counter() - t_wait) * S >= wait.budget_s
-                            or not claiming.still_coming(lk.nodes, self.node_id, wait.length, wait.node)):
-                        break
-                cluster_max = claiming.readable_after(wait, came, lk.nodes, local, held_before, cost,
-                                                      cfg.link_bytes_s)
-                rec.wait_real_s = time.perf_counter() - t_wait
-                rec.wait_end = claiming.wait_end(came, (time.perf_counter() - t_wait) * S, wait)
-                rec.wait_ready_s = wait.ready_in_s
-            fetch = cluster_max if step is None else max(local, step.depth)  # the oracle gets what its plan says
-            if fetch > 0:
-                t_get = time.perf_counter()
-                buf = self._buffer(fetch)
-                buf[:fetch].fill(0)  # no page of an earlier Get can pass for one this Get did not write
-                try:
-                    got = await self.kv.get(cfg.namespace, keys[:fetch], timeout=cfg.fetch_timeout_s, out=buf[:fetch])
-                    rec.get_real_s = time.perf_counter() - t_get
-                    found = got.found
-                    cached = int(found.argmin()) if not found.all() else len(found)
-                    if cfg.verify:
-                        rec.corrupt = bad_pages(got.pages[:cached], item.words[:cached])
-                finally:
-                    self._buffers.append(buf)
-        except (KvError, grpc.RpcError, OSError) as exc:  # the node is gone (--kill): the engine recomputes
-            rec.kv_error = f"{type(exc).__name__}: {exc}"[:200]
-            local = cluster_max = cached = 0
-        rec.fetch_real_s = time.perf_counter() - t0
-        rec.fetch_s = rec.fetch_real_s * S  # the link waits in it ran at link x speedup / byte scale
-        local = record_hits(rec, local, cached, cluster_max, cost)
-        for k in keys[:local]:
-            if k not in self.own:
-                self.used_placed.add(k)
-        self.own.update(keys[local:cached])
-        if self.held is not None:
-            self.held.mark(self.index, keys[:cached])
-        rec.link_s = cost.link_s(rec.remote)
-        rec.local_load_s = cost.local_load_s(local)
-        rec.prefill_s = cost.prefill_s(cost.uncached_tokens(rec.input_tokens, cached))
-        rec.decode_s = cost.decode_s(rec.input_tokens, rec.output_tokens)
-        # -- prefill: one at a time per engine --
-        t1 = time.perf_counter()
-        self.backlog_s += rec.prefill_s
-        try:
+    def now(self) -> float:
+        """The run's clock in trace seconds."""
+        return (time.perf_counter() - self.clock_start) * self.cfg.speedup
+
+    async def _serve(self, item: _Req, slot_wait: float) -> None:
+        """:func:`~kvstore.replay.serve.serve`, its operations carried out by real RPCs and asyncio waits."""
+        gen = serve(self.state, item.rec, item.keys, item.step, slot_wait, self.now)
+        value: Any = None
+        error: StoreError | None = None
+        while True:
+            try:
+                op = gen.send(value) if error is None else gen.throw(error)
+            except StopIteration:
+                return
+            value, error = None, None
+            try:
+                value = await self._perform(op, item)
+            except (KvError, grpc.RpcError, OSError) as exc:  # the node is gone (--kill): the engine recomputes
+                error = StoreError(f"{type(exc).__name__}: {exc}")
+
+    async def _perform(self, op: Op, item: _Req) -> Any:
+        cfg, S = self.cfg, self.cfg.speedup
+        if isinstance(op, Sleep):
+            await asyncio.sleep(op.seconds / S)
+            return None
+        if isinstance(op, Lookup):
+            lk = await self.kv.lookup_nodes(cfg.namespace, op.keys, record=op.record, claim_seconds=op.claim_s)
+            return int(lk.prefix_length), lk.nodes
+        if isinstance(op, Get):
+            fetch = len(op.keys)
+            buf = self._buffer(fetch)
+            buf[:fetch].fill(0)  # no page of an earlier Get can pass for one this Get did not write
+            try:
+                got = await self.kv.get(cfg.namespace, op.keys, timeout=cfg.fetch_timeout_s, out=buf[:fetch])
+                found = got.found
+                cached = int(found.argmin()) if not found.all() else len(found)
+                return cached, bad_pages(got.pages[:cached], item.words[:cached]) if cfg.verify else 0
+            finally:
+                self._buffers.append(buf)
+        if isinstance(op, Prefill):
+            t1 = time.perf_counter()
             async with self.prefill:
-                prefill_wait = time.perf_counter() - t1
-                await asyncio.sleep(rec.prefill_s / S)
-        finally:
-            self.backlog_s -= rec.prefill_s
-        rec.queue_s = (slot_wait + prefill_wait) * S
-        rec.first_token_at = (time.perf_counter() - self.clock_start) * S
-        # -- store the KV this node lacked, then decode in the slot --
-        if cached < len(keys):
+                waited = (time.perf_counter() - t1) * S
+                await asyncio.sleep(op.seconds / S)
+            return waited
+        if isinstance(op, Put):
             t2 = time.perf_counter()
             try:
-                await self.saver.put(cfg.namespace, keys[cached:],
-                                  make_pages(item.words[cached:], cost.scaled_page_bytes))
-                self.own.update(keys[cached:])
-                if self.held is not None:
-                    self.held.mark(self.index, keys[cached:])
+                await self.saver.put(cfg.namespace, op.keys,
+                                     make_pages(item.words[op.start:op.start + len(op.keys)], cfg.cost.scaled_page_bytes))
+                return True, time.perf_counter() - t2
             except (KvError, grpc.RpcError, OSError):
-                self._result.put_errors += 1
-            rec.put_s = time.perf_counter() - t2
-        await asyncio.sleep(rec.decode_s / S)
-        rec.done = True
+                return False, time.perf_counter() - t2
+        assert isinstance(op, WaitHeld) and self.state.held is not None
+        return await self.state.held.wait(self.index, op.keys, op.timeout_s / S)
 
 
 class Driver:
@@ -350,7 +302,7 @@ class Driver:
         return [float(e.load) for e in self.engines]
 
     def _work(self) -> list[float]:
-        return [e.backlog_s for e in self.engines]
+        return [e.state.backlog_s for e in self.engines]
 
     async def _views(self, keys: list[bytes]) -> list[NodeView]:
         views = views_from_lookup(self.node_ids, self._loads(), (), self._work())
@@ -564,6 +516,7 @@ class Driver:
                 await kv.close()
             for c in channels:
                 await c.close()
-        self.result.placed_used_pages = sum(len(e.used_placed) for e in self.engines)
+        self.result.placed_used_pages = sum(len(e.state.used_placed) for e in self.engines)
+        self.result.put_errors = sum(e.state.put_errors for e in self.engines)
         self.result.wall_s = time.perf_counter() - wall
         return self.result

@@ -6,13 +6,11 @@ directory and link physics as the daemons (:mod:`kvstore.replay.sim_cluster`,
 :mod:`kvstore.replay.sim_coord`, :mod:`kvstore.replay.sim_kernel`), on a
 simulated clock in trace seconds. No sockets, no processes, no wall clock.
 
-One engine per node, as in :mod:`kvstore.replay.engine`: ``concurrency`` slots
-(FIFO) and one serial prefill unit; per request: wait for a slot; (oracle) wait
-for the planned prefix; ``Lookup(record)`` on its node (the access goes to the
-predictor with the next heartbeat); ``Get`` of the cluster-cached prefix (the
-node's reactive fetch, under every policy but ``none``); wait for the prefill
-unit; prefill the uncached tokens (first token); ``Put`` what it lacked;
-decode; free the slot. TTFT = queueing + fetch + local load + prefill, as
+One engine per node, as in :mod:`kvstore.replay.engine`: ``concurrency`` slots (FIFO) and one serial
+prefill unit. Once a request has a slot, the engine steps the same serve loop as the live replay
+(:mod:`kvstore.replay.serve`) and carries out its operations on the simulated clock: ``Lookup`` and
+``Get`` (with the node's reactive fetch, under every policy but ``none``) after an RPC's time, the
+prefill unit, ``Put``, sleeps. TTFT = queueing + fetch + local load + prefill, as
 :class:`~kvstore.replay.metrics.RequestRecord` defines it.
 
 What the simulation does not have, and the real run does: CPU contention and
@@ -25,14 +23,16 @@ every measured wait). ``results.json`` marks every simulated summary
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.replay import claiming
+from kvstore.replay.serve import (EngineState, Get, Lookup, Op, Prefill, Put, Rules, Sleep, StoreError, WaitHeld,
+                                  serve, step_through)
 from kvstore.replay.config import ReplayConfig, cluster_and_router, link_of
 from kvstore.replay.costmodel import CostModel
-from kvstore.replay.metrics import (RequestRecord, after_kill, aggregate, cluster_summary, record_hits,
+from kvstore.replay.metrics import (RequestRecord, after_kill, aggregate, cluster_summary,
                                   replica_gib_s)
 from kvstore.replay.oracle import Plan, Step, plan
 from kvstore.replay.routers import NodeView, Router, views_from_lookup
@@ -43,6 +43,7 @@ from kvstore.replay.workload import Workload, reusable_blocks
 from kvstore.workloads.traces import hash_key
 from kvstore.units import parse_size
 
+KILLED = "UNAVAILABLE: node killed (simulated)"
 DEFAULT_RPC_MS = 1.5   # real ms per KV round trip (Lookup, Get, Put, Replicate) on the harness machine
 
 
@@ -97,13 +98,13 @@ class Held:
 
 
 class SimEngine:
-    def __init__(self, sim: Sim, concurrency: int) -> None:
+    """An engine's slots (FIFO) and serial prefill unit on the simulated clock, and what the serve loop keeps."""
+
+    def __init__(self, sim: Sim, concurrency: int, state: EngineState) -> None:
         self.slots = Semaphore(sim, concurrency)
         self.prefill = Semaphore(sim, 1)
         self.waiting = self.running = 0
-        self.backlog_s = 0.0            # trace s of prefill queued or running on the prefill unit
-        self.own: set[bytes] = set()
-        self.used_placed: set[bytes] = set()
+        self.state = state
 
     @property
     def load(self) -> int:
@@ -134,22 +135,29 @@ class SimDriver:
             if cfg.policy == "predictive":  # the coordinator copies a landed claim to its waiters as a tree
                 self.cluster.claims.tree_fanout = self.coord.core.plan_cfg.fanout
                 self.cluster.claims.tree_parts = self.coord.core.relay_parts
-        self.engines = [SimEngine(self.sim, cfg.concurrency) for _ in range(cfg.nodes)]
+        rules = Rules(cfg.cost, S, claims=cfg.claims, claim_margin=cfg.claim_margin, link_bytes_s=cfg.link_rate)
+        self.oracle: dict[str, Any] = {}
+        self.engines = [SimEngine(self.sim, cfg.concurrency, EngineState(
+            i, self.cluster.ids[i], rules, oracle=self.oracle, on_hits=self._remote_hits(i))) for i in range(cfg.nodes)]
         self.rpc = cfg.rpc_ms / 1e3 * S          # one KV round trip, trace s
         self.records: list[RequestRecord] = []
         self.timeline: dict[str, Any] = {"t": [], "waiting": [], "running": [], "stats_t": [], "spec_slots": [],
                                          "replica_slots": []}
-        self.oracle: dict[str, Any] = {}
         self.oracle_plan: Plan | None = None
         self.held: Held | None = None
-        self.put_errors = 0
         self.killed: dict[int, float] = {}
         self._left = 0
 
     # ---- requests ----------------------------------------------------------------
+    def _remote_hits(self, i: int) -> Callable[[RequestRecord], None]:
+        """Node ``i`` counts the pages its Gets found on other nodes (its Stats' ``remote_hits``)."""
+        def count(rec: RequestRecord) -> None:
+            self.cluster.pools[i].remote_hits += rec.remote
+        return count
+
     def _views(self, keys: list[bytes]) -> tuple[list[NodeView], float]:
         loads = [float(e.load) for e in self.engines]
-        work = [e.backlog_s for e in self.engines]
+        work = [e.state.backlog_s for e in self.engines]
         asks = self.cfg.router.needs_prefix and self.cluster.alive(0)
         entries = self.cluster.prefixes(keys) if asks else ()
         views = views_from_lookup(self.cluster.ids, loads, entries, work)
@@ -170,97 +178,58 @@ class SimDriver:
         self.sim.process(self._serve(node, rec, keys, step))
 
     def _serve(self, n: int, rec: RequestRecord, keys: list[bytes], step: Step | None) -> Process:
-        sim, cfg, cost, cl, eng = self.sim, self.cfg, self.cfg.cost, self.cluster, self.engines[n]
+        """The engine's slot, then :func:`~kvstore.replay.serve.serve` on the simulated clock."""
+        sim, eng = self.sim, self.engines[n]
         t_enq = sim.now
         yield eng.slots.acquire()
         eng.waiting -= 1
         eng.running += 1
-        slot_wait = sim.now - t_enq
-        t0 = sim.now
-        if step is not None and step.depth > 0 and self.held is not None:
-            late = step.kv_at - sim.now
-            yield self.held.wait(n, keys[:step.depth], max(0.0, late) + cost.prefill_s(step.depth * cost.block_tokens))
-        local = cluster_max = cached = 0
-        if cl.alive(n):
-            yield sim.timeout(self.rpc)  # Lookup
-            claim = 0.0
-            if cfg.claims:
-                claim = claiming.claim_seconds(cost, rec.input_tokens, cl.pools[n].prefix(keys), eng.backlog_s,
-                                               cfg.speedup)
-            local, nodes = cl.lookup(n, keys, record=True, claim_seconds=claim)
-            cluster_max = claiming.held(nodes, local)
-            wait = claiming.choose(nodes, cl.ids[n], local, cost, cfg.speedup, cfg.link_rate, eng.backlog_s,
-                                   cfg.claim_margin) if cfg.claims else None
-            if wait is not None:  # another request is computing this prefix: wait for it, then read it
-                t_wait, held_before = sim.now, cluster_max
-                rec.claim_wait = True
-                came = False
-                while cl.alive(n) and not came:  # re-look about 8 times over what is left
-                    yield sim.timeout(claiming.look_again(nodes, cl.ids[n], local, wait, cost, cfg.speedup,
-                                                          cfg.link_rate))
-                    yield sim.timeout(self.rpc)  # re-Lookup
-                    local, nodes = cl.lookup(n, keys)
-                    came = claiming.landed(nodes, cl.ids[n], local, wait.length, wait.node)
-                    if not came and (sim.now - t_wait >= wait.budget_s
-                                     or not claiming.still_coming(nodes, cl.ids[n], wait.length, wait.node)):
-                        break
-                cluster_max = claiming.readable_after(wait, came, nodes, local, held_before, cost, cfg.link_rate)
-                rec.wait_real_s = (sim.now - t_wait) / cfg.speedup
-                rec.wait_end = claiming.wait_end(came, sim.now - t_wait, wait)
-                rec.wait_ready_s = wait.ready_in_s
-            t_get = sim.now
-            fetch = cluster_max if step is None else max(local, step.depth)
-            if fetch > 0:
-                yield cl.fetch_missing(n, keys[:fetch])
-                yield sim.timeout(self.rpc)  # Get
-                pool = cl.pools[n]
-                cached = pool.prefix(keys[:fetch]) if cl.alive(n) else 0
-                pool.read(keys[:cached])
-                pool.hits += cached
-                pool.misses += fetch - cached
-                rec.get_real_s = (sim.now - t_get) / cfg.speedup
-        else:
-            rec.kv_error = "UNAVAILABLE: node killed (simulated)"
-        rec.fetch_real_s = (sim.now - t0) / cfg.speedup
-        rec.fetch_s = sim.now - t0
-        local = record_hits(rec, local, cached, cluster_max, cost)
-        cl.pools[n].remote_hits += rec.remote
-        for k in keys[:local]:
-            if k not in eng.own:
-                eng.used_placed.add(k)
-        eng.own.update(keys[local:cached])
-        if self.held is not None:
-            self.held.mark(n, keys[:cached])
-        rec.link_s = cost.link_s(rec.remote)
-        rec.local_load_s = cost.local_load_s(local)
-        rec.prefill_s = cost.prefill_s(cost.uncached_tokens(rec.input_tokens, cached))
-        rec.decode_s = cost.decode_s(rec.input_tokens, rec.output_tokens)
-        t1 = sim.now
-        eng.backlog_s += rec.prefill_s
-        yield eng.prefill.acquire()
-        prefill_wait = sim.now - t1
-        yield sim.timeout(rec.prefill_s)
-        eng.prefill.release()
-        eng.backlog_s -= rec.prefill_s
-        rec.queue_s = slot_wait + prefill_wait
-        rec.first_token_at = sim.now
-        if cached < len(keys):
-            yield sim.timeout(self.rpc)  # Put
-            rec.put_s = self.rpc / cfg.speedup
-            if cl.alive(n):
-                cl.pools[n].store(keys[cached:], PRIMARY)
-                cl.pools[n].puts += len(keys) - cached
-                cl.stored(n)
-                eng.own.update(keys[cached:])
-                if self.held is not None:
-                    self.held.mark(n, keys[cached:])
-            else:
-                self.put_errors += 1
-        yield sim.timeout(rec.decode_s)
-        rec.done = True
+        yield from step_through(serve(eng.state, rec, keys, step, sim.now - t_enq, lambda: sim.now),
+                                lambda op: self._perform(n, op))
         eng.running -= 1
         eng.slots.release()
         self._left -= 1
+
+    def _perform(self, n: int, op: Op) -> Process:
+        """One operation of the serve loop as the simulated node and engine carry it out."""
+        sim, cl, eng = self.sim, self.cluster, self.engines[n]
+        if isinstance(op, Sleep):
+            yield sim.timeout(op.seconds)
+            return None
+        if isinstance(op, Lookup):
+            if not cl.alive(n):
+                raise StoreError(KILLED)
+            yield sim.timeout(self.rpc)
+            return cl.lookup(n, op.keys, record=op.record, claim_seconds=op.claim_s)
+        if isinstance(op, Get):
+            yield cl.fetch_missing(n, op.keys)
+            yield sim.timeout(self.rpc)
+            if not cl.alive(n):
+                raise StoreError(KILLED)
+            pool = cl.pools[n]
+            cached = pool.prefix(op.keys)
+            pool.read(op.keys[:cached])
+            pool.hits += cached
+            pool.misses += len(op.keys) - cached
+            return cached, 0
+        if isinstance(op, Prefill):
+            t1 = sim.now
+            yield eng.prefill.acquire()
+            waited = sim.now - t1
+            yield sim.timeout(op.seconds)
+            eng.prefill.release()
+            return waited
+        if isinstance(op, Put):
+            yield sim.timeout(self.rpc)
+            if not cl.alive(n):
+                return False, self.rpc / self.cfg.speedup
+            cl.pools[n].store(op.keys, PRIMARY)
+            cl.pools[n].puts += len(op.keys)
+            cl.stored(n)
+            return True, self.rpc / self.cfg.speedup
+        assert isinstance(op, WaitHeld) and self.held is not None
+        yield self.held.wait(n, op.keys, op.timeout_s)
+        return all(self.held.has(n, k) for k in op.keys)
 
     # ---- the oracle's copies ----------------------------------------------------------
     def _copy(self, step: Step, keys: list[bytes]) -> Process:
@@ -316,6 +285,8 @@ class SimDriver:
             self.oracle_plan = plan(reqs, reusable, cfg.nodes, cfg.concurrency, cfg.cost, cfg.oracle_lead_s,
                                     cfg.oracle_rpc_s * cfg.speedup, down=dict(cfg.kills))
             self.held = Held(sim, cfg.nodes)
+            for e in self.engines:
+                e.state.held = self.held
             self._links = [(Semaphore(sim), Semaphore(sim)) for _ in range(cfg.nodes)]
             op = self.oracle_plan
             self.oracle.update(plan=op.name, plan_p99_s=round(op.p99, 4), candidates=op.candidates,
@@ -339,8 +310,9 @@ class SimDriver:
         end = (reqs[-1].t if reqs else 0.0) + cfg.drain_timeout_s * cfg.speedup
         while sim._heap and self._left > 0 and sim._heap[0][0] <= end:
             sim.run(until=min(end, sim.now + 10.0))
-        placed_used = sum(len(e.used_placed) for e in self.engines)
-        return SimResult(self.records, self.timeline, self.oracle, self.put_errors, placed_used,
+        placed_used = sum(len(e.state.used_placed) for e in self.engines)
+        put_errors = sum(e.state.put_errors for e in self.engines)
+        return SimResult(self.records, self.timeline, self.oracle, put_errors, placed_used,
                          self.cluster.stats(), dict(self.killed), time.perf_counter() - wall,
                          self.coord.metrics_text() if self.coord is not None else "",
                          sum(b for i, b in enumerate(self.cluster.peer_bytes_in) if self.cluster.alive(i)),

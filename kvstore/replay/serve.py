@@ -1,0 +1,202 @@
+"""One request's path through an inference engine, written once for the live and the simulated replay.
+
+:func:`serve` is a generator: it decides, records the request's :class:`~kvstore.replay.metrics.RequestRecord`
+and yields each thing that takes time or touches the store as an operation for its driver to carry out,
+resuming with the result:
+
+* :class:`Sleep`: wait this many trace seconds (a claim's re-look, the decode);
+* :class:`WaitHeld`: the oracle's wait for its planned prefix on this node (True once it is there);
+* :class:`Lookup`: the node's ``Lookup`` (recorded for the predictor, with a prefill claim) → (local prefix,
+  every node's prefix);
+* :class:`Get`: the node's ``Get`` of a prefix (its reactive fetch included) → (pages found, corrupt pages);
+* :class:`Prefill`: the engine's serial prefill unit, held for this many trace seconds → trace seconds queued;
+* :class:`Put`: store what the node lacked → (stored, real seconds it took).
+
+A failed ``Lookup`` or ``Get`` (the node is gone) comes back as :class:`StoreError` thrown into the
+generator: the engine recomputes the prompt. The live replay (:mod:`kvstore.replay.engine`) carries the
+operations out with asyncio and real RPCs against real daemons; the simulated replay
+(:mod:`kvstore.replay.sim`) with events on its clock against its simulated cluster. Both step this same
+generator, so the engine's rules (claim, wait, fetch, prefill, store) exist once.
+
+Per request (the engine's slot is the driver's: it starts this once a slot is free): (oracle) wait for
+the planned prefix; ``Lookup``; (+claims) wait for another node's claimed prefill and re-look; ``Get`` of
+the cluster-cached prefix; the prefill unit, for the uncached tokens (first token); ``Put`` what the node
+lacked; decode. TTFT = queueing + fetch + local load + prefill, as ``RequestRecord`` defines it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.replay import claiming
+from kvstore.replay.costmodel import CostModel
+from kvstore.replay.metrics import RequestRecord, record_hits
+from kvstore.replay.oracle import Step
+
+
+class StoreError(Exception):
+    """A Lookup or Get failed (the node is gone); the message is what the request records."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    seconds: float  # trace seconds
+
+
+@dataclass(frozen=True, slots=True)
+class WaitHeld:
+    keys: list[bytes]
+    timeout_s: float  # trace seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    keys: list[bytes]
+    record: bool = False
+    claim_s: float = 0.0  # daemon seconds of a prefill claim on what the cluster lacks (0: no claim)
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    keys: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    seconds: float  # trace seconds on the prefill unit
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    start: int  # the first key's index in the request
+    keys: list[bytes]
+
+
+Op = Sleep | WaitHeld | Lookup | Get | Prefill | Put
+Serve = Generator[Op, Any, None]
+
+
+@dataclass(slots=True)
+class Rules:
+    """What the engines' rules read of the run."""
+
+    cost: CostModel
+    speedup: float
+    claims: bool = False           # +claims: claim this engine's prefills, wait for others' (claiming.py)
+    claim_margin: float = 1.0
+    link_bytes_s: float = 12.5e9   # unscaled bytes per trace second of the modelled link (the wait rule)
+
+
+@dataclass(slots=True, eq=False)
+class EngineState:
+    """One engine in front of one node, as :func:`serve` sees and keeps it."""
+
+    index: int
+    node_id: str
+    rules: Rules
+    held: Any = None                 # oracle: which pages each node holds (``mark(node, keys)``), or None
+    oracle: dict[str, Any] = field(default_factory=dict)  # the run's oracle counters (late_waits)
+    backlog_s: float = 0.0           # trace s of prefill queued for or on the prefill unit
+    own: set[bytes] = field(default_factory=set)          # keys this node got by its own Put or Get's fetch
+    used_placed: set[bytes] = field(default_factory=set)  # local hits on pages it got by replication
+    put_errors: int = 0
+    on_hits: Callable[[RequestRecord], None] | None = None  # the request's hits are known (the simulator counts)
+
+
+def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step | None, slot_wait: float,
+          now: Callable[[], float]) -> Serve:
+    """Serve one request on engine ``e`` (see the module doc); ``slot_wait``: trace seconds it queued for
+    its slot; ``now()``: the run's clock in trace seconds."""
+    keys = list(keys)
+    rules, cost, S = e.rules, e.rules.cost, e.rules.speedup
+    t0 = now()
+    if step is not None and step.depth > 0 and e.held is not None:
+        # oracle: the plan has this request wait for its prefix (being computed, or copied here); never
+        # longer than the plan's time plus recomputing it
+        late = step.kv_at - now()
+        if not (yield WaitHeld(keys[:step.depth], max(0.0, late) + cost.prefill_s(step.depth * cost.block_tokens))):
+            e.oracle["late_waits"] = e.oracle.get("late_waits", 0) + 1  # the prefix never came: compute it
+    local = cluster_max = cached = 0
+    try:
+        # the claim covers what the engine would compute knowing nothing cached (it learns its prefix from
+        # this Lookup); the node claims from the cluster's prefix on (the agent)
+        claim = claiming.claim_seconds(cost, rec.input_tokens, 0, e.backlog_s, S) if rules.claims else 0.0
+        local, nodes = yield Lookup(keys, record=True, claim_s=claim)
+        cluster_max = claiming.held(nodes, local)
+        wait = claiming.choose(nodes, e.node_id, local, cost, S, rules.link_bytes_s, e.backlog_s,
+                               rules.claim_margin) if rules.claims else None
+        if wait is not None:  # another request is computing this prefix: wait for it, then read it
+            rec.claim_wait = True
+            t_wait, held_before = now(), cluster_max
+            while True:  # re-look about 8 times over what is left
+                yield Sleep(claiming.look_again(nodes, e.node_id, local, wait, cost, S, rules.link_bytes_s))
+                local, nodes = yield Lookup(keys)
+                came = claiming.landed(nodes, e.node_id, local, wait.length, wait.node)
+                if (came or now() - t_wait >= wait.budget_s
+                        or not claiming.still_coming(nodes, e.node_id, wait.length, wait.node)):
+                    break
+            cluster_max = claiming.readable_after(wait, came, nodes, local, held_before, cost, rules.link_bytes_s)
+            rec.wait_real_s = (now() - t_wait) / S
+            rec.wait_end = claiming.wait_end(came, now() - t_wait, wait)
+            rec.wait_ready_s = wait.ready_in_s
+        fetch = cluster_max if step is None else max(local, step.depth)  # the oracle gets what its plan says
+        if fetch > 0:
+            t_get = now()
+            cached, rec.corrupt = yield Get(keys[:fetch])
+            rec.get_real_s = (now() - t_get) / S
+    except StoreError as exc:  # the node is gone (--kill): the engine recomputes
+        rec.kv_error = str(exc)[:200]
+        local = cluster_max = cached = 0
+    rec.fetch_real_s = (now() - t0) / S
+    rec.fetch_s = now() - t0
+    local = record_hits(rec, local, cached, cluster_max, cost)
+    if e.on_hits is not None:
+        e.on_hits(rec)
+    for k in keys[:local]:
+        if k not in e.own:
+            e.used_placed.add(k)
+    e.own.update(keys[local:cached])
+    if e.held is not None:
+        e.held.mark(e.index, keys[:cached])
+    rec.link_s = cost.link_s(rec.remote)
+    rec.local_load_s = cost.local_load_s(local)
+    rec.prefill_s = cost.prefill_s(cost.uncached_tokens(rec.input_tokens, cached))
+    rec.decode_s = cost.decode_s(rec.input_tokens, rec.output_tokens)
+    # -- prefill: one at a time per engine --
+    e.backlog_s += rec.prefill_s
+    try:
+        prefill_wait = yield Prefill(rec.prefill_s)
+    finally:
+        e.backlog_s -= rec.prefill_s
+    rec.queue_s = slot_wait + prefill_wait
+    rec.first_token_at = now()
+    # -- store the KV this node lacked, then decode in the slot --
+    if cached < len(keys):
+        stored, rec.put_s = yield Put(cached, keys[cached:])
+        if stored:
+            e.own.update(keys[cached:])
+            if e.held is not None:
+                e.held.mark(e.index, keys[cached:])
+        else:
+            e.put_errors += 1
+    yield Sleep(rec.decode_s)
+    rec.done = True
+
+
+def step_through(gen: Serve, perform: Callable[[Op], Generator[Any, Any, Any]]) -> Generator[Any, Any, None]:
+    """Drive ``gen`` with a driver whose ``perform(op)`` is itself a generator (the simulator's: it yields
+    its events and returns the result, or raises :class:`StoreError`)."""
+    value: Any = None
+    error: StoreError | None = None
+    while True:
+        try:
+            op = gen.send(value) if error is None else gen.throw(error)
+        except StopIteration:
+            return
+        value, error = None, None
+        try:
+            value = yield from perform(op)
+        except StoreError as exc:
+            error = exc
