@@ -30,7 +30,7 @@ from kvstore.replay.engine import Driver, RunConfig
 from kvstore.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum, replica_gib_s
 from kvstore.replay.report import plot_cdf, plot_timeline, ratios, render, sweep_table
 from kvstore.replay.routers import ROUTERS
-from kvstore.replay.sim import DEFAULT_RPC_MS, run_policy_sim
+from kvstore.replay.sim import run_policy_sim
 from kvstore.replay.sim_report import compare_section
 from kvstore.replay.sweep import compare, key, router_configs
 from kvstore.replay.workload import (
@@ -82,46 +82,46 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                         "'synth' for the built-in fan-out generator, or a workload shape (" + ", ".join(SHAPES) +
                         "; 'mixed' overlays fan-out bursts on the conversation window); repeatable. "
                         "Default: conversation and synth")
-    w.add_argument("--start", type=float, default=0.0, help="trace window start, trace seconds (jsonl traces)")
-    w.add_argument("--window", type=float, default=120.0, help="trace window length, trace seconds (jsonl traces)")
-    w.add_argument("--max-requests", type=int, default=None, help="at most this many requests per jsonl trace")
-    w.add_argument("--speedup", "--time-scale", dest="speedup", type=float, default=4.0,
+    w.add_argument("--start", type=float, help="trace window start, trace seconds (jsonl traces)")
+    w.add_argument("--window", type=float, help="trace window length, trace seconds (jsonl traces)")
+    w.add_argument("--max-requests", type=int, help="at most this many requests per jsonl trace")
+    w.add_argument("--speedup", "--time-scale", dest="speedup", type=float,
                    help="compress arrivals AND the engines' modelled sleeps by this factor (one factor for both, "
                         "so the load the trace implies is kept); reported times are rescaled to the trace")
     _synth_args(w, "synth-")
     c = p.add_argument_group("cluster and policies")
-    c.add_argument("--nodes", type=int, default=4)
-    c.add_argument("--policies", default=",".join(POLICIES), help="comma list of " + ",".join(POLICIES) +
+    c.add_argument("--nodes", type=int)
+    c.add_argument("--policies", help="comma list of " + ",".join(POLICIES) +
                    "; each but oracle may take +claims (engines claim their prefills and wait for each other's)")
-    c.add_argument("--claim-margin", default="auto",
+    c.add_argument("--claim-margin",
                    help="+claims: an engine waits for another's prefill when ready + copy < this x its own "
                         "queue + prefill; auto: 1.0 under reactive, 2.0 under predictive (each one's best)")
-    c.add_argument("--router", default="cache-aware", choices=ROUTERS, help="the router (see --routers)")
-    c.add_argument("--routers", default=None, help="comma list of routers; every policy runs under each "
+    c.add_argument("--router", choices=ROUTERS, help="the router (see --routers)")
+    c.add_argument("--routers", help="comma list of routers; every policy runs under each "
                    "(the oracle routes itself). Default: --router")
-    c.add_argument("--balance-abs", default="32", help="cache-aware: imbalance if max-min load > this; a comma "
+    c.add_argument("--balance-abs", help="cache-aware: imbalance if max-min load > this; a comma "
                    "list (e.g. 4,8,16,32) runs cache-aware once per threshold")
-    c.add_argument("--balance-rel", type=float, default=1.5, help="... and max load > this x min load")
-    c.add_argument("--match-threshold", type=float, default=0.0,
+    c.add_argument("--balance-rel", type=float, help="... and max load > this x min load")
+    c.add_argument("--match-threshold", type=float,
                    help="cache-aware: least-load unless the best prefix covers this share of the request")
     c.add_argument("--no-hints", action="store_true", help="cache-aware ignores pending/speculative placement hints")
-    c.add_argument("--hint-cover", type=float, default=0.5, help="cache-aware: a hinted copy covering this share "
+    c.add_argument("--hint-cover", type=float, help="cache-aware: a hinted copy covering this share "
                    "of the longest cached prefix counts as holding all of it")
-    c.add_argument("--capacity", default="auto", help="kvstored --capacity per node (real bytes); auto: 1 TiB "
+    c.add_argument("--capacity", help="kvstored --capacity per node (real bytes); auto: 1 TiB "
                    "modelled, i.e. 1 TiB / --byte-scale")
-    c.add_argument("--network", default="shaped", choices=["shaped", "netns", "none"],
+    c.add_argument("--network", choices=["shaped", "netns", "none"],
                    help="how node-to-node bytes cost time: shaped = a fair link shaper in each kvstored's peer "
                         "transport (any user); netns = each kvstored in its own network namespace on a bridge "
                         "with tc on its veth (root, iproute2; TCP transport); none = loopback, free")
-    c.add_argument("--link", default="rdma-400g", choices=sorted(LINKS),
+    c.add_argument("--link", choices=sorted(LINKS),
                    help="link preset per node and direction: " + ", ".join(
                        f"{k} {v[0] / 1e9:g} GB/s" for k, v in LINKS.items()))
-    c.add_argument("--link-latency-us", type=float, default=None, help="one-way link latency, us (default: preset)")
+    c.add_argument("--link-latency-us", type=float, help="one-way link latency, us (default: preset)")
 
-    c.add_argument("--heartbeat-timeout", type=float, default=3.0, help="kvstored --heartbeat-timeout in trace s "
+    c.add_argument("--heartbeat-timeout", type=float, help="kvstored --heartbeat-timeout in trace s "
                    "(a fleet's membership timeout): the daemons get it divided by --speedup, as every other time of "
                    "the replay, but at least 4 real heartbeats")
-    c.add_argument("--oracle-lead", type=float, default=4.0, help="the oracle copies a prefix to a request's node "
+    c.add_argument("--oracle-lead", type=float, help="the oracle copies a prefix to a request's node "
                    "no earlier than this before the request arrives (trace s)")
     c.add_argument("--kill", action="append", default=[], metavar="NODE@T",
                    help="failover: SIGKILL node NODE (n3, or 3) at trace second T of every run (repeatable); the "
@@ -130,32 +130,32 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--kvstored-arg", action="append", default=[], help="extra kvstored flag (repeat; e.g. "
                    "--kvstored-arg=--spec-threshold=0.3)")
     e = p.add_argument_group("engines and cost model")
-    e.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
-    e.add_argument("--byte-scale", default="auto", help="stored page bytes = modelled page bytes / this; auto: "
+    e.add_argument("--preset", choices=sorted(PRESETS))
+    e.add_argument("--byte-scale", help="stored page bytes = modelled page bytes / this; auto: "
                    "the scale that stores 4 KiB pages (40960 for the 70B presets, 16384 for llama3-8b; runs before "
                    "2026-12-02 used 4096)")
-    e.add_argument("--mfu", type=float, default=None, help="override the preset's prefill MFU")
-    e.add_argument("--link-gbs", type=float, default=None, help="node-to-node link, GB/s (overrides --link's rate)")
-    e.add_argument("--pool-medium", default="auto", choices=["auto", "host", "hbm"],
+    e.add_argument("--mfu", type=float, help="override the preset's prefill MFU")
+    e.add_argument("--link-gbs", type=float, help="node-to-node link, GB/s (overrides --link's rate)")
+    e.add_argument("--pool-medium", choices=["auto", "host", "hbm"],
                    help="where a node's pool lives, for the modelled load of local pages into the engine: host "
                         "memory over PCIe or HBM (auto: hbm for a cuda device, else host)")
-    e.add_argument("--slo-factor", type=float, default=2.0, help="SLO: TTFT under this x the request's own "
+    e.add_argument("--slo-factor", type=float, help="SLO: TTFT under this x the request's own "
                    "cold prefill")
-    e.add_argument("--concurrency", type=int, default=8, help="slots (batch) per engine")
-    e.add_argument("--fetch-timeout", type=float, default=5.0, help="Get deadline (real s)")
-    e.add_argument("--data-connections", type=int, default=1,
+    e.add_argument("--concurrency", type=int, help="slots (batch) per engine")
+    e.add_argument("--fetch-timeout", type=float, help="Get deadline (real s)")
+    e.add_argument("--data-connections", type=int,
                    help="data-channel connections per engine's client (AsyncKvClient data_connections): 1 runs "
                         "its Gets in turn, more side by side")
     e.add_argument("--shared-save", action="store_true",
                    help="Puts on the engine's one client with its Gets (before 2026-12-02), not on a client of "
                         "their own as the vLLM connector saves")
     o = p.add_argument_group("output")
-    o.add_argument("--out", type=Path, default=Path("kvstore-out") / "replay",
+    o.add_argument("--out", type=Path,
                    help="folder for results.json, report.md, the plots and the daemons' logs")
-    o.add_argument("--seed", type=int, default=0)
-    o.add_argument("--repeats", type=int, default=1, help="run every configuration with this many seeds "
+    o.add_argument("--seed", type=int)
+    o.add_argument("--repeats", type=int, help="run every configuration with this many seeds "
                    "(seed, seed+1, ...); ratios carry median and min-max")
-    o.add_argument("--drain-timeout", type=float, default=120.0, help="real s to finish after the last arrival")
+    o.add_argument("--drain-timeout", type=float, help="real s to finish after the last arrival")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true")
     m = p.add_argument_group("simulation")
@@ -164,9 +164,10 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                    "simulated clock, seconds per run; results.json is marked \"simulated\": true")
     m.add_argument("--sim-compare", action="store_true", help="run every configuration for real AND simulated; the "
                    "report shows the simulated numbers beside the measured ones (results.json: sim_compare)")
-    m.add_argument("--sim-rpc-ms", type=float, default=DEFAULT_RPC_MS,
+    m.add_argument("--sim-rpc-ms", type=float,
                    help="simulation: real ms one KV round trip (Lookup, Get, Put, Replicate) costs, x speedup in "
                         "trace time like every measured wait")
+    p.set_defaults(**ReplayConfig.flag_defaults())
 
 
 def build_workloads(a: ReplayConfig, seed: int | None = None) -> list[Workload]:

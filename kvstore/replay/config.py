@@ -26,7 +26,7 @@ from kvstore.replay.claiming import margin_for, split_policy
 from kvstore.replay.cluster import ClusterSpec
 from kvstore.replay.costmodel import LINKS, MODELLED_CAPACITY, CostModel, auto_byte_scale
 from kvstore.replay.routers import ROUTERS, make_router
-from kvstore.replay.workload import DEFAULT_TRACE
+from kvstore.replay.workload import DEFAULT_TRACE, SynthSpec
 from kvstore.units import parse_size
 
 POLICIES = ("none", "reactive", "full", "predictive", "oracle")
@@ -63,6 +63,11 @@ def daemon_settings(cfg: ReplayConfig) -> dict[str, Any]:
     return out
 
 
+_SYNTH = SynthSpec()
+DEFAULT_RPC_MS = 1.5   # real ms per KV round trip (Lookup, Get, Put, Replicate) on the harness machine (--sim)
+LISTS = ("trace", "kill", "kvstored_arg")  # repeatable flags: argparse appends to a list, the config keeps a tuple
+
+
 @dataclass(frozen=True)
 class ReplayConfig:
     """Everything one ``kvctl replay`` needs; the defaults are the command line's."""
@@ -73,15 +78,15 @@ class ReplayConfig:
     window: float = 120.0
     max_requests: int | None = None
     speedup: float = 4.0
-    synth_bursts: int = 4
-    synth_requests: int = 32
-    synth_prefix_tokens: int = 8192
-    synth_window: float = 8.0
-    synth_decoys: int = 4
-    synth_background: float = 0.5
-    synth_duration: float = 60.0
-    synth_suffix_tokens: int = 1024
-    synth_output_tokens: int = 512
+    synth_bursts: int = _SYNTH.bursts
+    synth_requests: int = _SYNTH.requests
+    synth_prefix_tokens: int = _SYNTH.prefix_tokens
+    synth_window: float = _SYNTH.window_s
+    synth_decoys: int = _SYNTH.decoys
+    synth_background: float = _SYNTH.background
+    synth_duration: float = _SYNTH.duration_s
+    synth_suffix_tokens: int = _SYNTH.suffix_tokens
+    synth_output_tokens: int = _SYNTH.output_tokens
     # cluster and policies
     nodes: int = 4
     policies: str = ",".join(POLICIES)
@@ -128,16 +133,21 @@ class ReplayConfig:
     # simulation
     sim: bool = False
     sim_compare: bool = False
-    sim_rpc_ms: float = 1.5
+    sim_rpc_ms: float = DEFAULT_RPC_MS
     # derived by from_args, not set on the command line
     kills: tuple[tuple[int, float], ...] = field(default=(), compare=False)
+
+    @classmethod
+    def flag_defaults(cls) -> dict[str, Any]:
+        """Every flag's default, by dest: the command line's defaults are these fields' (``set_defaults``)."""
+        return {f.name: f.default for f in fields(cls) if f.name not in (*LISTS, "kills")}
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ReplayConfig":
         """The parsed command line, checked and with ``auto`` resolved; ValueError names the bad flag."""
         names = {f.name for f in fields(cls)} - {"kills"}
         values: dict[str, Any] = {k: v for k, v in vars(args).items() if k in names}
-        for name in ("trace", "kill", "kvstored_arg"):
+        for name in LISTS:
             if values.get(name) is not None:
                 values[name] = tuple(values[name])
         if values.get("trace") is None:
@@ -206,7 +216,7 @@ class ReplayConfig:
         """The command line's settings as ``results.json`` records them (paths as text)."""
         out = asdict(self)
         out.pop("kills")
-        for k in ("trace", "kill", "kvstored_arg"):
+        for k in LISTS:
             out[k] = list(out[k])
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in out.items()}
 

@@ -30,7 +30,7 @@ from typing import Any
 from kvstore.replay import claiming
 from kvstore.replay.serve import (EngineState, Get, Lookup, Op, Prefill, Put, Rules, Sleep, StoreError, WaitHeld,
                                   serve, step_through)
-from kvstore.replay.config import ReplayConfig, cluster_and_router, link_of
+from kvstore.replay.config import DEFAULT_RPC_MS, ReplayConfig, cluster_and_router, link_of
 from kvstore.replay.costmodel import CostModel
 from kvstore.replay.metrics import (RequestRecord, after_kill, aggregate, cluster_summary,
                                   replica_gib_s)
@@ -44,7 +44,6 @@ from kvstore.workloads.traces import hash_key
 from kvstore.units import parse_size
 
 KILLED = "UNAVAILABLE: node killed (simulated)"
-DEFAULT_RPC_MS = 1.5   # real ms per KV round trip (Lookup, Get, Put, Replicate) on the harness machine
 
 
 @dataclass(slots=True)
