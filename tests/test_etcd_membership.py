@@ -25,9 +25,8 @@ import grpc
 import pytest
 
 from conftest import keys_for, random_pages, wait_until
-from kvstore.cluster.etcd_view import EtcdView, decode_member, encode_member, lease_ttl, parse_etcd_url
-from kvstore.cluster.membership import Membership, plan_round
-from kvstore.cluster.membership_backend import make_membership
+from kvstore.cluster.membership.etcd_view import EtcdView, decode_member, encode_member, lease_ttl, parse_etcd_url
+from kvstore.cluster.membership import Membership, make_membership, plan_round
 from kvstore.config import NodeConfig
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -242,7 +241,7 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
 
 
 def membership(url: str, node_id: str, timeout: float = 0.8, **tls: str):  # type: ignore[no-untyped-def]
-    from kvstore.cluster.etcd_membership import EtcdMembership
+    from kvstore.cluster.membership.etcd import EtcdMembership
 
     config = NodeConfig(membership=url, heartbeat_interval=0.1, heartbeat_timeout=timeout, **tls)
     return EtcdMembership.from_config(config, info(node_id, incarnation=uuid.uuid4().hex[:8]))

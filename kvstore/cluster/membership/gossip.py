@@ -13,9 +13,9 @@ worst outcome is a wasted or missing replica, never wrong data.
 
 :class:`MembershipView` is what the agent, the peer client and the
 coordinator role ask of membership; the gossip :class:`Membership` here and
-the etcd backend (``kvstore.cluster.etcd_membership``, liveness by etcd
+the etcd backend (``kvstore.cluster.membership.etcd``, liveness by etcd
 leases, the coordinator elected with one) both offer it, and
-:func:`~kvstore.cluster.membership_backend.make_membership` picks one from ``--membership``.
+:func:`~kvstore.cluster.membership.backend.make_membership` picks one from ``--membership``.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ lease goes the key goes with it and the others campaign, the standby first
 directory copy) and the rest a step later each, so the warm copy usually
 wins.
 
-This module holds the view and those decisions; ``etcd_membership`` is the
+This module holds the view and those decisions; ``etcd`` is the
 I/O shell that feeds it. It offers the same calls as the gossip
-:class:`~kvstore.cluster.membership.Membership`. Heartbeats still arrive
+:class:`~kvstore.cluster.membership.gossip.Membership`. Heartbeats still arrive
 (they carry directory reports) but only refresh a known member's load
 figures: they never make anyone alive, change an address or a role.
 
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from kvstore.cluster.membership import Change
+from kvstore.cluster.membership.gossip import Change
 from kvstore.v1 import kvstore_pb2 as pb
 
 _LOAD_FIELDS = ("capacity_bytes", "used_bytes", "hits", "misses", "remote_hits", "speculative_bytes")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvstore.cluster.membership import Membership, MembershipView
+from kvstore.cluster.membership.gossip import Membership, MembershipView
 from kvstore.config import NodeConfig
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -18,6 +18,6 @@ def make_membership(config: NodeConfig, self_info: pb.MemberInfo,
     changes the view between heartbeat rounds, so the agent acts at once."""
     if config.membership == "gossip":
         return Membership(self_info, config.heartbeat_timeout)
-    from kvstore.cluster.etcd_membership import EtcdMembership
+    from kvstore.cluster.membership.etcd import EtcdMembership
 
     return EtcdMembership.from_config(config, self_info, on_change)

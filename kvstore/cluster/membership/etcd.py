@@ -1,5 +1,5 @@
 """Membership on etcd (``--membership etcd://HOST:PORT[,HOST:PORT][/PREFIX]``):
-the I/O shell around :class:`~kvstore.cluster.etcd_view.EtcdView`.
+the I/O shell around :class:`~kvstore.cluster.membership.etcd_view.EtcdView`.
 
 One session at a time against one etcd endpoint (the next one after a
 failure): grant a lease of ``ceil(--heartbeat-timeout)`` seconds (or renew
@@ -31,7 +31,9 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
-from kvstore.cluster.etcd_view import EtcdTarget, EtcdView, decode_member, encode_member, lease_ttl, parse_etcd_url
+from kvstore.cluster.membership.etcd_view import (
+    EtcdTarget, EtcdView, decode_member, encode_member, lease_ttl, parse_etcd_url,
+)
 from kvstore.config import NodeConfig
 from kvstore.v1 import kvstore_pb2 as pb
 
