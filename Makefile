@@ -58,7 +58,8 @@ $(VSTAMP): pyproject.toml
 
 test-vllm: $(VSTAMP)
 	KVSTORE_REQUIRE_VLLM=1 $(VBIN)/python -m pytest -rs -p no:cacheprovider \
-	  tests/test_vllm_connector_core.py tests/test_vllm_e2e.py tests/test_sglang_backend.py tests/test_connector_claims.py $(ARGS) \
+	  tests/integration/test_vllm_connector_core.py tests/integration/test_vllm_e2e.py tests/integration/test_sglang_backend.py \
+	  tests/unit/clients/test_connector_claims.py $(ARGS) \
 	  | tee $(VVENV)/last-test.log; test $${PIPESTATUS[0]} -eq 0
 	@! grep -Eq '[0-9]+ skipped' $(VVENV)/last-test.log || (echo "test-vllm: tests were skipped" >&2; exit 1)
 

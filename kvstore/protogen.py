@@ -1,7 +1,7 @@
 """Generate the protobuf/gRPC Python modules from proto/ (``make proto``).
 
 The generated files are committed (so a plain install needs no grpcio-tools);
-``tests/test_proto.py`` regenerates them into a temporary folder and fails when
+``tests/unit/v1/test_proto.py`` regenerates them into a temporary folder and fails when
 the committed copies are stale.
 """
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,10 +25,22 @@ from kvstore.ops.numpy_ops import NumpyPageOps
 from kvstore.ops.staged import StagedNumpyPageOps
 from kvstore.server.app import NodeServer
 
+TESTS_DIR = Path(__file__).resolve().parent  # the shared helpers, data/ and engines/
+REPO_ROOT = TESTS_DIR.parent
 
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``slow`` (the 10,000-case fuzz, rejoin after long
+    """Everything under tests/integration/ is marked ``integration`` (it starts
+    real processes, servers or sockets), so ``-m "not integration"`` runs the
+    unit tests alone; before ``-m`` selects, hence ``tryfirst``.
+
+    Tests marked ``slow`` (the 10,000-case fuzz, rejoin after long
     downtimes) run only when asked for: ``make test-slow`` (``-m slow``)."""
+    integration = TESTS_DIR / "integration"
+    for item in items:
+        if item.path.is_relative_to(integration):
+            item.add_marker(pytest.mark.integration)
     if "slow" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="slow: run with make test-slow (pytest -m slow)")
@@ -201,7 +214,7 @@ class Secured:
 
 @pytest.fixture(scope="session")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Secured:
-    from tls_certs import make_certs
+    from tests.tls_certs import make_certs
 
     folder = tmp_path_factory.mktemp("secured")
     certs = make_certs(folder / "tls")

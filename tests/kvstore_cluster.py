@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import grpc
 
-from conftest import wait_until
+from tests.conftest import wait_until
 from kvstore.launch import NodeProcess
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc

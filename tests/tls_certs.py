@@ -6,7 +6,7 @@ loopback names a test node listens on (``127.0.0.1``, ``localhost``: the
 SAN rule of docs/security.md), a client certificate, and a second CA with
 its own node certificate (a "foreign" cluster). The ``tls_certs`` fixture
 makes one set per test session: import it into a test module
-(``from tls_certs import tls_certs``) to use it.
+(``from tests.tls_certs import tls_certs``) to use it.
 """
 
 from __future__ import annotations

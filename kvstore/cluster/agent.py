@@ -30,8 +30,7 @@ from kvstore.cluster import answer
 from kvstore.cluster.checks import check_key_batch
 from kvstore.cluster.claims import Claim, Claims
 from kvstore.cluster.directory import Directory, Outbox
-from kvstore.cluster.membership import plan_round
-from kvstore.cluster.membership_backend import make_membership
+from kvstore.cluster.membership import make_membership, plan_round
 from kvstore.cluster.peers import PeerClient
 from kvstore.cluster.replicator import Replicator
 from kvstore.config import NodeConfig

@@ -5,7 +5,7 @@ and the synthetic fan-out workload against a fresh local cluster per
 replication policy (none, reactive, full, predictive, oracle) and reports
 TTFT, KV-fetch time, hit ratios and speculative bytes side by side.
 
-Pure logic (no sockets, no processes), unit-tested in ``tests/test_replay.py``:
+Pure logic (no sockets, no processes), unit-tested in ``tests/unit/replay/``:
 
 * :mod:`kvstore.replay.costmodel` -- model/hardware presets, prefill/decode/transfer times, page bytes
 * :mod:`kvstore.replay.routers` -- round-robin, least-load, cache-aware (SGLang-style, hint-aware)

@@ -1,0 +1,93 @@
+"""In-flight prefill claims across real ``kvstored`` processes: a Lookup that claims its prefill is seen
+by the other nodes' lookups as ``computing`` until its Put lands; under predictive the coordinator then
+copies the prefix to the nodes that waited for it."""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+
+import grpc
+import pytest
+
+from tests.conftest import keys_for, random_pages, wait_until
+from kvstore.errors import InvalidArgument
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore_client import KvClient
+
+MiB = 1 << 20
+FAST = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "2.0")
+
+
+def _live(address: str) -> list[str]:
+    with grpc.insecure_channel(address) as channel:
+        reply = pb_grpc.ClusterStub(channel).Status(pb.ClusterStatusRequest(), timeout=5)
+    return sorted(m.node_id for m in reply.members)
+
+
+def _start(daemon, policy: str):  # type: ignore[no-untyped-def]
+    nodes, seed = {}, None
+    for node_id in "abc":
+        args = ["--node-id", node_id, "--transport", "tcp", "--namespace", f"m:{MiB}", "--replication", policy,
+                "--metrics-port", "0", *FAST]
+        nodes[node_id] = daemon(*args, *(["--peers", seed] if seed else []))
+        seed = seed or nodes[node_id].address
+    for d in nodes.values():
+        wait_until(lambda d=d: _live(d.address) == ["a", "b", "c"], 15, "membership to converge")
+    wait_until(lambda: _warm(nodes["a"].address), 15, "the coordinator's directory to warm up")
+    return nodes
+
+
+def _warm(address: str) -> bool:
+    """The coordinator answers a miss itself (a new coordinator refuses those while it may lack a
+    member's report, and its askers fall back to the standby, which keeps no claims)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            pb_grpc.ClusterStub(channel).ClusterLookup(pb.LookupRequest(namespace="m", keys=[b"absent"]), timeout=5)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                return False
+            raise
+    return True
+
+
+def _entry(kv: KvClient, keys: list[bytes], node: str) -> pb.NodePrefix | None:
+    return next((n for n in kv.lookup_nodes("m", keys).nodes if n.node_id == node), None)
+
+
+@pytest.mark.parametrize("policy", ["reactive", "predictive"])
+def test_a_claim_is_seen_as_computing_until_its_put_lands(daemon, policy) -> None:  # type: ignore[no-untyped-def]
+    nodes = _start(daemon, policy)
+    keys, pages = keys_for(8, b"claim"), random_pages(8, MiB)
+    with KvClient(nodes["b"].address) as kb, KvClient(nodes["c"].address) as kc:
+        first = kb.lookup_nodes("m", keys, record=True, claim_seconds=5.0)
+        assert first.prefix_length == 0 and not [n for n in first.nodes if n.node_id != "b"]
+        seen = _entry(kc, keys[:6] + [b"own suffix"], "b")   # a follower sharing 6 blocks, on another node
+        assert seen is not None and seen.computing and seen.pending and seen.prefix_length == 6
+        assert 0 < seen.ready_in_seconds <= 5.0
+        # a second claimant of the same chain wins nothing: it still sees b
+        kc.lookup_nodes("m", keys, claim_seconds=1.0)
+        assert _entry(kc, keys, "b").computing  # type: ignore[union-attr]
+        kb.put("m", keys, pages)
+        # b reports at once while it holds claims: well under the 2 s heartbeat timeout
+        took = wait_until(lambda: (e := _entry(kc, keys, "b")) is not None and not e.computing
+                          and not e.pending and e.prefix_length == 8, 3, "b's Put to resolve its claim")
+        assert took < 1.0
+        if policy == "predictive":  # c waited for b's claim: the coordinator copies it there, no Get needed
+            wait_until(lambda: kc.lookup("m", keys[:6]) == 6, 5, "the waiter tree to reach c")
+            url = f"http://127.0.0.1:{nodes['a'].fields['metrics_port']}/metrics"  # a coordinates
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            assert 'kvstore_planner_decisions_total{kind="claim_tree"} 1.0' in text
+        got = kc.get("m", keys)
+        assert got.found.all() and (got.pages == pages).all()
+
+
+def test_a_bad_claim_is_invalid_argument_and_changes_nothing(daemon) -> None:  # type: ignore[no-untyped-def]
+    nodes = _start(daemon, "reactive")
+    keys = keys_for(4, b"bad")
+    with KvClient(nodes["b"].address) as kb, KvClient(nodes["c"].address) as kc:
+        for bad in (-1.0, math.nan, math.inf, 1e9):
+            with pytest.raises(InvalidArgument, match="claim_seconds"):
+                kb.lookup_nodes("m", keys, claim_seconds=bad)
+        assert _entry(kc, keys, "b") is None

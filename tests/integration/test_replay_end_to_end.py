@@ -1,0 +1,158 @@
+"""The trace replay (``kvctl replay``) end to end on real ``kvstored`` processes: a smoke run
+(a few seconds), a run that SIGKILLs a node, and the simulated replay's calibration against the
+real one on the same smoke workload. The pure parts: tests/unit/replay/."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.unit.replay.test_replay_sim import SMOKE
+
+
+def _kvstored_children() -> list[int]:
+    """kvstored processes whose parent is this test process (Linux /proc)."""
+    import os
+
+    out = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == os.getpid() and b"kvstored" in (d / "cmdline").read_bytes():
+                out.append(int(d.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def test_replay_smoke_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """2 real nodes, ~20 requests, 3 policies under 2 routers, shaped links, 4 KiB pages: structure, and
+    the oracle is a bound (p99 below none's, at or below every configuration's) on a workload where the
+    policies differ: bursts of 8 requests within 0.5 s on a 16k-token prefix (recomputing it costs
+    0.53 s on the serial prefill unit, copying it 43 ms), so without a copy the followers queue behind
+    each other's recomputations."""
+    from kvstore.replay.cli import replay_main
+
+    out = tmp_path / "replay"
+    rc = replay_main(["--trace", "synth", "--synth-bursts", "2", "--synth-requests", "8", "--synth-prefix-tokens",
+                      "16384", "--synth-window", "0.5", "--synth-decoys", "1", "--synth-background", "0.5",
+                      "--synth-duration", "10", "--synth-output-tokens", "64", "--nodes", "2",
+                      "--policies", "none,predictive,oracle", "--routers", "cache-aware,least-load",
+                      "--speedup", "8", "--byte-scale", "16384", "--network", "shaped",
+                      "--capacity", "16MiB", "--heartbeat", "0.1", "--heartbeat-timeout", "24", "--planner-tick", "0.1",
+                      "--oracle-lead", "2", "--drain-timeout", "30", "--no-progress", "--out", str(out)])
+    # --heartbeat-timeout 24 trace s = 3 real s: nobody dies here, so membership stays well clear of the
+    # 4-heartbeat floor (0.4 real s)
+    assert rc == 0
+    assert not _kvstored_children(), "daemons left behind"
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["nodes"] == 2 and results["config"]["cost"]["page_bytes_scaled"] == 4096
+    (name, w), = results["workloads"].items()
+    n = w["workload"]["requests"]
+    assert 14 <= n <= 30
+    assert set(w["policies"]) == {"none", "predictive", "oracle"}
+    assert set(w["runs"]) == {"none|cache-aware@32", "none|least-load", "predictive|cache-aware@32",
+                              "predictive|least-load", "oracle|plan"}
+    assert w["best_baseline"]["policy"] == "none" and "predictive|least-load" in w["vs_best"]
+    assert results["config"]["link"]["network"] == "shaped"
+    assert w["policies"]["predictive"]["network"]["kind"] == "shaped"
+
+    for policy, s in w["policies"].items():
+        assert all(v == [] for v in w["problems"].values()), w["problems"]
+        for key in ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s", "kv_fetch_p99_s", "local_hit_ratio",
+                    "ttft_cached_p99_s", "slo_attainment", "throughput_rps", "prefill_gpu_s", "link_bytes",
+                    "recomputed_cached_tokens", "fetch_critical_s",
+                    "remote_hit_ratio", "miss_ratio", "spec_bytes", "spec_wasted_bytes", "requests"):
+            assert isinstance(s[key], (int, float)) and math.isfinite(s[key]), (policy, key)
+        assert s["requests"] == n and s["completed"] == n
+        assert s["local_blocks"] + s["remote_blocks"] + s["miss_blocks"] == s["blocks"] == w["workload"]["blocks"]
+        ratios = [s["local_hit_ratio"], s["remote_hit_ratio"], s["miss_ratio"]]
+        assert all(0.0 <= r <= 1.0 for r in ratios) and sum(ratios) == pytest.approx(1.0)
+        assert s["ttft_p50_s"] <= s["ttft_p95_s"] <= s["ttft_p99_s"]
+        assert s["corrupt_pages"] == 0
+        assert 0 <= s["spec_wasted_bytes"] <= s["spec_bytes"]
+        assert sum(s["requests_per_node"].values()) == n
+    oracle = w["policies"]["oracle"]["oracle"]  # the plan had the followers wait for or copy their prefix
+    assert oracle["plan"] in oracle["candidates"] and oracle["planned_waits"] >= 8
+    assert oracle.get("replicate_errors", 0) == 0
+    rows = [json.loads(line) for line in (out / "requests" / f"{name}-oracle.jsonl").read_text().splitlines()]
+    assert len(rows) == n
+    for r in rows:
+        assert r["ttft_s"] >= r["prefill_s"] > 0
+        assert r["local"] + r["remote"] + r["miss"] == r["blocks"]
+    report = (out / "report.md").read_text()
+    assert "best baseline" in report and "| oracle | plan |" in report
+    assert (out / f"{name}_ttft_cdf.png").stat().st_size > 0
+    assert (out / f"{name}_predictive_timeline.png").stat().st_size > 0
+    # the oracle as a bound (issue 9, item 3): p99 below none's under every router, at or below every
+    # configuration's
+    oracle_p99 = w["policies"]["oracle"]["ttft_p99_s"]
+    none_p99 = min(r[0]["ttft_p99_s"] for k, r in w["runs"].items() if k.startswith("none|"))
+    assert oracle_p99 < none_p99, (oracle_p99, w["oracle_bound"], w["policies"]["oracle"]["oracle"])
+    assert all(v["at_or_below"] for v in w["oracle_bound"].values()), w["oracle_bound"]
+
+
+def test_replay_kill_a_node(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--kill SIGKILLs a real node mid-run: every request still completes (its engine recomputes), the report
+    has the after-kill TTFT, and no daemon is left."""
+    from kvstore.replay.cli import replay_main
+
+    out = tmp_path / "kill"
+    rc = replay_main(["--trace", "synth", "--synth-bursts", "2", "--synth-requests", "6", "--synth-prefix-tokens",
+                      "4096", "--synth-window", "1", "--synth-decoys", "0", "--synth-background", "1",
+                      "--synth-duration", "8", "--synth-output-tokens", "32", "--nodes", "2", "--policies", "reactive",
+                      "--routers", "round-robin", "--speedup", "8", "--byte-scale", "16384", "--capacity", "16MiB",
+                      "--heartbeat", "0.1", "--kill", "n1@3", "--drain-timeout", "30", "--no-progress",
+                      "--no-plots", "--out", str(out)])
+    assert rc == 0
+    assert not _kvstored_children(), "daemons left behind"
+    (w,) = json.loads((out / "results.json").read_text())["workloads"].values()
+    s = w["policies"]["reactive"]
+    assert s["completed"] == s["requests"] and s["kv_errors"] >= 1
+    (f,) = s["failover"]
+    assert f["node"] == "n1" and f["t"] == 3.0 and f["requests"] >= 1 and f["on_killed_node"] >= 1
+    assert "After the kill" in (out / "report.md").read_text()
+
+
+# ---- the simulated replay against the real one --------------------------------------------
+
+# sim/real of a configuration's TTFT p50 and p99 on the smoke workload. Measured on the 2-core dev machine
+# at the smoke's --speedup 8: none, reactive, full, predictive 0.93-0.99x, oracle 0.87-0.89x (the real oracle pays
+# a Replicate round trip and dispatch lag per copy that the model charges at a fixed 1.5 ms). That real cost is
+# ~10 ms of wall time whatever the speedup, and the speedup multiplies it into trace seconds: a CI run on a
+# busier machine saw the oracle's p50 at 0.73x, and one busy core beside the dev machine's run gave 0.82x. The
+# agreement test therefore replays at --speedup 4 (7 s more): none and predictive 0.98-1.00x, the oracle
+# 0.92x alone and 0.94x beside a busy core (3 runs). 0.75-1.25 is a band a sound model stays inside and a
+# broken one (a lost wait, a link at the wrong rate: 2x and more) leaves.
+TOLERANCE = (0.75, 1.25)
+CALIBRATION_SPEEDUP = ["--speedup", "4"]
+
+
+def test_sim_agrees_with_the_real_replay_on_the_smoke_workload(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--sim-compare runs the smoke workload on real kvstored nodes and simulated: every configuration's
+    TTFT p50 and p99 agree within TOLERANCE, the results carry the same keys (the real ones, the daemons'
+    CPU besides), and in both the oracle's p99
+    is at or below every other configuration's."""
+    from kvstore.replay.cli import replay_main
+
+    out = tmp_path / "both"
+    assert replay_main([*SMOKE, *CALIBRATION_SPEEDUP, "--sim-compare", "--no-plots", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    (w,) = results["workloads"].values()
+    twins = w["sim_compare"]
+    assert set(twins) == set(w["runs"])
+    lo, hi = TOLERANCE
+    for label, runs in w["runs"].items():
+        real, sim = runs[0], twins[label][0]
+        # the daemons' CPU seconds exist only where daemons ran
+        assert set(real) - {"daemon_cpu_s", "coordinator_cpu_s"} == set(sim) - {"simulated", "sim"}, label
+        assert real["daemon_cpu_s"] > 0, label
+        for k in ("ttft_p50_s", "ttft_p99_s"):
+            assert lo <= sim[k] / real[k] <= hi, (label, k, sim[k], real[k])
+    for side in (lambda k: w["runs"][k][0], lambda k: twins[k][0]):
+        oracle = side("oracle|plan")["ttft_p99_s"]
+        assert all(oracle <= side(k)["ttft_p99_s"] for k in w["runs"]), "the oracle is a bound"
+    assert "measured vs simulated" in (out / "report.md").read_text()

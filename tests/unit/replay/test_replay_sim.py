@@ -1,0 +1,277 @@
+"""The simulated replay (``kvctl replay --sim``): the kernel's physics and the cluster's mechanics without
+sockets. Its calibration against the real replay on the CI smoke workload:
+tests/integration/test_replay_end_to_end.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kvstore.replay.sim_cluster import PRIMARY, ClusterParams, SimCluster, SimPool
+from kvstore.replay.sim_kernel import Network, Semaphore, Sim
+
+GB = 1e9
+
+
+def _cluster(nodes: int = 3, rate: float = 1 * GB, policy: str = "reactive") -> SimCluster:
+    p = ClusterParams(nodes=nodes, namespace="m", page_bytes=10**8, scaled_page_bytes=4096,
+                      capacity_bytes=4096 * 1000, policy=policy, speedup=1.0, heartbeat_s=0.1,
+                      heartbeat_timeout_s=1.0, fetch_timeout_s=100.0, link_rate=rate, link_latency=0.0)
+    c = SimCluster(Sim(), p)
+    c.start()
+    return c
+
+
+# ---- the kernel ---------------------------------------------------------------------------
+
+def test_one_transfer_takes_bytes_over_rate_plus_latencies() -> None:
+    sim = Sim()
+    net = Network(sim, 2, rate=12.5 * GB, latency=10e-6)
+    ends: list[float] = []
+    net.transfer(0, 1, 1 << 30).then(lambda _: ends.append(sim.now))
+    sim.run()
+    assert ends[0] == pytest.approx((1 << 30) / 12.5e9 + 20e-6, rel=1e-9)  # 86 ms, as the shaper's test
+
+
+def test_two_pulls_from_one_holder_take_twice_one() -> None:
+    sim = Sim()
+    net = Network(sim, 3, rate=1 * GB)
+    ends: list[float] = []
+    for dst in (1, 2):
+        net.transfer(0, dst, 1e9).then(lambda _: ends.append(sim.now))
+    sim.run()
+    assert ends == pytest.approx([2.0, 2.0])  # the holder's egress is shared fairly
+
+
+def test_a_receivers_ingress_is_shared_and_a_short_flow_is_not_stuck_behind_a_long_one() -> None:
+    sim = Sim()
+    net = Network(sim, 3, rate=1 * GB)
+    ends: dict[str, float] = {}
+    net.transfer(0, 2, 3e9).then(lambda _: ends.setdefault("long", sim.now))
+    net.transfer(1, 2, 1e9).then(lambda _: ends.setdefault("short", sim.now))
+    sim.run()
+    assert ends["short"] == pytest.approx(2.0)   # half the ingress until it is through
+    assert ends["long"] == pytest.approx(4.0)    # then all of it: 1 GB by t=2, 2 GB more by t=4
+
+
+def test_semaphore_is_fifo() -> None:
+    sim = Sim()
+    lock = Semaphore(sim, 1)
+    order: list[int] = []
+
+    def user(i: int):  # type: ignore[no-untyped-def]
+        yield lock.acquire()
+        order.append(i)
+        yield sim.timeout(1.0)
+        lock.release()
+
+    for i in range(4):
+        sim.process(user(i))
+    sim.run()
+    assert order == [0, 1, 2, 3] and sim.now == pytest.approx(4.0)
+
+
+# ---- the cluster ----------------------------------------------------------------------------
+
+def test_single_flight_two_readers_move_the_bytes_once() -> None:
+    c = _cluster()
+    keys = [bytes([i]) * 8 for i in range(10)]
+    c.pools[0].store(keys, PRIMARY)
+    c.sim.run(until=0.2)  # a heartbeat: the directory knows n0 holds them
+    assert c.directory.holders("m", keys[0]) == {"n0"}
+    ends: list[float] = []
+    t0 = c.sim.now
+    for _ in range(2):
+        c.fetch_missing(1, keys).then(lambda _: ends.append(c.sim.now - t0))
+    c.sim.run(until=t0 + 10)
+    assert c.net.bytes_in[1] == 10 * 10**8          # once, not twice
+    assert ends == pytest.approx([1.0, 1.0])         # the second reader waited on the first pull
+    assert all(k in c.pools[1] for k in keys)
+
+
+def test_none_never_pulls_and_the_directory_lags_a_heartbeat() -> None:
+    c = _cluster(policy="none")
+    keys = [b"a" * 8, b"b" * 8]
+    c.pools[0].store(keys, PRIMARY)
+    assert c.lookup(1, keys)[1] == []               # not reported yet
+    c.sim.run(until=0.2)
+    local, nodes = c.lookup(1, keys)
+    assert local == 0 and [(n.node_id, n.prefix_length) for n in nodes] == [("n0", 2)]
+    c.fetch_missing(1, keys)
+    c.sim.run(until=1.0)
+    assert c.net.bytes_in[1] == 0 and keys[0] not in c.pools[1]
+
+
+def test_pool_evicts_speculative_first_then_lru_and_a_read_promotes() -> None:
+    pool = SimPool(3)
+    pool.store([b"p1", b"p2"], PRIMARY)
+    pool.store([b"s1"], 3, expires_at=10.0)
+    pool.store([b"p3"], PRIMARY)                     # full: the speculative replica goes first
+    assert b"s1" not in pool and pool.spec_wasted_pages == 1
+    pool.read([b"p1"])
+    pool.store([b"p4"], PRIMARY)                     # then the least recently used: p2
+    assert b"p2" not in pool and b"p1" in pool
+    pool.store([b"s2"], 3, expires_at=10.0)
+    pool.read([b"s2"])
+    assert pool.spec_hits == 1 and b"s2" in pool.lru
+
+
+def test_a_copy_tree_finishes_in_log_waves() -> None:
+    """The coordinator's copy tree (the planner's copy_tree edges, carried out by the simulated
+    coordinator) over 1 + 7 nodes with fanout 1: 3 waves of one copy time, where a star from the
+    primary would queue 7 copies on its egress."""
+    from kvstore.placement.planner import copy_tree
+
+    c = _cluster(nodes=8)
+    keys = [bytes([i]) * 8 for i in range(10)]       # 1 GB: one copy takes 1 s on a 1 GB/s link
+    c.pools[0].store(keys, PRIMARY)
+    edges, waves = copy_tree(["n0"], [f"n{i}" for i in range(1, 8)], fanout=1)
+    assert waves == 3
+    ends: dict[str, float] = {}
+    children: dict[str, list[str]] = {}
+    for s, d in edges:
+        children.setdefault(s, []).append(d)
+
+    def serve(src: str) -> None:  # a holder sends to its children one wave at a time
+        todo = list(children.get(src, []))
+
+        def send(_: object = None) -> None:
+            if todo:
+                dst = todo.pop(0)
+
+                def landed(_: object) -> None:
+                    ends[dst] = c.sim.now
+                    serve(dst)
+                    send()
+                c.pull(c.index[dst], c.index[src], keys, PRIMARY).then(landed)
+        send()
+
+    serve("n0")
+    c.sim.run(until=30)
+    assert len(ends) == 7
+    assert max(ends.values()) == pytest.approx(3.0, rel=0.01)  # log2(8) waves, not 7 s
+
+
+# ---- the CLI ------------------------------------------------------------------------------
+
+SMOKE = ["--trace", "synth", "--synth-bursts", "2", "--synth-requests", "8", "--synth-prefix-tokens", "16384",
+         "--synth-window", "0.5", "--synth-decoys", "1", "--synth-background", "0.5", "--synth-duration", "10",
+         "--synth-output-tokens", "64", "--nodes", "2", "--policies", "none,predictive,oracle",
+         "--routers", "cache-aware,least-load", "--speedup", "8", "--byte-scale", "16384", "--network", "shaped",
+         "--capacity", "16MiB", "--heartbeat", "0.1", "--heartbeat-timeout", "24", "--planner-tick", "0.1",
+         "--oracle-lead", "2", "--drain-timeout", "30", "--no-progress"]  # the real replay's smoke workload
+
+def test_replay_refuses_a_non_positive_setting_before_starting_anything(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from kvstore.replay.cli import replay_main
+
+    for flag in ("--data-connections", "--concurrency", "--repeats"):
+        assert replay_main([*SMOKE, "--sim", flag, "0", "--no-plots", "--out", str(tmp_path / flag)]) == 2
+        assert "must be positive" in capsys.readouterr().err
+        assert not (tmp_path / flag).exists()
+
+
+def test_sim_cli_writes_the_same_results_marked_simulated(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvstore.replay.cli import replay_main
+
+    out = tmp_path / "sim"
+    assert replay_main([*SMOKE, "--sim", "--no-plots", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["simulated"] is True
+    (w,) = results["workloads"].values()
+    assert set(w["runs"]) == {"none|cache-aware@32", "none|least-load", "predictive|cache-aware@32",
+                              "predictive|least-load", "oracle|plan"}
+    assert all(v == [] for v in w["problems"].values()), w["problems"]
+    for runs in w["runs"].values():
+        s = runs[0]
+        assert s["simulated"] is True and s["completed"] == s["requests"] == w["workload"]["requests"]
+        assert s["local_blocks"] + s["remote_blocks"] + s["miss_blocks"] == s["blocks"]
+        assert all(math.isfinite(float(s[k])) for k in ("ttft_p50_s", "ttft_p99_s", "spec_bytes", "link_bytes"))
+    assert w["oracle_bound"] and all(v["at_or_below"] for v in w["oracle_bound"].values())
+    report = (out / "report.md").read_text()
+    assert report.startswith("# Trace replay -- SIMULATED") and "not measured" in report
+
+
+def test_every_run_keeps_its_request_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One file per policy, router and seed: the first router and seed under the plain name."""
+    from kvstore.replay.cli import replay_main
+
+    out = tmp_path / "rows"
+    args = [*SMOKE, "--sim", "--policies", "none", "--routers", "least-load,round-robin", "--repeats", "2"]
+    assert replay_main([*args, "--no-plots", "--no-progress", "--out", str(out)]) == 0
+    names = sorted(p.name for p in (out / "requests").iterdir())
+    wl = names[0].split("-none")[0]
+    assert names == sorted(f"{wl}-none{tag}{again}.jsonl" for tag in ("", "-round-robin") for again in ("", "-s1"))
+    rows = [json.loads(line) for line in (out / "requests" / f"{wl}-none-round-robin-s1.jsonl").read_text().splitlines()]
+    assert rows and all(r["done"] for r in rows)
+
+
+def test_claims_share_one_prefill_of_a_new_context_and_the_tree_spreads_its_copies(  # type: ignore[no-untyped-def]
+        tmp_path) -> None:
+    """agent-fanout (one seed, 8 nodes, 70B over 100 GbE), simulated: with +claims the followers of a new
+    context wait for its first prefill instead of recomputing it (fewer prefill GPU-seconds than
+    without), and under predictive the coordinator copies it to them as a tree (copies sent by nodes
+    other than the claimant)."""
+    from kvstore.replay.cli import replay_main
+
+    out = tmp_path / "claims"
+    args = ["--sim", "--trace", "agent-fanout", "--nodes", "8", "--preset", "llama3-70b-tp8", "--link", "eth-100g",
+            "--policies", "reactive,reactive+claims,predictive+claims", "--routers", "least-load", "--no-plots",
+            "--out", str(out)]
+    assert replay_main(args) == 0
+    (w,) = json.loads((out / "results.json").read_text())["workloads"].values()
+    runs = {k: v[0] for k, v in w["runs"].items()}
+    plain, claims, tree = (runs[f"{p}|least-load"] for p in ("reactive", "reactive+claims", "predictive+claims"))
+    for s in (plain, claims, tree):
+        assert s["completed"] == s["requests"]
+    assert claims["prefill_gpu_s"] < 0.9 * plain["prefill_gpu_s"]
+    lines = (out / "requests" / "agent-fanout-predictive+claims.jsonl").read_text().splitlines()
+    waited = [json.loads(line) for line in lines]
+    assert sum(r["claim_wait"] for r in waited) > 10
+    senders = tree["sim"]["coordinator"]["pages_from"]
+    assert len(senders) > 3  # the waiters that landed first served the rest
+    assert tree["ttft_p50_s"] < claims["ttft_p50_s"]
+    # the tree's copies are counted as copied ahead under "predictive+claims" too, by their source: each
+    # burst's context is new, so they are claim trees, not forecast decisions
+    assert tree["planner_decisions"]["claim_tree"] >= 1
+    assert tree["spec_bytes"] > 0 and tree["link_bytes_speculative"] > 0
+    assert claims["spec_bytes"] == 0 and claims["planner_decisions"]["claim_tree"] == 0
+    assert "claim trees to waiters" in (out / "report.md").read_text()
+    assert tree["egress_saved_s"] > 0 and claims["egress_saved_s"] == 0  # the tree's relays spared the claimant
+
+
+def test_claim_margin_auto_and_the_copy_on_its_way() -> None:
+    from kvstore.replay import claiming
+    from kvstore.replay.costmodel import CostModel
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    assert claiming.margin_for("reactive+claims", "auto") == 1.0
+    assert claiming.margin_for("predictive+claims", "auto") == 2.0
+    assert claiming.margin_for("predictive+claims", "3") == 3.0
+    with pytest.raises(ValueError):
+        claiming.margin_for("reactive", "0")
+    cost = CostModel.preset("llama3-70b-tp8")
+    tree_copy = pb.NodePrefix(node_id="me", prefix_length=10, pending=True)
+    wait = claiming.incoming([tree_copy], "me", 2, cost)
+    assert wait is not None and wait.length == 10
+    assert wait.budget_s == pytest.approx(cost.prefill_s(8 * cost.block_tokens))
+    assert claiming.incoming([pb.NodePrefix(node_id="me", prefix_length=10, pending=True, computing=True)],
+                             "me", 2, cost) is None   # a claim of this node's is not a copy on its way
+    own = cost.prefill_s(8 * cost.block_tokens)          # trace s; the daemons' ready_in is real s x speedup
+    due = pb.NodePrefix(node_id="me", prefix_length=10, pending=True, ready_in_seconds=own / 8)
+    assert claiming.incoming([due], "me", 2, cost, speedup=4) is not None
+    assert claiming.incoming([due], "me", 2, cost, speedup=8) is None   # lands just as computing would end
+    assert not claiming.landed([tree_copy, pb.NodePrefix(node_id="x", prefix_length=10)], "me", 2, 10)
+    assert claiming.landed([pb.NodePrefix(node_id="x", prefix_length=10)], "me", 2, 10)
+    assert not claiming.landed([pb.NodePrefix(node_id="x", prefix_length=10)], "me", 2, 10, claimant="me")
+
+
+def test_replica_seconds_integrate_the_slot_samples() -> None:
+    from kvstore.replay.metrics import replica_gib_s
+
+    tl = {"stats_t": [0.0, 2.0, 4.0], "spec_slots": [[0, 0], [2, 0], [2, 2]], "replica_slots": [[1, 1], [1, 1], [0, 0]]}
+    held = replica_gib_s(tl, 1 << 30)   # 1 GiB pages
+    assert held["speculative"] == pytest.approx((0 + 2) / 2 * 2 + (2 + 4) / 2 * 2)   # 8 GiB-s
+    assert held["replica"] == pytest.approx(2 * 2 + (2 + 0) / 2 * 2)                 # 6 GiB-s
+    assert replica_gib_s({}, 1 << 30) == {"speculative": 0.0, "replica": 0.0}
