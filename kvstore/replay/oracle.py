@@ -18,8 +18,9 @@ same cost model and the same links as the other policies:
 * **Candidate plans**: the per-request choice made by several rules -- the
   greedy (lowest TTFT of this request), a thrifty greedy (that also counts
   the prefill-unit time a choice uses, so a burst does not recompute its
-  context N times), and the routers the baselines use (least-load,
-  round-robin, prefix affinity) with and without copies. The plan with the
+  context N times), and the replay's own routers (least-load, round-robin,
+  cache-aware, from :mod:`kvstore.replay.routers`, seeing the model's loads
+  and holdings exactly), least-load with and without copies. The plan with the
   lowest simulated p99 (then mean) wins: a baseline's decisions are among
   the candidates, so the oracle's plan is never worse than them in the
   model.
@@ -37,6 +38,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvstore.replay.routers import NodeView, make_router
 
 INF = math.inf
 
@@ -177,39 +180,51 @@ def _best(sim: Sim, req: Any, want: int, nodes: Sequence[int], thrift: float = 0
     return best
 
 
-def _least_loaded(sim: Sim, req: Any, i: int) -> int:
-    return min(range(sim.n), key=lambda n: (sim.load(n, req.t), (n - i) % sim.n))
-
-
-def _affinity(sim: Sim, req: Any, i: int, want: int) -> int:
-    """The node holding most of the prefix at arrival (cache-aware with exact knowledge), else least-load."""
-    held = []
+def _views(sim: Sim, req: Any, want: int) -> list[NodeView]:
+    """What a router sees of each node at ``req``'s arrival, with the oracle's exact knowledge: the
+    requests booked there and not finished, the leading blocks it holds, whether its store is down."""
+    out = []
     for n in range(sim.n):
         k = 0
         while k < want and sim.avail[n].get(req.hash_ids[k], INF) <= req.t:
             k += 1
-        held.append(k)
-    top = max(held)
-    if top == 0:
-        return _least_loaded(sim, req, i)
-    return min((n for n in range(sim.n) if held[n] == top), key=lambda n: (sim.load(n, req.t), n))
+        out.append(NodeView(str(n), load=float(sim.load(n, req.t)), prefix=k, down=sim.down.get(n, INF) <= req.t))
+    return out
 
 
-RULES: dict[str, Rule] = {
-    "greedy": lambda sim, req, want, i: _best(sim, req, want, range(sim.n)),
-    "thrifty": lambda sim, req, want, i: _best(sim, req, want, range(sim.n), thrift=1.0),
-    "least-load": lambda sim, req, want, i: _best(sim, req, want, [_least_loaded(sim, req, i)]),
-    "least-load-recompute": lambda sim, req, want, i: _best(sim, req, want, [_least_loaded(sim, req, i)],
-                                                            copies=False, waits=False),
-    "round-robin": lambda sim, req, want, i: _best(sim, req, want, [i % sim.n]),
-    "affinity": lambda sim, req, want, i: _best(sim, req, want, [_affinity(sim, req, i, want)]),
+def _routed(router: str, **kw: bool) -> Callable[[], Rule]:
+    """A rule that sends each request where the replay's ``router`` would, then takes the best option there."""
+    def make() -> Rule:
+        r = make_router(router)
+
+        def rule(sim: Sim, req: Any, want: int, i: int) -> Step:
+            node, _ = r.choose(_views(sim, req, want), len(req.hash_ids))
+            return _best(sim, req, want, [node], **kw)
+        return rule
+    return make
+
+
+def _fixed(rule: Rule) -> Callable[[], Rule]:
+    return lambda: rule
+
+
+RULES: dict[str, Callable[[], Rule]] = {
+    "greedy": _fixed(lambda sim, req, want, i: _best(sim, req, want, range(sim.n))),
+    "thrifty": _fixed(lambda sim, req, want, i: _best(sim, req, want, range(sim.n), thrift=1.0)),
+    "least-load": _routed("least-load"),
+    "least-load-recompute": _routed("least-load", copies=False, waits=False),
+    "round-robin": _routed("round-robin"),
+    "cache-aware": _routed("cache-aware"),
 }
+"""The candidate plans: two that choose among every node, and the replay's own routers
+(:mod:`kvstore.replay.routers`, default settings) with the oracle's exact view of loads and holdings,
+so a baseline's routing is among the candidates."""
 
 
 def simulate(rule: str, requests: Sequence[Any], reusable: Sequence[int], nodes: int, concurrency: int, cost: Any,
              lead_s: float = 4.0, rpc_s: float = 0.0, down: dict[int, float] | None = None) -> Plan:
     """One candidate plan: ``rule`` decides each request in arrival order, the simulation books it."""
-    sim, choose, steps = Sim(nodes, concurrency, cost, lead_s, rpc_s, down), RULES[rule], []
+    sim, choose, steps = Sim(nodes, concurrency, cost, lead_s, rpc_s, down), RULES[rule](), []
     for i, (req, want) in enumerate(zip(requests, reusable)):
         step = choose(sim, req, want, i)
         sim.book(req, step)
