@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("placement", ("placement",)),  # the planner: decides from the predictor's scores
     ("predict/transport", ("predict", "transport")),
     ("node", ("node",)),
-    ("pool", ("pool",)),
+    ("pool", ("pool", "tiers")),  # a node's page memory, and the storage below it
     ("ops", ("ops",)),
     ("bottom", ("config", "errors", "units", "metrics", "framing", "rpc", "hostmem", "loops", "v1", "protogen", "security",
                 "workloads", "")),
