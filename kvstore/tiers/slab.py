@@ -140,6 +140,9 @@ class Slab:
             raise IndexError(f"slot {slot} not in 0..{self.slots - 1}")
         return BLOCK + slot * self.stride
 
+    def fileno(self) -> int:
+        return self._fd
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
