@@ -3,6 +3,10 @@
 SIGTERM/SIGINT start a graceful stop: health goes NOT_SERVING, new calls are
 refused, in-flight calls get ``--grace`` seconds, then the process exits 0.
 
+Under systemd (``Type=notify``) the node reports READY once it serves, pings the
+watchdog from its event loop and reports STOPPING (``kvstore.server.supervisor``;
+``deploy/systemd/kvstored.service``).
+
 A node asked to listen beyond loopback without TLS, client tokens and a
 cluster secret exits 1 at once, naming what is missing, unless
 ``--insecure`` (docs/security.md).
@@ -23,6 +27,7 @@ from kvstore.config import NodeConfig, add_arguments, build_config
 from kvstore.loops import loop_factory, resolve_loop
 from kvstore.placement import compiled_modules
 from kvstore.server.app import NodeServer
+from kvstore.server.supervisor import Supervisor
 
 log = logging.getLogger("kvstored")
 
@@ -52,6 +57,9 @@ async def serve(config: NodeConfig, ready: asyncio.Event | None = None) -> None:
           flush=True)
     if ready is not None:
         ready.set()
+    supervisor = Supervisor()
+    supervisor.ready(f"serving gRPC on {server.address}, mode {server.mode}")
+    watchdog = asyncio.get_running_loop().create_task(supervisor.keep_alive())
     # Start-up objects (modules, generated code) never die: keep them out of
     # the collector's generations so its pauses stay short on planner ticks.
     gc.freeze()
@@ -61,6 +69,8 @@ async def serve(config: NodeConfig, ready: asyncio.Event | None = None) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("signal received: stopping (grace %.1fs)", config.grace)
+    supervisor.stopping()
+    watchdog.cancel()
     await server.stop()
 
 
