@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
 
 from kvstore.cluster.agent import ClusterAgent
 from kvstore.cluster.coordinator import Coordinator
@@ -50,6 +51,7 @@ from kvstore.server.service import KvStoreService
 from kvstore.transport.auto import make_transport
 from kvstore.transport.base import Transport
 from kvstore.transport.shaped import shape
+from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -143,6 +145,10 @@ class NodeServer:
                                               server)
         pb_grpc.add_ClusterServicer_to_server(ClusterService(agent), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        # grpcurl and similar tools list and call the API without the proto file (admin only where tokens are)
+        reflection.enable_server_reflection(
+            [pb.DESCRIPTOR.services_by_name[name].full_name for name in ("KvStore", "Cluster")]
+            + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
         host, port = parse_hostport(self.config.listen)
         bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if self._tls is not None:

@@ -16,7 +16,8 @@ carry ``x-kvstore-peer: <proof>`` made by
 :meth:`~kvstore.security.identity.ClusterSecret.sign` for the method name
 and the request's serialized bytes; a heartbeat's sender must be the node
 the proof names. ``Cluster.Status`` also takes an ``admin`` client token
-(``kvctl status``). Health checks stay open.
+(``kvctl status``). gRPC server reflection (``grpcurl list``) needs an ``admin``
+token on a node with a token file. Health checks stay open.
 
 Every refusal is counted in ``kvstore_auth_rejected_total{plane}``.
 """
@@ -38,6 +39,7 @@ from kvstore.security.tokens import CALLER, Principal, TokenStore, bearer
 
 CLIENT_SERVICE = "kvstore.v1.KvStore"
 CLUSTER_SERVICE = "kvstore.v1.Cluster"
+REFLECTION_SERVICE = "grpc.reflection.v1alpha.ServerReflection"
 
 # The least role each client method needs. Writes are what change stored
 # pages or reserve capacity; pins are read-side holds (bounded by
@@ -131,6 +133,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if service == CLUSTER_SERVICE and self.secret is not None:
             return self._cluster(method, handler)
         if service == CLUSTER_SERVICE and self.tokens is not None and method in ADMIN_CLUSTER_METHODS:
+            return _guarded(handler, lambda context: _set(CALLER, self.client(method, context, "admin")))
+        if service == REFLECTION_SERVICE and self.tokens is not None:  # the API's shape is for operators
             return _guarded(handler, lambda context: _set(CALLER, self.client(method, context, "admin")))
         return handler
 

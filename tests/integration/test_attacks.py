@@ -1,4 +1,4 @@
-"""The attacker's probes of issue 14 on a real 3-node cluster on 127.0.0.1
+"""An attacker's probes on a real 3-node cluster on 127.0.0.1
 with a cluster secret and a token file: a caller without the secret cannot
 heartbeat, take the coordinator role, Replicate or DropSpeculative, and a
 signed call cannot be bent to another method, body or node. Before node

@@ -87,7 +87,7 @@ def test_replay_smoke_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-d
     assert "best baseline" in report and "| oracle | plan |" in report
     assert (out / f"{name}_ttft_cdf.png").stat().st_size > 0
     assert (out / f"{name}_predictive_timeline.png").stat().st_size > 0
-    # the oracle as a bound (issue 9, item 3): p99 below none's under every router, at or below every
+    # the oracle as a bound: p99 below none's under every router, at or below every
     # configuration's
     oracle_p99 = w["policies"]["oracle"]["ttft_p99_s"]
     none_p99 = min(r[0]["ttft_p99_s"] for k, r in w["runs"].items() if k.startswith("none|"))
