@@ -130,6 +130,18 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvstore.cli import top
+
+    try:
+        return top.run(args, _security(args))
+    except grpc.RpcError as exc:
+        print(f"kvctl: {args.addr}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     with _client(args) as kv:
         status = kv.health()
@@ -213,6 +225,12 @@ def make_parser(lazy: bool = True) -> argparse.ArgumentParser:
     p.add_argument("action", choices=["status"])
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_cluster_status)
+
+    p = sub.add_parser("top", help="the cluster refreshing in the terminal: per node pages by kind, hits, remote "
+                       "hits, copies coming in, claims (an admin token where nodes have token files)", parents=[conn])
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    p.add_argument("--once", action="store_true", help="print the table once and exit")
+    p.set_defaults(fn=cmd_top)
 
     p = sub.add_parser("health", help="print the node's health status; exit 1 unless SERVING", parents=[conn])
     p.set_defaults(fn=cmd_health)

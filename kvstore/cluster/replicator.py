@@ -86,6 +86,11 @@ class Replicator:
         self._inflight: dict[tuple[str, bytes], asyncio.Future[bool]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
+    @property
+    def pulls_in_flight(self) -> int:
+        """Pages this node is pulling from peers right now."""
+        return len(self._inflight)
+
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()

@@ -359,7 +359,9 @@ class KvStoreService(pb_grpc.KvStoreServicer):
                 remote_hits=ns.counters.remote_hits, replica_slots=pool.replica_slots,
                 speculative_hits=pool.spec_hits, speculative_wasted_bytes=pool.spec_wasted * ns.layout.page_bytes))
         reply = pb.StatsResponse(node_id=node.node_id, uptime_seconds=node.uptime(),
-                                 capacity_bytes=node.config.capacity, namespaces=out, device=node.ops.device)
+                                 capacity_bytes=node.config.capacity, namespaces=out, device=node.ops.device,
+                                 pulls_in_flight=self.agent.replicator.pulls_in_flight,
+                                 claimed_keys=len(self.agent.claims))
         if who.allows("admin"):  # the node-wide view: other tenants' reservations, the cluster's members
             view = self.agent.status()
             reply.reserved_bytes, reply.coordinator = node.reserved_bytes, view.coordinator

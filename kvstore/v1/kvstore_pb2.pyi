@@ -315,7 +315,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., page_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., speculative_slots: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., active_leases: _Optional[int] = ..., remote_hits: _Optional[int] = ..., replica_slots: _Optional[int] = ..., speculative_hits: _Optional[int] = ..., speculative_wasted_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "uptime_seconds", "capacity_bytes", "reserved_bytes", "namespaces", "device", "coordinator", "members")
+    __slots__ = ("node_id", "uptime_seconds", "capacity_bytes", "reserved_bytes", "namespaces", "device", "coordinator", "members", "pulls_in_flight", "claimed_keys")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +324,8 @@ class StatsResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    PULLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_KEYS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     uptime_seconds: float
     capacity_bytes: int
@@ -332,7 +334,9 @@ class StatsResponse(_message.Message):
     device: str
     coordinator: str
     members: _containers.RepeatedCompositeFieldContainer[MemberInfo]
-    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., device: _Optional[str] = ..., coordinator: _Optional[str] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ...) -> None: ...
+    pulls_in_flight: int
+    claimed_keys: int
+    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., device: _Optional[str] = ..., coordinator: _Optional[str] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., pulls_in_flight: _Optional[int] = ..., claimed_keys: _Optional[int] = ...) -> None: ...
 
 class NodeInfoRequest(_message.Message):
     __slots__ = ()
