@@ -36,6 +36,8 @@ class _PoolCollector:
         evictions = CounterMetricFamily("kvstore_evictions", "Pages evicted, by reason", labels=["namespace", "reason"])
         spec = CounterMetricFamily("kvstore_speculative_pages", "Speculative replicas read (hit) or dropped "
                                    "unread (wasted)", labels=["namespace", "outcome"])
+        remote = CounterMetricFamily("kvstore_remote_hit_pages", "Pages Gets found on other nodes and pulled "
+                                     "(of kvstore_pages_total{op=\"get\",outcome=\"hit\"})", labels=["namespace"])
         for ns in self._node.namespaces.values():
             pool = ns.pool
             slots.add_metric([ns.name, "total"], pool.num_slots)
@@ -47,7 +49,11 @@ class _PoolCollector:
                 evictions.add_metric([ns.name, reason], pool.evictions[reason])
             spec.add_metric([ns.name, "hit"], pool.spec_hits)
             spec.add_metric([ns.name, "wasted"], pool.spec_wasted)
+            counters = getattr(ns, "counters", None)
+            if counters is not None:
+                remote.add_metric([ns.name], counters.remote_hits)
         yield spec
+        yield remote
         yield slots
         yield cap
         yield evictions
@@ -87,6 +93,24 @@ class _CoordinatorCollector:
         yield source
 
 
+class _ClusterCollector:
+    """This node's view of the cluster, read from its cluster agent at scrape time."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        agent = self._agent
+        yield GaugeMetricFamily("kvstore_cluster_members", "Live members in this node's view, itself included",
+                                value=len(agent.membership.live_ids()))
+        yield GaugeMetricFamily("kvstore_cluster_is_coordinator", "1 on the node that coordinates, else 0",
+                                value=1.0 if agent.membership.is_coordinator else 0.0)
+        yield GaugeMetricFamily("kvstore_claimed_keys", "Keys under in-flight prefill claims in this node's table",
+                                value=len(agent.claims))
+        yield GaugeMetricFamily("kvstore_pulls_in_flight", "Pages this node is pulling from peers now",
+                                value=agent.replicator.pulls_in_flight)
+
+
 class NodeMetrics:
     """Operation counters, byte counters and latency histograms."""
 
@@ -119,10 +143,23 @@ class NodeMetrics:
         self.auth_rejected = Counter("kvstore_auth_rejected", "Calls refused for their credentials, by plane "
                                      "(client: token missing, unknown or of too low a role; peer: cluster "
                                      "proof missing, forged, stale or replayed)", ["plane"], registry=self.registry)
+        # every label value known ahead is exported from the start (at 0), so that a scraper sees the first
+        # copy, decision or refusal as an increase rather than as a series that appeared with it
+        for kind in ("speculative", "replica"):
+            self.spec_bytes.labels(kind)
+        for kind in ("replicate", "drop", "full", "claim_tree"):
+            self.decisions.labels(kind)
+        for plane in ("client", "peer"):
+            self.auth_rejected.labels(plane)
+        self.coordinator_changes = Counter("kvstore_coordinator_changes", "Times the coordinator in this node's "
+                                           "view changed (its first election included)", registry=self.registry)
         self.registry.register(_PoolCollector(node))
 
     def watch_coordinator(self, coordinator: Any) -> None:
         self.registry.register(_CoordinatorCollector(coordinator))
+
+    def watch_cluster(self, agent: Any) -> None:
+        self.registry.register(_ClusterCollector(agent))
 
     def count_get(self, path: str, hits: int, misses: int, page_bytes: int, seconds: float) -> None:
         """One served Get (gRPC or data channel): result, pages, bytes, latency."""

@@ -187,6 +187,7 @@ class ClusterAgent:
         if plan.coordinator_changed:
             log.info("coordinator is now %s", plan.coordinator)
             self._coordinator_seen = plan.coordinator
+            self.metrics.coordinator_changes.inc()
         self._track_role()
         # One numbered report per round, the same to the coordinator and the
         # standby (or applied here where this node is one of them): each

@@ -136,6 +136,7 @@ class NodeServer:
             agent.claims.tree_fanout = self.coordinator.plan_cfg.fanout
             agent.claims.tree_parts = self.coordinator.relay_parts
         self.metrics.watch_coordinator(self.coordinator)
+        self.metrics.watch_cluster(agent)
         server = grpc.aio.server(options=server_options(self.config.max_message_bytes),
                                  interceptors=[BoundaryInterceptor(),
                                                AuthInterceptor(self._tokens, self._secret, self.metrics)])
