@@ -9,18 +9,20 @@ measured in the same run (:mod:`kvstore.bench.ceilings`).
 * :mod:`kvstore.bench.micro` -- one node's data paths against memcpy and raw TCP (and Redis, Mooncake Store)
 * :mod:`kvstore.bench.replication` -- Replicate between two nodes against the raw transports
 * :mod:`kvstore.bench.replication_raw` -- the raw TCP and UCX transfers alone
+* :mod:`kvstore.bench.tiers` -- the disk tier's page store against raw O_DIRECT file I/O
 """
 
 import argparse
 import importlib
 
-BENCHES = ("micro", "replication", "replication_raw")
+BENCHES = ("micro", "replication", "replication_raw", "tiers")
 
 # kvctl's one-line help of each, listed by `kvctl bench --help` without importing the modules (numpy, grpc, ucx)
 BENCH_HELP = {
     "micro": "one node's data paths against memcpy and raw TCP (and Redis, Mooncake Store)",
     "replication": "Replicate between two nodes against the raw transports",
     "replication_raw": "the raw TCP and UCX transfers alone",
+    "tiers": "the disk tier's page store against raw O_DIRECT file I/O on the same filesystem",
 }
 
 
