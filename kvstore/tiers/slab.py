@@ -113,6 +113,10 @@ class Slab:
                 os.ftruncate(fd, 0)
                 os.posix_fallocate(fd, 0, size)  # ENOSPC here, not at a later write
                 self._write_superblock(fd)
+            elif os.fstat(fd).st_size < size:  # truncated: keep what is left, the rest reads as empty slots
+                log.warning("slab %s: %d of %d bytes left; the records past the end are lost", self.path,
+                            os.fstat(fd).st_size, size)
+                os.posix_fallocate(fd, 0, size)
             if self.io == "buffered":
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         except BaseException:
@@ -121,7 +125,7 @@ class Slab:
         return fd
 
     def _geometry_matches(self, fd: int) -> bool:
-        if os.fstat(fd).st_size < BLOCK + self.slots * self.stride:
+        if os.fstat(fd).st_size < BLOCK:
             return False
         buf = _aligned(BLOCK)
         if os.preadv(fd, [buf], 0) < _SUPER.size:
