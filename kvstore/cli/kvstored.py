@@ -21,7 +21,7 @@ import logging
 import signal
 import sys
 
-from kvstore import __version__
+from kvstore import __version__, tracing
 from kvstore.errors import KvError
 from kvstore.config import NodeConfig, add_arguments, build_config
 from kvstore.loops import loop_factory, resolve_loop
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tracing.configure("kvstored", config.node_id or config.listen)  # OTEL_*: off unless it asks for traces
     log.info("event loop: %s", resolve_loop(config.loop))
     log.info("planner: %s", compiled_modules.BUILD)  # mypyc-compiled, or pure Python and why
     try:

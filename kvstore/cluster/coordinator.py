@@ -43,6 +43,7 @@ from kvstore.errors import KvError
 from kvstore.loops.slices import on_loop, sliced
 from kvstore.metrics import NodeMetrics
 from kvstore.pool.pool import PageKind
+from kvstore.tracing import TRACER
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ class Coordinator:
                 continue
             start = time.perf_counter()
             try:
-                await self.tick()
+                with TRACER.start_as_current_span("kvstore.planner_tick", attributes={"kvstore.policy": self.policy}):
+                    await self.tick()
             except Exception:  # a bad tick must not stop placement
                 log.exception("planner tick failed")
             took = time.perf_counter() - start

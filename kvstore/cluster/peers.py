@@ -18,6 +18,7 @@ from kvstore.cluster.membership import Membership
 from kvstore.errors import Unavailable
 from kvstore.rpc import CHANNEL_OPTIONS, from_rpc_error
 from kvstore.security.identity import METADATA_KEY
+from kvstore import tracing
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -70,9 +71,9 @@ class PeerClient:
 
     async def call_address(self, address: str, method: str, request: Any, timeout: float) -> Any:
         """One Cluster RPC to ``address``; raises a :class:`KvError`."""
-        metadata = None
+        metadata = tracing.metadata()  # the caller's trace context, if a span is recording
         if self._sign is not None:  # a fresh proof per call, over the bytes the stub sends
-            metadata = ((METADATA_KEY, self._sign(method, request.SerializeToString())),)
+            metadata += ((METADATA_KEY, self._sign(method, request.SerializeToString())),)
         try:
             return await getattr(self._stub(address), method)(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:

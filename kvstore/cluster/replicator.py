@@ -38,6 +38,7 @@ from kvstore.metrics import NodeMetrics
 from kvstore.node import Namespace, Node
 from kvstore.pool.movement import Landing
 from kvstore.pool.pool import PageKind, ReadHandle
+from kvstore.tracing import TRACER, SpanKind, context_from, traceparent
 from kvstore.transport.base import Served, Transport, TransportError
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -99,6 +100,11 @@ class Replicator:
     # ---- serving ---------------------------------------------------------
     def serve(self, request: pb.DataHeader) -> Served:
         """Answer a peer's pull from local pages only (never recursing)."""
+        with TRACER.start_as_current_span("kvstore.serve_pull", context=context_from(request.traceparent),
+                                          kind=SpanKind.SERVER, attributes={"kvstore.pages": len(request.keys)}):
+            return self._serve(request)
+
+    def _serve(self, request: pb.DataHeader) -> Served:
         try:
             ns = self.node.namespace(request.namespace)
             self.node.check_read_batch(ns, list(request.keys))
@@ -219,6 +225,12 @@ class Replicator:
         """Copy ``keys`` from ``source`` into this node's pool; returns the
         keys now stored. Keys another pull is bringing here are not pulled
         again: this call waits for that transfer instead."""
+        with TRACER.start_as_current_span("kvstore.pull", kind=SpanKind.CLIENT,
+                                          attributes={"kvstore.source": source, "kvstore.pages": len(keys)}):
+            return await self._pull(source, namespace, keys, kind, expires_at)
+
+    async def _pull(self, source: str, namespace: str, keys: Sequence[bytes], kind: PageKind,
+                    expires_at: float) -> list[bytes]:
         pool = self.node.namespace(namespace).pool
         loop = asyncio.get_running_loop()
         mine: list[bytes] = []
@@ -284,7 +296,8 @@ class Replicator:
             landed.append((found, batch.write_in(found, self.transport.carrier)))
             return landed[-1][1].targets
 
-        request = pb.DataHeader(op=pb.DataHeader.GET, namespace=namespace, keys=keys, local_only=True)
+        request = pb.DataHeader(op=pb.DataHeader.GET, namespace=namespace, keys=keys, local_only=True,
+                                traceparent=traceparent())
         found: list[bytes] = []
         bad: set[bytes] = set()
         try:

@@ -16,6 +16,7 @@ from kvstore.cluster.checks import check_claim_seconds, check_heartbeat, check_r
 from kvstore.errors import KvError, Unavailable, bounded
 from kvstore.node import page_kind
 from kvstore.pool.pool import PageKind
+from kvstore.tracing import TRACER, SpanKind, context_from
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -80,6 +81,13 @@ class ClusterService(pb_grpc.ClusterServicer):
         return pb.DropSpeculativeResponse(dropped=len(ns.pool.drop_speculative(list(request.keys))))
 
     async def Replicate(self, request: pb.ReplicateRequest, context: grpc.aio.ServicerContext) -> pb.ReplicateResponse:
+        with TRACER.start_as_current_span("kvstore.replicate", context=context_from(context.invocation_metadata()),
+                                          kind=SpanKind.SERVER,
+                                          attributes={"kvstore.pages": len(request.keys),
+                                                      "kvstore.source": request.source_node_id}):
+            return await self._replicate(request, context)
+
+    async def _replicate(self, request: pb.ReplicateRequest, context: grpc.aio.ServicerContext) -> pb.ReplicateResponse:
         try:
             kind = page_kind(request.kind, PageKind.REPLICA)
             self.agent.node.check_read_batch(self.agent.node.namespace(request.namespace), list(request.keys))

@@ -57,6 +57,7 @@ from kvstore.pool.movement import SOCKET
 from kvstore.pool.pool import PageKind
 from kvstore.security.tokens import Principal, namespace_for
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.tracing import TRACER, SpanKind, context_from
 
 log = logging.getLogger(__name__)
 _DRAIN_CHUNK = 1 << 20
@@ -264,6 +265,12 @@ class DataServer:
 
     async def _get(self, loop: asyncio.AbstractEventLoop, conn: Conn, header: pb.DataHeader,
                    principal: Principal | None = None) -> None:
+        with TRACER.start_as_current_span("kvstore.get", context=context_from(header.traceparent),
+                                          kind=SpanKind.SERVER, attributes={"kvstore.path": "data"}):
+            await self._serve_get(loop, conn, header, principal)
+
+    async def _serve_get(self, loop: asyncio.AbstractEventLoop, conn: Conn, header: pb.DataHeader,
+                         principal: Principal | None) -> None:
         start = time.perf_counter()
         # leave part of the caller's deadline to send what we have
         share = self._node.config.deadline_share

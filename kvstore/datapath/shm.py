@@ -67,6 +67,7 @@ from kvstore.pool.movement import SOCKET, Landing
 from kvstore.pool.pool import PageKind, ReadHandle, Reservation
 from kvstore.security.tokens import DEVELOPMENT, Principal, TokenStore, qualify
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.tracing import TRACER, SpanKind, context_from
 
 log = logging.getLogger(__name__)
 SHM_PRESENT = (1 << 64) - 1  # a PUT slot meaning "already stored: write nothing"
@@ -303,6 +304,11 @@ class ShmServer:
         return grant
 
     async def _get(self, loop: asyncio.AbstractEventLoop, conn: _Conn, h: Any) -> None:
+        with TRACER.start_as_current_span("kvstore.get", context=context_from(getattr(h, "traceparent", "")),
+                                          kind=SpanKind.SERVER, attributes={"kvstore.path": "shm"}):
+            await self._serve_get(loop, conn, h)
+
+    async def _serve_get(self, loop: asyncio.AbstractEventLoop, conn: _Conn, h: Any) -> None:
         start = time.perf_counter()
         name = qualify(conn.principal, h.namespace)
         self._namespace(name)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from opentelemetry import trace
 
 import kvstore
 from kvstore.cluster.agent import ClusterAgent
@@ -38,6 +39,7 @@ from kvstore.node import MESSAGE_OVERHEAD, Namespace, Node, PutBatch, page_kind
 from kvstore.pool.layout import PageLayout
 from kvstore.pool.movement import SOCKET
 from kvstore.pool.pool import PageKind
+from kvstore.tracing import TRACER, SpanKind, context_from
 from kvstore.security.tokens import CALLER, DEVELOPMENT, Principal, TokenStore, owns, qualify, unqualify
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -65,15 +67,18 @@ def _handler(op: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., A
         async def handler(self: "KvStoreService", request: Any, context: grpc.aio.ServicerContext) -> T:
             start = time.perf_counter()
             code = "OK"
-            try:
-                return await fn(self, request, context)
-            except KvError as exc:
-                code = exc.code.name
-                await context.abort(exc.code, bounded(str(exc)))
-                raise AssertionError("unreachable")  # abort raises
-            finally:
-                self.metrics.ops.labels(op, code).inc()
-                self.metrics.latency.labels(op, "grpc").observe(time.perf_counter() - start)
+            with TRACER.start_as_current_span(f"kvstore.{op}", context=context_from(context.invocation_metadata()),
+                                              kind=SpanKind.SERVER) as span:
+                try:
+                    return await fn(self, request, context)
+                except KvError as exc:
+                    code = exc.code.name
+                    await context.abort(exc.code, bounded(str(exc)))
+                    raise AssertionError("unreachable")  # abort raises
+                finally:
+                    span.set_attribute("rpc.grpc.status", code)
+                    self.metrics.ops.labels(op, code).inc()
+                    self.metrics.latency.labels(op, "grpc").observe(time.perf_counter() - start)
 
         return handler
 
@@ -226,6 +231,16 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         ones are pulled from peers (within ``--deadline-share`` of the
         deadline, and a margin) and streamed; the last message lists the keys
         still missing. So a caller at its deadline has the local pages."""
+        span = TRACER.start_span("kvstore.get", context=context_from(context.invocation_metadata()),
+                                 kind=SpanKind.SERVER)
+        try:
+            async for message in self._get(request, context, span):
+                yield message
+        finally:
+            span.end()
+
+    async def _get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext,
+                   span: Any) -> AsyncIterator[pb.GetResponse]:
         start = time.perf_counter()
         keys = list(request.keys)
         try:
@@ -256,8 +271,9 @@ class KvStoreService(pb_grpc.KvStoreServicer):
             if remaining is not None:
                 budget = max(0.0, min(self.node.config.deadline_share * remaining, remaining - _SEND_MARGIN_S))
             try:
-                ns, handle, fetched = await self.agent.replicator.read(name, missing, budget,
-                                                                       request.local_only)
+                with trace.use_span(span, end_on_exit=False):  # the pulls join the Get's trace
+                    ns, handle, fetched = await self.agent.replicator.read(name, missing, budget,
+                                                                           request.local_only)
             except KvError as exc:  # e.g. the namespace was deleted meanwhile
                 self.metrics.ops.labels("get", exc.code.name).inc()
                 await context.abort(exc.code, bounded(str(exc)))

@@ -379,7 +379,7 @@ class NodeInfoResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., max_batch_pages: _Optional[int] = ..., max_batch_bytes: _Optional[int] = ..., max_pin_ttl_seconds: _Optional[float] = ..., data_endpoints: _Optional[_Iterable[_Union[DataEndpoint, _Mapping]]] = ...) -> None: ...
 
 class DataHeader(_message.Message):
-    __slots__ = ("op", "namespace", "keys", "page_bytes", "kind", "code", "message", "found", "put", "checksums", "local_only", "deadline_ms", "slots", "grant", "num_slots", "token", "ahead", "ahead_slots", "ahead_grant", "ahead_ms")
+    __slots__ = ("op", "namespace", "keys", "page_bytes", "kind", "code", "message", "found", "put", "checksums", "local_only", "deadline_ms", "slots", "grant", "num_slots", "token", "ahead", "ahead_slots", "ahead_grant", "ahead_ms", "traceparent")
     class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OP_UNSPECIFIED: _ClassVar[DataHeader.Op]
@@ -418,6 +418,7 @@ class DataHeader(_message.Message):
     AHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     AHEAD_GRANT_FIELD_NUMBER: _ClassVar[int]
     AHEAD_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     op: DataHeader.Op
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -438,7 +439,8 @@ class DataHeader(_message.Message):
     ahead_slots: _containers.RepeatedScalarFieldContainer[int]
     ahead_grant: int
     ahead_ms: int
-    def __init__(self, op: _Optional[_Union[DataHeader.Op, str]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., kind: _Optional[_Union[PageKind, str]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., found: _Optional[_Iterable[bool]] = ..., put: _Optional[_Union[PutResponse, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ..., local_only: _Optional[bool] = ..., deadline_ms: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., grant: _Optional[int] = ..., num_slots: _Optional[int] = ..., token: _Optional[str] = ..., ahead: _Optional[int] = ..., ahead_slots: _Optional[_Iterable[int]] = ..., ahead_grant: _Optional[int] = ..., ahead_ms: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, op: _Optional[_Union[DataHeader.Op, str]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., kind: _Optional[_Union[PageKind, str]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., found: _Optional[_Iterable[bool]] = ..., put: _Optional[_Union[PutResponse, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ..., local_only: _Optional[bool] = ..., deadline_ms: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., grant: _Optional[int] = ..., num_slots: _Optional[int] = ..., token: _Optional[str] = ..., ahead: _Optional[int] = ..., ahead_slots: _Optional[_Iterable[int]] = ..., ahead_grant: _Optional[int] = ..., ahead_ms: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class TransportEndpoint(_message.Message):
     __slots__ = ("kind", "host", "port")

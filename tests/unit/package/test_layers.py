@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pool", ("pool", "tiers")),  # a node's page memory, and the storage below it
     ("ops", ("ops",)),
     ("bottom", ("config", "errors", "units", "metrics", "framing", "rpc", "hostmem", "loops", "v1", "protogen", "security",
-                "workloads", "")),
+                "workloads", "tracing", "")),
 ]
 RANK = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}
 LAYER_NAME = {top: name for name, tops in LAYERS for top in tops}
