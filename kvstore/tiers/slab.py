@@ -36,6 +36,7 @@ import mmap
 import os
 import re
 import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,7 @@ _HEAD_MAGIC = b"KVR1"
 _HEAD_SUM = struct.Struct("<Q")  # header xxh3, right after _HEAD
 _FIXED = _HEAD.size + _HEAD_SUM.size
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_ZERO_BLOCK = bytes(BLOCK)
 
 
 def round_up(n: int, to: int = BLOCK) -> int:
@@ -96,6 +98,7 @@ class Slab:
         self.path = self.directory / f"slab-{name}.kv"
         self.io = probe_direct(self.directory) if io == "auto" else io
         self.corrupt = 0  # records whose payload did not match its checksum (dropped)
+        self._local = threading.local()
         self._fd = self._open()
 
     # ---- the file -------------------------------------------------------------------
@@ -168,16 +171,27 @@ class Slab:
         if len(data) > self.payload_bytes:
             raise ValueError(f"payload of {len(data)} B is larger than a slot's {self.payload_bytes} B")
         used = BLOCK + round_up(len(data))
-        buf = _aligned(used)
+        buf = self._write_buffer(used)
+        buf[:BLOCK] = _ZERO_BLOCK  # the header block starts clean: no byte of an earlier record
         buf[BLOCK:BLOCK + len(data)] = data
+        if len(data) < used - BLOCK:  # the padding too
+            buf[BLOCK + len(data):used] = bytes(used - BLOCK - len(data))
         _HEAD.pack_into(buf, 0, _HEAD_MAGIC, 1, len(ns), len(key), generation, len(data), 0,
                         xxhash.xxh3_64_intdigest(data))
         buf[_FIXED:_FIXED + len(ns)] = ns
         buf[_FIXED + len(ns):_FIXED + len(ns) + len(key)] = key
         _HEAD_SUM.pack_into(buf, _HEAD.size, _header_sum(buf, len(ns), len(key)))
-        _write_all(self._fd, buf, self._offset(slot))
+        _write_all(self._fd, memoryview(buf)[:used], self._offset(slot))
         if self.io == "buffered":
             os.posix_fadvise(self._fd, self._offset(slot), used, os.POSIX_FADV_DONTNEED)
+
+    def _write_buffer(self, size: int) -> mmap.mmap:
+        """This thread's aligned write buffer, at least ``size`` bytes (kept between writes: a fresh one
+        per write costs its page faults every time)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = self._local.buf = _aligned(max(size, BLOCK + round_up(self.payload_bytes)))
+        return buf
 
     def erase(self, slot: int) -> None:
         """Empty ``slot``: its header block is zeroed, so no scan finds the record again."""
@@ -242,7 +256,7 @@ def _aligned(size: int) -> mmap.mmap:
     return mmap.mmap(-1, size)
 
 
-def _write_all(fd: int, buf: mmap.mmap, offset: int) -> None:
+def _write_all(fd: int, buf: mmap.mmap | memoryview, offset: int) -> None:
     view, done = memoryview(buf), 0
     while done < len(view):
         n = os.pwritev(fd, [view[done:]], offset + done)
