@@ -83,9 +83,7 @@ def metadata() -> tuple[tuple[str, str], ...]:
 
 def traceparent() -> str:
     """The current trace context for a frame header's ``traceparent`` field (``""`` when none)."""
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    return carrier.get("traceparent", "")
+    return dict(metadata()).get("traceparent", "")
 
 
 def context_from(carried: Iterable[tuple[str, Any]] | str | None) -> Context | None:

@@ -35,7 +35,7 @@ from kvstore.replay.metrics import RequestRecord
 from kvstore.replay.oracle import Plan, Step, plan
 from kvstore.replay.routers import NodeView, Router, views_from_lookup
 from kvstore.replay.serve import (EngineState, Get, Lookup, Op, Prefill, Put, Rules, Sleep, StoreError, WaitHeld,
-                                  serve)
+                                  advance, serve)
 from kvstore.replay.workload import Workload, reusable_blocks
 from kvstore.errors import KvError
 from kvstore.workloads.traces import hash_key
@@ -223,11 +223,7 @@ class Engine:
         gen = serve(self.state, item.rec, item.keys, item.step, slot_wait, self.now)
         value: Any = None
         error: StoreError | None = None
-        while True:
-            try:
-                op = gen.send(value) if error is None else gen.throw(error)
-            except StopIteration:
-                return
+        while (op := advance(gen, value, error)) is not None:
             value, error = None, None
             try:
                 value = await self._perform(op, item)

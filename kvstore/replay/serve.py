@@ -185,16 +185,21 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
     rec.done = True
 
 
+def advance(gen: Serve, value: Any, error: StoreError | None) -> Op | None:
+    """Resume ``gen`` with its last operation's result (or the :class:`StoreError` it raised); the next
+    operation, or None once the request is served. Both drivers step the loop with it."""
+    try:
+        return gen.send(value) if error is None else gen.throw(error)
+    except StopIteration:
+        return None
+
+
 def step_through(gen: Serve, perform: Callable[[Op], Generator[Any, Any, Any]]) -> Generator[Any, Any, None]:
     """Drive ``gen`` with a driver whose ``perform(op)`` is itself a generator (the simulator's: it yields
     its events and returns the result, or raises :class:`StoreError`)."""
     value: Any = None
     error: StoreError | None = None
-    while True:
-        try:
-            op = gen.send(value) if error is None else gen.throw(error)
-        except StopIteration:
-            return
+    while (op := advance(gen, value, error)) is not None:
         value, error = None, None
         try:
             value = yield from perform(op)

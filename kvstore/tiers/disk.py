@@ -214,7 +214,7 @@ class DiskPages:
     def _still_linked(self) -> bool:
         assert self.slab is not None
         try:
-            if os.fstat(self.slab.fileno()).st_nlink > 0 and self.slab.path.exists():
+            if os.fstat(self.slab.fileno()).st_nlink > 0:  # removing the directory unlinks the file
                 return True
         except OSError:
             pass

@@ -56,32 +56,42 @@ def two_nodes(make_server):  # type: ignore[no-untyped-def]
     return a, b
 
 
+def _held_by_a(a, b, namespace: str, keys: list[bytes]) -> None:  # type: ignore[no-untyped-def]
+    """``namespace`` on both nodes, ``keys`` put on a."""
+    with KvClient(a.address) as ka, KvClient(b.address) as kb:
+        ka.create_namespace(namespace, PAGE)
+        kb.create_namespace(namespace, PAGE)
+        ka.put(namespace, keys, random_pages(len(keys), PAGE))
+
+
+def _pulled_under(finished: list[Any], parent: Any) -> Any:
+    """b's pull is ``parent``'s child and a's serving of it the pull's (across the nodes, in the transport's
+    frame header); returns the pull."""
+    pull = _one(finished, "kvstore.pull")
+    _child_of(pull, parent)
+    _child_of(_one(finished, "kvstore.serve_pull"), pull)
+    return pull
+
+
 def test_a_get_its_pull_and_the_serving_node_share_one_trace(two_nodes, spans) -> None:  # type: ignore[no-untyped-def]
     a, b = two_nodes
     keys = keys_for(4, b"traced")
-    with KvClient(a.address) as ka, KvClient(b.address) as kb:
-        ka.create_namespace("m", PAGE)
-        kb.create_namespace("m", PAGE)
-        ka.put("m", keys, random_pages(4, PAGE))
+    _held_by_a(a, b, "m", keys)
+    with KvClient(b.address) as kb:
         wait_until(lambda: kb.lookup_nodes("m", keys).nodes, 5, "the directory to show a's pages")
         spans.clear()
         assert kb.get("m", keys).found.all()  # b pulls all four from a
     finished = spans.get_finished_spans()
     get = next(s for s in finished if s.name == "kvstore.get")
-    pull = _one(finished, "kvstore.pull", **{"kvstore.source": "a"})
-    served = _one(finished, "kvstore.serve_pull")
-    _child_of(pull, get)
-    _child_of(served, pull)  # across the nodes, in the transport's frame header
+    pull = _pulled_under(finished, get)
+    assert pull.attributes["kvstore.source"] == "a"
     assert get.kind == trace.SpanKind.SERVER and pull.kind == trace.SpanKind.CLIENT
 
 
 def test_a_replicate_joins_its_callers_trace(two_nodes, spans) -> None:  # type: ignore[no-untyped-def]
     a, b = two_nodes
     keys = keys_for(3, b"copied")
-    with KvClient(a.address) as ka, KvClient(b.address) as kb:
-        ka.create_namespace("n", PAGE)
-        kb.create_namespace("n", PAGE)
-        ka.put("n", keys, random_pages(3, PAGE))
+    _held_by_a(a, b, "n", keys)
     spans.clear()
     with tracing.TRACER.start_as_current_span("caller") as caller:
         with grpc.insecure_channel(b.address) as channel:  # the coordinator's call, as a caller in a trace makes it
@@ -91,11 +101,8 @@ def test_a_replicate_joins_its_callers_trace(two_nodes, spans) -> None:  # type:
     assert reply.copied == 3
     finished = spans.get_finished_spans()
     replicate = _one(finished, "kvstore.replicate")
-    pull = _one(finished, "kvstore.pull")
-    served = _one(finished, "kvstore.serve_pull")
     assert replicate.parent is not None and replicate.parent.span_id == caller.get_span_context().span_id
-    _child_of(pull, replicate)
-    _child_of(served, pull)
+    _pulled_under(finished, replicate)
 
 
 def test_without_a_configured_sdk_nothing_is_set_up() -> None:
