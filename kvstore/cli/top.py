@@ -35,8 +35,10 @@ class NodeRow:
     error: str = ""
 
 
-def snapshot(addr: str, security: dict[str, Any], timeout: float = 5.0) -> tuple[str, list[NodeRow]]:
-    """(coordinator, one row per member) as ``addr`` sees the cluster, each member's Stats asked of it."""
+def snapshot(addr: str, security: dict[str, Any], timeout: float = 5.0,
+             clients: dict[str, Any] | None = None) -> tuple[str, list[NodeRow]]:
+    """(coordinator, one row per member) as ``addr`` sees the cluster, each member's Stats asked of it.
+    ``clients``: the members' clients by address, kept between refreshes (one that failed is dropped)."""
     from kvstore.v1 import kvstore_pb2 as pb
     from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
     from kvstore_client import KvClient
@@ -48,12 +50,19 @@ def snapshot(addr: str, security: dict[str, Any], timeout: float = 5.0) -> tuple
     for member in sorted(status.members, key=lambda m: m.node_id):
         row = NodeRow(member.node_id, "coordinator" if member.node_id == status.coordinator else "member",
                       member.address)
+        kept = {} if clients is None else clients
         try:
-            with KvClient(member.address, timeout=timeout, **security) as kv:
-                row.stats = kv.stats()
+            if member.address not in kept:
+                kept[member.address] = KvClient(member.address, timeout=timeout, **security)
+            row.stats = kept[member.address].stats()
         except Exception as exc:  # one member that does not answer must not blank the view
             row.error = f"{type(exc).__name__}: {exc}"[:80]
+            kv = kept.pop(member.address, None)
+            if kv is not None:
+                kv.close()
         rows.append(row)
+        if clients is None and member.address in kept:
+            kept.pop(member.address).close()
     return status.coordinator, rows
 
 
@@ -98,11 +107,15 @@ def run(args: argparse.Namespace, security: dict[str, Any],
     if args.once:
         console.print(render(*snapshot(args.addr, security)))
         return 0
+    clients: dict[str, Any] = {}
     with Live(console=console, auto_refresh=False, screen=False) as live:
         try:
             while True:
                 started = clock()
-                live.update(render(*snapshot(args.addr, security)), refresh=True)
+                live.update(render(*snapshot(args.addr, security, clients=clients)), refresh=True)
                 time.sleep(max(0.0, args.interval - (clock() - started)))
         except KeyboardInterrupt:
             return 0
+        finally:
+            for kv in clients.values():
+                kv.close()
