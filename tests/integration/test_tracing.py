@@ -81,6 +81,8 @@ def test_a_get_its_pull_and_the_serving_node_share_one_trace(two_nodes, spans) -
         wait_until(lambda: kb.lookup_nodes("m", keys).nodes, 5, "the directory to show a's pages")
         spans.clear()
         assert kb.get("m", keys).found.all()  # b pulls all four from a
+    # the client has its reply a moment before the node's handler ends its span
+    wait_until(lambda: any(s.name == "kvstore.get" for s in spans.get_finished_spans()), 5, "the Get's span")
     finished = spans.get_finished_spans()
     get = next(s for s in finished if s.name == "kvstore.get")
     pull = _pulled_under(finished, get)
