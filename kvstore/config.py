@@ -35,6 +35,7 @@ ENV_PREFIX = "KVSTORED_"
 GROUPS: dict[str, str] = {
     "node": "The node: its address, id, event loop, logs and local endpoints.",
     "pool": "The page pool: its memory, where it lives and the namespaces made at start-up.",
+    "tiers": "Storage below the pool (host memory, local disks) that takes what the pool evicts and serves it back.",
     "cluster": "Peers, membership, the peer transport and how a Get pulls what it lacks.",
     "predictor": "The burst predictor that forecasts which prefixes are about to be requested.",
     "planner": "The coordinator's planner: which forecast prefixes are copied, where, how fast and for how long.",
@@ -152,7 +153,60 @@ def _parse_namespaces(value: Any) -> tuple[NamespaceSpec, ...]:
         raise ValueError(f"a namespace table needs {exc}") from None
 
 
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """A tier below the pool (``--tier host:SIZE`` or ``--tier disk:PATH:SIZE``)."""
+
+    kind: Literal["host", "disk"]
+    capacity: int
+    path: str = ""
+
+    def __str__(self) -> str:  # as written on the command line
+        return f"host:{self.capacity}" if self.kind == "host" else f"disk:{self.path}:{self.capacity}"
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | TierSpec) -> TierSpec:
+        if isinstance(value, TierSpec):
+            return value
+        if isinstance(value, dict):
+            kind, path, size = str(value.get("kind", "")), str(value.get("path", "")), value.get("capacity", "")
+        elif isinstance(value, str):
+            # the kind before the first ':', the size after the last: a path may hold ':' itself
+            kind, _, rest = value.partition(":")
+            path, _, size = rest.rpartition(":")
+        else:
+            raise ValueError(f"bad tier {value!r}: expected host:SIZE, disk:PATH:SIZE or a table")
+        if kind == "host" and not path:
+            return cls("host", _positive_size(size, value))
+        if kind == "disk" and path:
+            if not os.path.isabs(path):
+                raise ValueError(f"bad tier {value!r}: the disk path must be absolute")
+            return cls("disk", _positive_size(size, value), path)
+        raise ValueError(f"bad tier {value!r}: expected host:SIZE or disk:PATH:SIZE")
+
+
+def _positive_size(size: Any, value: Any) -> int:
+    n = parse_size(size)
+    if n <= 0:
+        raise ValueError(f"bad tier {value!r}: its size must be > 0")
+    return n
+
+
+def _parse_tiers(value: Any) -> tuple[TierSpec, ...]:
+    items = value if isinstance(value, (list, tuple)) else value.split(",") if isinstance(value, str) else [value]
+    tiers = tuple(TierSpec.parse(v) for v in items if not isinstance(v, str) or v.strip())
+    paths = [t.path for t in tiers if t.kind == "disk"]
+    if len(set(paths)) != len(paths):
+        raise ValueError("two disk tiers name one folder")
+    if [t.kind for t in tiers if t.kind == "host"] and tiers[0].kind != "host":
+        raise ValueError("a host tier goes above the disk tiers (list it first)")
+    if sum(t.kind == "host" for t in tiers) > 1:
+        raise ValueError("at most one host tier")
+    return tiers
+
+
 Size = Annotated[int, BeforeValidator(parse_size)]
+Tiers = Annotated[tuple[TierSpec, ...], BeforeValidator(_parse_tiers)]
 Bool = Annotated[bool, BeforeValidator(parse_bool)]
 Address = Annotated[str, AfterValidator(_check_listen)]
 Device = Annotated[str, BeforeValidator(parse_device)]
@@ -180,7 +234,7 @@ def _in(group: str) -> Any:
     return make
 
 
-node, pool, cluster, predictor, planner, security, limits = (_in(g) for g in GROUPS)
+node, pool, tiers_, cluster, predictor, planner, security, limits = (_in(g) for g in GROUPS)
 
 
 class NodeConfig(BaseModel):
@@ -209,6 +263,24 @@ class NodeConfig(BaseModel):
     prefault: Bool = pool(True, "touch host pool memory at namespace creation so first puts don't page-fault "
                           "(true/false)", "BOOL")
     checksum: Bool = pool(True, "xxh3 checksum of every page at put, verified on peer transfers", "BOOL")
+
+    # -- tiers
+    tier: Tiers = tiers_(
+        (), "a tier below the pool, fastest first: host:SIZE (pinned host memory under a GPU pool; ignored under a "
+        "host pool, which is host memory already) or disk:PATH:SIZE (slab files in PATH, an absolute folder the node "
+        "owns; the size is after the last ':', so PATH may hold ':'); repeatable (a comma list in the environment: "
+        "a PATH with ',' goes in the file or a flag). The pool's evictions go down the tiers and reads bring them "
+        "back up", "SPEC", repeat=True)
+    tier_write: Literal["back", "through"] = tiers_(
+        "back", "back: a page goes down when the pool evicts it (staged in host memory until written); through: "
+        "also copied down in the background as soon as it is stored, so an eviction needs no write", "MODE")
+    tier_staging: Size = tiers_(
+        256 << 20, "host memory for evicted pages waiting for their write down (write-back); an eviction that "
+        "finds it full drops the page (counted)", "SIZE", ge=0)
+    tier_io: Literal["auto", "direct", "buffered"] = tiers_(
+        "auto", "disk tier I/O: direct (O_DIRECT, aligned buffers), buffered (page cache, posix_fadvise) or auto "
+        "(probes O_DIRECT once per folder and logs its choice)", "MODE")
+    tier_threads: int = tiers_(4, "I/O threads per tier (reads of one batch run in parallel)", "N", ge=1, le=64)
 
     # -- cluster
     peers: Peers = cluster((), "other nodes, HOST:PORT,HOST:PORT,... (used by the cluster layer)", "LIST")

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 
 class HasNamespaces(Protocol):
@@ -57,6 +57,53 @@ class _PoolCollector:
         yield slots
         yield cap
         yield evictions
+
+
+class _TierCollector:
+    """The tiers below the pool (``kvstore.tiers.stack.TierStack``), read at scrape time."""
+
+    _COUNTERS = (("hits", "Pages read from a tier"), ("misses", "Reads that did not find the page in a tier"),
+                 ("demotions", "Pages written into a tier (from the pool, or cascaded from the tier above)"),
+                 ("promotions", "Pages read from a tier into the pool"),
+                 ("drops", "Pages that could not go down into a tier (staging full, tier refused or degraded)"),
+                 ("evictions", "Pages a tier evicted (into the next tier, or gone from the last)"),
+                 ("corrupt", "Tier records that failed their checksum on read (dropped, never served)"),
+                 ("bytes_written", "Bytes a tier wrote, headers and padding included (a disk's wear)"),
+                 ("recovered", "Pages a tier found when it opened (kept over a restart)"))
+
+    def __init__(self, node: Any) -> None:
+        self._node = node
+
+    def collect(self) -> Iterator[Any]:
+        stack = getattr(self._node, "tiers", None)
+        if not stack:
+            return
+        summary = stack.summary()
+        gauges = {name: GaugeMetricFamily(f"kvstore_tier_{name}", text, labels=["tier"]) for name, text in (
+            ("capacity_bytes", "Bytes a tier may hold"), ("used_bytes", "Bytes of pages a tier holds"),
+            ("pages", "Pages a tier holds"), ("staged_bytes", "Evicted bytes waiting in staging memory for their "
+                                              "write into the first tier"),
+            ("degraded", "1 while a tier stores nothing more (a failed write, its folder removed): see the log"))}
+        counters = {name: CounterMetricFamily(f"kvstore_tier_{name}", text, labels=["tier"])
+                    for name, text in self._COUNTERS}
+        for t in summary:
+            for name, family in gauges.items():
+                family.add_metric([t["tier"]], float(bool(t["degraded"])) if name == "degraded" else t[name])
+            for name, family in counters.items():
+                family.add_metric([t["tier"]], t[name])
+        yield from gauges.values()
+        yield from counters.values()
+        for op in ("read", "write"):
+            family = HistogramMetricFamily(f"kvstore_tier_{op}_seconds", f"Latency of one page {op} in a tier",
+                                           labels=["tier"])
+            for level in stack.levels:
+                hist = level.counters.reads if op == "read" else level.counters.writes
+                buckets, total = [], 0
+                for bound, count in zip([*hist.bounds, float("inf")], hist.counts):
+                    total += count
+                    buckets.append((str(bound) if bound != float("inf") else "+Inf", total))
+                family.add_metric([level.name], buckets, hist.total)
+            yield family
 
 
 class _CoordinatorCollector:
@@ -154,6 +201,7 @@ class NodeMetrics:
         self.coordinator_changes = Counter("kvstore_coordinator_changes", "Times the coordinator in this node's "
                                            "view changed (its first election included)", registry=self.registry)
         self.registry.register(_PoolCollector(node))
+        self.registry.register(_TierCollector(node))
 
     def watch_coordinator(self, coordinator: Any) -> None:
         self.registry.register(_CoordinatorCollector(coordinator))

@@ -13,6 +13,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.config import NodeConfig
 from kvstore.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, shown
@@ -21,6 +22,7 @@ from kvstore.ops.base import PageOps
 from kvstore.pool.layout import PageLayout, check_keys, check_namespace
 from kvstore.pool.movement import SOCKET, Carrier, Landing, page_checksum
 from kvstore.pool.pool import PageKind, PagePool, ReadHandle, Reservation
+from kvstore.tiers.stack import NamespaceTiers, TierPage, TierRun, TierStack
 
 __all__ = ["MESSAGE_OVERHEAD", "Lease", "Namespace", "Node", "PutBatch", "PutResult", "page_checksum", "page_kind"]
 
@@ -55,6 +57,7 @@ class Namespace:
     capacity: int
     pool: PagePool
     counters: NamespaceCounters = field(default_factory=NamespaceCounters)
+    below: NamespaceTiers | None = None  # its tiers below the pool (``--tier``), if any
 
 
 @dataclass(slots=True)
@@ -98,6 +101,7 @@ class PutBatch:
         self.deadline = deadline
         self._seen: set[bytes] = set()
         self._parts: list[_Part] = []
+        self.kinds: dict[bytes, PageKind] = {}  # a key's own kind, over ``kind`` (pages promoted from a tier)
         self._closed = False
 
     @property
@@ -218,7 +222,8 @@ class PutBatch:
                 self.ns.pool.abort(part.res)
                 self._seen.difference_update(part.keys)
                 continue
-            stored += self.ns.pool.commit(part.res, part.keys, self.kind, part.checksums, self.expires_at)
+            kind = [self.kinds.get(k, self.kind) for k in part.keys] if self.kinds else self.kind
+            stored += self.ns.pool.commit(part.res, part.keys, kind, part.checksums, self.expires_at)
         self.ns.counters.puts += stored
         return PutResult(stored, len(self._seen) - stored, evicted)
 
@@ -245,6 +250,7 @@ class Node:
         self.address = config.listen  # replaced by the bound address once serving
         # host pools live in memfds that clients on this host map (the shared-memory path)
         self.shares_memory = config.shm and ops.host_visible and shared_memory_available()
+        self.tiers = TierStack(config, ops.host_visible, allocate_host=ops.host_empty)
         for spec in config.namespace:
             self.create_namespace(spec.name, PageLayout(spec.page_bytes), spec.capacity)
 
@@ -281,6 +287,11 @@ class Node:
                         on_change=lambda added, removed: self._changed(name, added, removed))
         ns = Namespace(name, layout, num_slots * layout.page_bytes, pool)
         self.namespaces[name] = ns
+        if self.tiers:
+            ns.below = self.tiers.attach(self, ns)
+            recovered = ns.below.recovered()  # a disk tier's pages from before a restart
+            if recovered:
+                self.report(name, recovered, [])
         return ns
 
     def namespace(self, name: str) -> Namespace:
@@ -297,12 +308,41 @@ class Node:
         for lease_id in [lid for lid, lease in self.leases.items() if lease.namespace == name]:
             self._drop_lease(lease_id)
         del self.namespaces[name]
-        self._changed(name, [], ns.pool.keys())
+        gone = ns.pool.keys() + [p.key for p in ns.below.recovered()] if ns.below else ns.pool.keys()
+        self.tiers.detach(name)
+        self.report(name, [], list(dict.fromkeys(gone)))
         ns.pool.close()
 
-    def _changed(self, namespace: str, added: list[bytes], removed: list[bytes]) -> None:
+    def _changed(self, namespace: str, added: list[Any], removed: list[bytes]) -> None:
+        """The pool's adds and removes; a page removed from the pool but held below it is still this node's
+        (reported with its tier)."""
+        ns = self.namespaces.get(namespace)
+        below = ns.below if ns is not None else None
+        if below is not None:
+            if added and self.config.tier_write == "through":
+                below.write_through(added)
+            if removed:
+                kept = [TierPage(k, 1, tier=below.level_of(k)) for k in removed if below.holds(k)]
+                if kept:
+                    removed = [k for k in removed if not below.holds(k)]
+                    added = [*added, *kept]
+        self.report(namespace, added, removed)
+
+    def report(self, namespace: str, added: list[Any], removed: list[bytes]) -> None:
+        """Tell the listeners (the directory outbox) of pages added (pool entries or tier pages) and removed."""
         for listener in self.listeners:
             listener(namespace, added, removed)
+
+    def snapshot(self) -> dict[str, list[Any]]:
+        """Every page this node holds, per namespace: pool entries, then the pages only its tiers hold."""
+        out: dict[str, list[Any]] = {}
+        for ns in self.namespaces.values():
+            pages: list[Any] = [ns.pool.entry(k) for k in ns.pool.keys()]
+            if ns.below is not None:
+                pages += [p for p in ns.below.recovered() if p.key not in ns.pool and p.key not in ns.below.hidden]
+                pages += [TierPage(k, s.kind) for k, s in ns.below.staged.items() if k not in ns.pool]
+            out[ns.name] = pages
+        return out
 
     # ---- pages ---------------------------------------------------------
     def begin_put(self, name: str, kind: PageKind = PageKind.PRIMARY, *, expires_at: float = 0.0,
@@ -328,19 +368,55 @@ class Node:
         return ns, handle
 
     def lookup(self, name: str, keys: Sequence[bytes]) -> int:
+        """Length of the longest leading run of ``keys`` this node holds, in its pool or below it."""
         ns = self.namespace(name)
         self.check_read_batch(ns, keys)
-        return ns.pool.prefix_length(keys)
+        if ns.below is None:
+            return ns.pool.prefix_length(keys)
+        n = 0
+        for key in keys:
+            if key not in ns.pool and not ns.below.holds(key):
+                break
+            n += 1
+        return n
+
+    def tier_runs(self, name: str, keys: Sequence[bytes]) -> list[TierRun]:
+        """Per run of the held prefix ``keys``, the tier it is in and the expected time to load it."""
+        ns = self.namespace(name)
+        if ns.below is None:
+            return [TierRun("pool", len(keys), 0.0)] if keys else []
+        return ns.below.runs(keys)
+
+    async def promote(self, name: str, keys: Sequence[bytes], timeout: float | None) -> None:
+        """Bring the pages of ``keys`` held below the pool into it, waiting at most ``timeout`` seconds
+        (the rest keeps landing); a no-op without tiers."""
+        ns = self.namespace(name)
+        if ns.below is not None:
+            await ns.below.promote(keys, timeout)
 
     def exists(self, name: str, keys: Sequence[bytes]) -> list[bool]:
         ns = self.namespace(name)
         self.check_read_batch(ns, keys)
-        return ns.pool.exists(keys)
+        if ns.below is None:
+            return ns.pool.exists(keys)
+        return [k in ns.pool or ns.below.holds(k) for k in keys]
 
     def delete(self, name: str, keys: Sequence[bytes]) -> tuple[int, list[bytes], list[bytes]]:
         ns = self.namespace(name)
         self.check_read_batch(ns, keys)
-        return ns.pool.delete(keys)
+        below = ns.below
+        if below is not None:
+            pinned_below = [k for k in keys if below.pins.get(k)]
+            erased = below.remove([k for k in keys if not below.pins.get(k)])
+        deleted, not_found, pinned = ns.pool.delete(keys)
+        if below is not None:
+            held_below = set(erased)
+            deleted += sum(1 for k in not_found if k in held_below)
+            not_found = [k for k in not_found if k not in held_below and k not in pinned_below]
+            pinned += [k for k in pinned_below if k not in pinned]
+            if erased:
+                self.report(name, [], [k for k in keys if k in held_below and k not in ns.pool])
+        return deleted, not_found, pinned
 
     # ---- leases --------------------------------------------------------
     def pin(self, name: str, keys: Sequence[bytes], ttl: float) -> tuple[Lease, list[bytes]]:
@@ -350,6 +426,10 @@ class Node:
         if not (ttl > 0 and ttl <= self.config.max_pin_ttl):  # also rejects NaN
             raise InvalidArgument(f"ttl_seconds must be in (0, {self.config.max_pin_ttl}], got {ttl}")
         pinned, missing = ns.pool.pin(dict.fromkeys(keys))
+        if ns.below is not None and missing:
+            below = ns.below.pin(missing)
+            pinned += below
+            missing = [k for k in missing if k not in set(below)]
         lease = Lease(secrets.token_hex(8), name, pinned, self._clock() + ttl)
         self.leases[lease.lease_id] = lease
         try:
@@ -382,11 +462,15 @@ class Node:
         if lease.timer is not None:
             lease.timer.cancel()
         ns = self.namespaces.get(lease.namespace)
-        return ns.pool.unpin(lease.keys) if ns else 0
+        if ns is None:
+            return 0
+        rest = ns.below.unpin(lease.keys) if ns.below is not None else lease.keys
+        return ns.pool.unpin(rest) + len(lease.keys) - len(rest)
 
     def close(self) -> None:
         for lease_id in list(self.leases):
             self._drop_lease(lease_id)
+        self.tiers.close()
         for ns in self.namespaces.values():
             ns.pool.close()
 

@@ -75,7 +75,17 @@ def render_stats(stats: Any) -> str:
     rows = [[ns.namespace, format_size(ns.page_bytes), f"{ns.used_slots}/{ns.num_slots}", ns.pinned_slots,
              ns.speculative_slots, ns.hits, ns.misses, _hit_rate(ns.hits, ns.misses), ns.puts,
              f"{ns.evictions.get('lru', 0)}/{ns.evictions.get('speculative', 0)}"] for ns in stats.namespaces]
-    return head + "\n" + _table(rows, STATS_COLUMNS, left=1)
+    text = head + "\n" + _table(rows, STATS_COLUMNS, left=1)
+    if stats.tiers:
+        tiers = [[t.tier, t.path or "-", t.io or "-", f"{format_size(t.used_bytes)}/{format_size(t.capacity_bytes)}",
+                  t.pages, t.hits, t.demotions, t.promotions, t.drops, t.evictions, t.corrupt,
+                  format_size(t.bytes_written), t.recovered, t.degraded or "ok"] for t in stats.tiers]
+        text += "\n\n" + _table(tiers, TIER_COLUMNS, left=3)
+    return text
+
+
+TIER_COLUMNS = ("tier", "path", "io", "used", "pages", "hits", "down", "up", "drops", "evicted", "corrupt", "written",
+                "recovered", "state")
 
 
 CLUSTER_COLUMNS = ("node", "role", "address", "transport", "capacity", "used", "hit%", "remote", "seen")

@@ -167,7 +167,7 @@ class ClusterAgent:
     def _take_report(self) -> tuple[int, bool, list[pb.DirectoryBatch]]:
         now = time.monotonic()
         if self.outbox.need_full:
-            snapshot = {ns.name: [ns.pool.entry(k) for k in ns.pool.keys()] for ns in self.node.namespaces.values()}
+            snapshot = self.node.snapshot()
             seq, batches = self.outbox.take_full(snapshot, now)
             return seq, True, batches
         seq, batches = self.outbox.take(now)
@@ -362,6 +362,9 @@ class ClusterAgent:
         now = time.monotonic()
         seen = self.claims.seen(namespace, keys, now, held, asker)
         out = answer.merge(held, self.placement.hints(namespace, keys), seen, address_of)
+        pool = self.directory.pool_lengths(namespace, keys, held)
+        for n in out:
+            n.pool_length = n.prefix_length if n.pending else min(n.prefix_length, pool.get(n.node_id, 0))
         if claim_seconds > 0 and asker and self.membership.member(asker) is not None:
             self.claims.claim(namespace, keys, asker, claim_seconds, now, start=max([claim_start, *held.values()]))
         return out
@@ -421,13 +424,17 @@ class ClusterAgent:
                 namespace=namespace, keys=keys, claim_seconds=claim_seconds, claim_node_id=me,
                 claim_start=local))
             nodes = list(reply.nodes) if reply is not None else self.prefixes(namespace, keys)
-        nodes = answer.as_seen_by(nodes, me, local, self.node.address, self.membership.alive)
+        runs = self.node.tier_runs(namespace, keys[:local])
+        local_pool = runs[0].pages if runs and runs[0].tier == "pool" else 0
+        nodes = answer.as_seen_by(nodes, me, local, self.node.address, self.membership.alive, local_pool)
         nodes.sort(key=lambda n: (-n.prefix_length, n.pending, n.node_id))
         if record and keys:
             depth = min(len(keys), self.config.predictor_depths[-1])
             remote = any(n.prefix_length >= depth and not n.pending for n in nodes if n.node_id != self.node.node_id)
             self.record_access(namespace, keys, 0 if local >= depth else 1 if remote else 2, local)
-        return pb.LookupResponse(prefix_length=local, nodes=nodes)
+        return pb.LookupResponse(prefix_length=local, nodes=nodes,
+                                 tiers=[pb.TierRun(tier=r.tier, pages=r.pages, load_seconds=r.load_seconds)
+                                        for r in runs])
 
     async def locate(self, namespace: str, keys: Sequence[bytes]) -> pb.LocateResponse:
         """Who holds each of ``keys``: the directory, asked as :meth:`lookup` does."""

@@ -38,10 +38,12 @@ def merge(held: Mapping[str, int], hints: Iterable[pb.NodePrefix], seen: Iterabl
 
 
 def as_seen_by(nodes: Sequence[pb.NodePrefix], me: str, local: int, address: str = "",
-               alive: Callable[[str], bool] = lambda node: True) -> list[pb.NodePrefix]:
+               alive: Callable[[str], bool] = lambda node: True, local_pool: int | None = None) -> list[pb.NodePrefix]:
     """The answer as node ``me`` gives it: live nodes only, and its own entry what it holds here
-    (``local``), or deeper, a claim or a copy on its way here."""
+    (``local``, of which ``local_pool`` leading pages in its pool; default all), or deeper, a claim or a copy
+    on its way here."""
     out = [n for n in nodes if alive(n.node_id) and (n.node_id != me or (n.pending and n.prefix_length > local))]
     if local and not any(n.node_id == me for n in out):
-        out.append(pb.NodePrefix(node_id=me, address=address, prefix_length=local))
+        out.append(pb.NodePrefix(node_id=me, address=address, prefix_length=local,
+                                 pool_length=local if local_pool is None else local_pool))
     return out

@@ -30,6 +30,7 @@ class PageState(Protocol):
     key: bytes
     kind: int
     expires_at: float
+    # and ``tier`` when it has one (0, the pool, when not): a tier page (``kvstore.tiers.stack.TierPage``)
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class Directory:
     def __init__(self) -> None:
         self._holders: dict[str, dict[bytes, set[str]]] = {}
         self._nodes: dict[str, _NodeState] = {}
+        self._below: dict[str, dict[bytes, set[str]]] = {}  # namespace -> key -> nodes holding it below the pool
         # (namespace, key) -> {node: expires_at on the reader's clock}
         self.speculative: dict[tuple[str, bytes], dict[str, float]] = {}
 
@@ -52,6 +54,7 @@ class Directory:
         """Forget everything (this node no longer keeps a directory)."""
         self._holders.clear()
         self._nodes.clear()
+        self._below.clear()
         self.speculative.clear()
 
     def __len__(self) -> int:
@@ -73,7 +76,7 @@ class Directory:
         else:
             state.seq = seq
         for batch in batches:
-            self._apply(node_id, state, batch.namespace, batch.adds, batch.removes)
+            self._apply(node_id, state, batch.namespace, batch.adds, batch.removes, batch.below)
             self._apply_speculative(node_id, batch, now)
         return False
 
@@ -96,9 +99,19 @@ class Directory:
                 del self.speculative[(namespace, key)]
 
     def _apply(self, node_id: str, state: _NodeState, namespace: str, adds: Sequence[bytes],
-               removes: Sequence[bytes]) -> None:
+               removes: Sequence[bytes], below: Sequence[bytes] = ()) -> None:
         holders = self._holders.setdefault(namespace, {})
         mine = state.keys.setdefault(namespace, set())
+        lower = self._below.setdefault(namespace, {})
+        down = set(below)
+        for key in (*removes, *adds):
+            nodes = lower.get(key)
+            if key in down:
+                lower.setdefault(key, set()).add(node_id)
+            elif nodes is not None:
+                nodes.discard(node_id)
+                if not nodes:
+                    del lower[key]
         for key in removes:
             if key in mine:
                 mine.discard(key)
@@ -120,8 +133,13 @@ class Directory:
         dropped = 0
         for namespace, keys in state.keys.items():
             holders = self._holders.get(namespace, {})
+            lower = self._below.get(namespace, {})
             for key in keys:
                 self._unspec(node_id, namespace, key)
+                if key in lower:
+                    lower[key].discard(node_id)
+                    if not lower[key]:
+                        del lower[key]
                 nodes = holders.get(key)
                 if nodes is not None:
                     nodes.discard(node_id)
@@ -156,12 +174,27 @@ class Directory:
         return lengths
 
 
+    def pool_lengths(self, namespace: str, chain: Sequence[bytes], nodes: Iterable[str]) -> dict[str, int]:
+        """Per node of ``nodes``, how many leading pages of ``chain`` are not below its pool (reported in
+        its tiers): of its prefix, the part it serves without reading a tier first."""
+        lower = self._below.get(namespace, {})
+        out = {}
+        for node in nodes:
+            n = 0
+            for key in chain:
+                if node in lower.get(key, ()):
+                    break
+                n += 1
+            out[node] = n
+        return out
+
+
 class Outbox:
     """A node's page adds/removes not yet accepted by the coordinator."""
 
     def __init__(self) -> None:
-        # namespace -> key -> (kind, expires_at) when added, None when removed
-        self._pending: dict[str, dict[bytes, tuple[int, float] | None]] = {}
+        # namespace -> key -> (kind, expires_at, tier) when added, None when removed
+        self._pending: dict[str, dict[bytes, tuple[int, float, int] | None]] = {}
         self.seq = 0
         self.need_full = True  # the first report is always a snapshot
 
@@ -170,7 +203,7 @@ class Outbox:
         for key in removed:
             pending[key] = None
         for page in added:
-            pending[page.key] = (int(page.kind), page.expires_at)
+            pending[page.key] = (int(page.kind), page.expires_at, getattr(page, "tier", 0))
 
     def pending(self) -> int:
         return sum(len(p) for p in self._pending.values())
@@ -188,13 +221,13 @@ class Outbox:
         self._pending.clear()
         self.seq += 1
         self.need_full = False
-        return self.seq, [_batch(ns, {p.key: (int(p.kind), p.expires_at) for p in pages}, now)
+        return self.seq, [_batch(ns, {p.key: (int(p.kind), p.expires_at, getattr(p, "tier", 0)) for p in pages}, now)
                           for ns, pages in snapshot.items()]
 
 
-def _batch(namespace: str, pending: dict[bytes, tuple[int, float] | None], now: float) -> pb.DirectoryBatch:
+def _batch(namespace: str, pending: dict[bytes, tuple[int, float, int] | None], now: float) -> pb.DirectoryBatch:
     adds = [k for k, state in pending.items() if state is not None]
     spec = [pb.SpeculativePage(key=k, expires_in_seconds=max(0.0, state[1] - now))
             for k, state in pending.items() if state is not None and state[0] == SPECULATIVE and state[1] > 0]
     return pb.DirectoryBatch(namespace=namespace, adds=adds, removes=[k for k, s in pending.items() if s is None],
-                             speculative=spec)
+                             speculative=spec, below=[k for k, s in pending.items() if s is not None and s[2]])

@@ -32,6 +32,8 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from kvstore.config import NodeConfig
 from kvstore.errors import KvError, ResourceExhausted
 from kvstore.metrics import NodeMetrics
@@ -98,11 +100,52 @@ class Replicator:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # ---- serving ---------------------------------------------------------
-    def serve(self, request: pb.DataHeader) -> Served:
-        """Answer a peer's pull from local pages only (never recursing)."""
+    def serve(self, request: pb.DataHeader) -> Served | Awaitable[Served]:
+        """Answer a peer's pull from local pages only (never recursing): the pool's, and those in its tiers
+        below, read from there without promoting them here."""
+        ns = self.node.namespaces.get(request.namespace)
+        if ns is not None and ns.below is not None and len(request.keys) <= self.node.config.max_batch_pages and \
+                any(k not in ns.pool and ns.below.holds(k) for k in request.keys):
+            return self._serve_below(ns, list(request.keys), request.traceparent)
         with TRACER.start_as_current_span("kvstore.serve_pull", context=context_from(request.traceparent),
                                           kind=SpanKind.SERVER, attributes={"kvstore.pages": len(request.keys)}):
             return self._serve(request)
+
+    async def _serve_below(self, ns: Namespace, keys: list[bytes], traceparent: str) -> Served:
+        with TRACER.start_as_current_span("kvstore.serve_pull", context=context_from(traceparent),
+                                          kind=SpanKind.SERVER, attributes={"kvstore.pages": len(keys),
+                                                                            "kvstore.tiers": True}):
+            pool, below = ns.pool, ns.below
+            assert below is not None
+            handle = pool.acquire(keys, promote=False)
+            try:
+                slots = handle.slots
+                if pool.ops.host_visible:
+                    pooled = np.take(pool.buffer, slots, axis=0)
+                else:
+                    pooled = pool.ops.to_host(pool.ops.pack(pool.buffer, slots)) if slots else None
+            finally:
+                pool.release(handle)
+            got = await below.read([k for k, hit in zip(keys, handle.found) if not hit])
+            rows, found, sums = [], [], []
+            it = iter(zip(handle.entries, pooled if pooled is not None else ()))
+            for key, hit in zip(keys, handle.found):
+                if hit:
+                    entry, row = next(it)
+                    rows.append(row)
+                    sums.append(entry.checksum)
+                elif key in got:
+                    row, checksum = got[key]
+                    rows.append(row)
+                    sums.append(checksum)
+                found.append(hit or key in got)
+            header = pb.DataHeader(op=pb.DataHeader.RESULT, found=found, page_bytes=ns.layout.page_bytes,
+                                   checksums=sums)
+            self.metrics.peer_bytes.labels("out").inc(len(rows) * ns.layout.page_bytes)
+            if not rows:
+                return Served(header, None, lambda: None)
+            payload: Any = [memoryview(r) for r in rows] if self.transport.carrier.scatter else np.stack(rows)
+            return Served(header, payload, lambda: None)
 
     def _serve(self, request: pb.DataHeader) -> Served:
         try:
@@ -125,6 +168,14 @@ class Replicator:
         from peers (unless ``--replication none``) for at most ``timeout``
         seconds; returns the namespace, the hold and the keys pulled."""
         fetched: set[bytes] = set()
+        ns = self.node.namespace(namespace)
+        if ns.below is not None:  # this node's tiers first: bring what they hold into the pool
+            self.node.check_read_batch(ns, keys)
+            start = time.monotonic()
+            with TRACER.start_as_current_span("kvstore.promote", attributes={"kvstore.pages": len(keys)}):
+                await ns.below.promote(keys, self.config.fetch_timeout if timeout is None else timeout)
+            if timeout is not None:
+                timeout = max(0.0, timeout - (time.monotonic() - start))
         if not local_only and self.config.replication != "none" and self._live_peers():
             ns = self.node.namespace(namespace)
             self.node.check_read_batch(ns, keys)

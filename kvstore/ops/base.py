@@ -147,6 +147,11 @@ class PageOps(abc.ABC):
     def synchronize(self) -> None:
         """Wait until every op issued so far has finished."""
 
+    def host_empty(self, shape: int | tuple[int, ...]) -> np.ndarray:
+        """Uninitialised host bytes that downloads and uploads go to and from: page-locked (pinned) memory
+        on a GPU, so copies run at the link's speed; plain memory here."""
+        return np.empty(shape, dtype=np.uint8)
+
     # ------------------------------------------------------------ public ops
     def pack(self, pool: Any, slots: Any, out: Any = None) -> Any:
         """Gather ``pool[slots[i]]`` into ``out[i]`` (allocated when None).

@@ -236,6 +236,13 @@ class CupyPageOps(PageOps):
         with self._device:
             return self.xp.empty((num_slots, page_bytes), dtype=self.xp.uint8)
 
+    def host_empty(self, shape: int | tuple[int, ...]) -> np.ndarray:
+        """Pinned host memory (CuPy's pinned memory pool reuses freed blocks, so this is cheap once warm)."""
+        import cupyx
+
+        with self._device:
+            return cupyx.empty_pinned(shape, dtype=np.uint8)
+
     def to_host(self, array: Any, out: np.ndarray | None = None) -> np.ndarray:
         """Device-to-host copy, into ``out`` (C-contiguous, same shape and
         dtype) when given."""

@@ -114,6 +114,9 @@ class PagePool:
         # on_change(added entries, removed keys): the directory outbox listens
         # here; a renewed or promoted speculative page is reported as added again.
         self._on_change = on_change
+        # on_evict(entries): pages evicted for room, called while their slots still hold their bytes (the
+        # tier stack copies them down here); before on_change reports them removed.
+        self.on_evict: Callable[[list[Entry]], None] | None = None
         self.staging = StagingBuffers()  # packed transfers in and out (movement.py)
         self._scratch: np.ndarray | None = None
 
@@ -181,9 +184,12 @@ class PagePool:
                 f"need {n} slots but only {len(self._free)} free and {self.evictable()} evictable "
                 f"of {self.num_slots} ({self.pinned_slots} pinned)"
             )
-        evicted: list[bytes] = []
+        gone: list[Entry] = []
         while len(self._free) < n:
-            evicted.append(self._evict_one())
+            gone.append(self._evict_one())
+        if gone and self.on_evict is not None:
+            self.on_evict(gone)  # their slots are free but not yet rewritten: the bytes are still there
+        evicted = [e.key for e in gone]
         # Sorted: a batch often gets one contiguous run, which transfers can
         # fill in place (see contiguous_run).
         slots = sorted(self._free.pop() for _ in range(n))
@@ -201,9 +207,9 @@ class PagePool:
         self._lent += k
         return Reservation(sorted(self._free.pop() for _ in range(k)), ahead=True)
 
-    def commit(self, res: Reservation, keys: Sequence[bytes], kind: PageKind = PageKind.PRIMARY,
+    def commit(self, res: Reservation, keys: Sequence[bytes], kind: PageKind | Sequence[PageKind] = PageKind.PRIMARY,
                checksums: Sequence[int] | None = None, expires_at: float = 0.0) -> int:
-        """Publish ``keys[i]`` at ``res.slots[i]``; returns how many were new.
+        """Publish ``keys[i]`` at ``res.slots[i]`` (of ``kind``, or ``kind[i]``); returns how many were new.
 
         A key that appeared meanwhile keeps its existing page; the spare slot
         goes back to the free list.
@@ -216,15 +222,16 @@ class PagePool:
         if res.ahead:
             self._lent -= len(res.slots)
         added = []
+        kinds = [kind] * len(keys) if isinstance(kind, PageKind) else list(kind)
         for i, (key, slot) in enumerate(zip(keys, res.slots)):
             if key in self._table:
                 self._free.append(slot)
                 continue
-            entry = Entry(key, slot, kind, checksums[i] if checksums is not None else 0,
-                          expires_at if kind is PageKind.SPECULATIVE else 0.0)
+            entry = Entry(key, slot, kinds[i], checksums[i] if checksums is not None else 0,
+                          expires_at if kinds[i] is PageKind.SPECULATIVE else 0.0)
             self._table[key] = entry
             self._queue_of(entry)[key] = entry
-            self._kinds[kind] += 1
+            self._kinds[kinds[i]] += 1
             added.append(entry)
         if added and self._on_change:
             self._on_change(added, [])
@@ -370,7 +377,7 @@ class PagePool:
         self._dequeue(entry)
         self._free.append(entry.slot)
 
-    def _evict_one(self) -> bytes:
+    def _evict_one(self) -> Entry:
         queue, reason = (self._spec, "speculative") if self._spec else (self._lru, "lru")
         key, entry = queue.popitem(last=False)
         del self._table[key]
@@ -379,7 +386,7 @@ class PagePool:
         self.evictions[reason] += 1
         if entry.kind is PageKind.SPECULATIVE:
             self.spec_wasted += 1
-        return key
+        return entry
 
     def renew(self, keys: Iterable[bytes], expires_at: float) -> int:
         """Push back the expiry of speculative replicas among ``keys``."""

@@ -382,6 +382,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
             view = self.agent.status()
             reply.reserved_bytes, reply.coordinator = node.reserved_bytes, view.coordinator
             reply.members.extend(view.members)
+            reply.tiers.extend(pb.TierStats(**t) for t in node.tiers.summary())
         return reply
 
     @_handler("node_info")

@@ -170,7 +170,7 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., record: _Optional[bool] = ..., lease_ttl_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ..., claim_seconds: _Optional[float] = ..., claim_node_id: _Optional[str] = ..., claim_start: _Optional[int] = ...) -> None: ...
 
 class NodePrefix(_message.Message):
-    __slots__ = ("node_id", "address", "prefix_length", "pending", "expires_in_seconds", "computing", "ready_in_seconds", "copies_ahead")
+    __slots__ = ("node_id", "address", "prefix_length", "pending", "expires_in_seconds", "computing", "ready_in_seconds", "copies_ahead", "pool_length")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class NodePrefix(_message.Message):
     COMPUTING_FIELD_NUMBER: _ClassVar[int]
     READY_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COPIES_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    POOL_LENGTH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     prefix_length: int
@@ -187,21 +188,34 @@ class NodePrefix(_message.Message):
     computing: bool
     ready_in_seconds: float
     copies_ahead: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., prefix_length: _Optional[int] = ..., pending: _Optional[bool] = ..., expires_in_seconds: _Optional[float] = ..., computing: _Optional[bool] = ..., ready_in_seconds: _Optional[float] = ..., copies_ahead: _Optional[int] = ...) -> None: ...
+    pool_length: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., prefix_length: _Optional[int] = ..., pending: _Optional[bool] = ..., expires_in_seconds: _Optional[float] = ..., computing: _Optional[bool] = ..., ready_in_seconds: _Optional[float] = ..., copies_ahead: _Optional[int] = ..., pool_length: _Optional[int] = ...) -> None: ...
+
+class TierRun(_message.Message):
+    __slots__ = ("tier", "pages", "load_seconds")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    pages: int
+    load_seconds: float
+    def __init__(self, tier: _Optional[str] = ..., pages: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("prefix_length", "nodes", "lease_id", "leased_length", "lease_expires_in_seconds")
+    __slots__ = ("prefix_length", "nodes", "lease_id", "leased_length", "lease_expires_in_seconds", "tiers")
     PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     prefix_length: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodePrefix]
     lease_id: str
     leased_length: int
     lease_expires_in_seconds: float
-    def __init__(self, prefix_length: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodePrefix, _Mapping]]] = ..., lease_id: _Optional[str] = ..., leased_length: _Optional[int] = ..., lease_expires_in_seconds: _Optional[float] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierRun]
+    def __init__(self, prefix_length: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodePrefix, _Mapping]]] = ..., lease_id: _Optional[str] = ..., leased_length: _Optional[int] = ..., lease_expires_in_seconds: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierRun, _Mapping]]] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
     __slots__ = ("namespace", "keys")
@@ -315,7 +329,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., page_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., speculative_slots: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., active_leases: _Optional[int] = ..., remote_hits: _Optional[int] = ..., replica_slots: _Optional[int] = ..., speculative_hits: _Optional[int] = ..., speculative_wasted_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "uptime_seconds", "capacity_bytes", "reserved_bytes", "namespaces", "device", "coordinator", "members", "pulls_in_flight", "claimed_keys")
+    __slots__ = ("node_id", "uptime_seconds", "capacity_bytes", "reserved_bytes", "namespaces", "device", "coordinator", "members", "pulls_in_flight", "claimed_keys", "tiers")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +340,7 @@ class StatsResponse(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     PULLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     CLAIMED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     uptime_seconds: float
     capacity_bytes: int
@@ -336,7 +351,46 @@ class StatsResponse(_message.Message):
     members: _containers.RepeatedCompositeFieldContainer[MemberInfo]
     pulls_in_flight: int
     claimed_keys: int
-    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., device: _Optional[str] = ..., coordinator: _Optional[str] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., pulls_in_flight: _Optional[int] = ..., claimed_keys: _Optional[int] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., device: _Optional[str] = ..., coordinator: _Optional[str] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., pulls_in_flight: _Optional[int] = ..., claimed_keys: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "path", "io", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "demotions", "promotions", "drops", "evictions", "corrupt", "bytes_written", "recovered", "degraded", "staged_bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    IO_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    DROPS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    path: str
+    io: str
+    capacity_bytes: int
+    used_bytes: int
+    pages: int
+    hits: int
+    misses: int
+    demotions: int
+    promotions: int
+    drops: int
+    evictions: int
+    corrupt: int
+    bytes_written: int
+    recovered: int
+    degraded: str
+    staged_bytes: int
+    def __init__(self, tier: _Optional[str] = ..., path: _Optional[str] = ..., io: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., drops: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., bytes_written: _Optional[int] = ..., recovered: _Optional[int] = ..., degraded: _Optional[str] = ..., staged_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeInfoRequest(_message.Message):
     __slots__ = ()
@@ -483,16 +537,18 @@ class MemberInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[TransportEndpoint, _Mapping]]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., remote_hits: _Optional[int] = ..., role: _Optional[str] = ..., last_seen_seconds_ago: _Optional[float] = ..., alive: _Optional[bool] = ..., speculative_bytes: _Optional[int] = ...) -> None: ...
 
 class DirectoryBatch(_message.Message):
-    __slots__ = ("namespace", "adds", "removes", "speculative")
+    __slots__ = ("namespace", "adds", "removes", "speculative", "below")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     ADDS_FIELD_NUMBER: _ClassVar[int]
     REMOVES_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    BELOW_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     adds: _containers.RepeatedScalarFieldContainer[bytes]
     removes: _containers.RepeatedScalarFieldContainer[bytes]
     speculative: _containers.RepeatedCompositeFieldContainer[SpeculativePage]
-    def __init__(self, namespace: _Optional[str] = ..., adds: _Optional[_Iterable[bytes]] = ..., removes: _Optional[_Iterable[bytes]] = ..., speculative: _Optional[_Iterable[_Union[SpeculativePage, _Mapping]]] = ...) -> None: ...
+    below: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., adds: _Optional[_Iterable[bytes]] = ..., removes: _Optional[_Iterable[bytes]] = ..., speculative: _Optional[_Iterable[_Union[SpeculativePage, _Mapping]]] = ..., below: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SpeculativePage(_message.Message):
     __slots__ = ("key", "expires_in_seconds")

@@ -12,15 +12,24 @@ from pathlib import Path
 
 def test_the_tiers_bench_runs_and_reports(tmp_path: Path) -> None:
     kvctl = Path(sys.executable).with_name("kvctl")
-    done = subprocess.run([str(kvctl), "bench", "tiers", "--total", "16MiB", "--scan-pages", "500", "--repeats", "1",
+    done = subprocess.run([str(kvctl), "bench", "tiers", "--total", "16MiB", "--reopen-pages", "500", "--repeats", "1",
                            "--dir", str(tmp_path / "data"), "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads((tmp_path / "out" / "tiers.json").read_text())
-    assert results["io"] in ("direct", "buffered") and set(results["pages"]) == {"1MiB", "4MiB"}
-    for row in results["pages"].values():
-        for side in ("raw", "store"):
-            assert all(math.isfinite(v) and v > 0 for v in row[side].values())
-    assert 0 < results["reopen_s"]["500"] < 60
+    assert results["io"] in ("direct", "buffered") and set(results["cases"]) == {"1MiB", "4MiB", "8x1MiB"}
+    for row in results["cases"].values():
+        assert set(row) == {"disk", "host"}
+        for tier in row.values():
+            for side in ("raw", "store"):
+                assert all(math.isfinite(v) and v > 0 for v in tier[side].values())
+    reopen = results["reopen"]["500"]
+    assert 0 < reopen["reopen_s"] < 60 and reopen["reopen_s"] < reopen["restart_s"] < 60
     assert (tmp_path / "out" / "tiers.md").read_text().count("|") > 10 and (tmp_path / "out" / "tiers.png").exists()
     assert not (tmp_path / "data").exists()  # its files are removed
+
+
+def test_the_tiers_bench_help_works() -> None:
+    kvctl = Path(sys.executable).with_name("kvctl")
+    done = subprocess.run([str(kvctl), "bench", "tiers", "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--reopen-pages" in done.stdout and "--cases" in done.stdout

@@ -173,6 +173,8 @@ def test_every_panel_shows_data_from_a_live_cluster(daemon, prometheus, tmp_path
     nodes: dict[str, Any] = {}
     for node_id in "abc":
         extra = ["--peers", nodes["a"].address] if nodes else []
+        if node_id == "a":  # a disk tier under a's pool: what it evicts goes down, older reads come up
+            extra = ["--tier", f"disk:{tmp_path / 'tier'}:{256 * MiB}"]
         nodes[node_id] = daemon("--node-id", node_id, *common, *extra)
     url = prometheus([f"127.0.0.1:{n.fields['metrics_port']}" for n in nodes.values()])
     began = time.time()
@@ -211,6 +213,8 @@ def test_every_panel_shows_data_from_a_live_cluster(daemon, prometheus, tmp_path
             wait_until(lambda: c.lookup_nodes("m", other).nodes, 5, "the directory to show a's pages")
             assert c.get("m", other).found.all()  # pulls a's pages: remote hits, peer bytes, remote fetch time
             assert a.get("m", other).found.all()  # local hits
+            if round_ >= 2:  # evicted from a's pool since: promoted from its disk tier
+                assert a.get("m", keys_for(8, b"other%d-" % (round_ - 2))).found.all()
             c.lookup_nodes("m", keys_for(4, b"coming%d-" % round_), claim_seconds=30)  # an in-flight claim
             b.put("m", keys_for(8, b"fill%d-" % round_), random_pages(8, MiB, seed=200 + round_))  # evictions
             with KvClient(nodes["a"].address, token="not-a-token") as stranger:

@@ -566,6 +566,8 @@ SAMPLES: dict[str, str] = {
     "listen": "127.0.0.1:7999", "node_id": "n9", "data_port": "-1", "metrics_port": "9100", "log_level": "debug",
     "loop": "asyncio", "grace": "1.5", "shm": "off", "shm_dir": "/tmp/kv-shm", "capacity": "4GiB",
     "device": "cpu-staged", "namespace": "a:256MiB:1GiB", "prefault": "no", "checksum": "false",
+    "tier": "disk:/mnt/nv:me0:4GiB", "tier_write": "through", "tier_staging": "64MiB", "tier_io": "buffered",
+    "tier_threads": "2",
     "peers": "10.0.0.1:7400,10.0.0.2:7400", "membership": "etcd://127.0.0.1:2379", "heartbeat_interval": "0.2",
     "heartbeat_timeout": "3", "transport": "tcp", "transport_port": "7500", "replication": "predictive",
     "keep_fetched": "0", "fetch_timeout": "2", "deadline_share": "0.5", "max_pull_bytes": "128MiB",
@@ -641,3 +643,16 @@ def test_a_cross_setting_error_names_no_setting_but_says_what() -> None:
         config_from(["--heartbeat-interval", "3", "--heartbeat-timeout", "2"])
     with pytest.raises(ValueError, match="tls_cert and tls_key go together"):
         config_from([], {"KVSTORED_TLS_CERT": "/x.pem"})
+
+
+def test_tier_specs_take_paths_with_colons_and_refuse_what_cannot_work() -> None:
+    from kvstore.config import TierSpec
+
+    cfg = NodeConfig(tier=["host:1GiB", "disk:/mnt/a:b/kv:4GiB", {"kind": "disk", "path": "/x,y", "capacity": "1GiB"}])
+    assert cfg.tier == (TierSpec("host", 1 << 30), TierSpec("disk", 4 << 30, "/mnt/a:b/kv"),
+                        TierSpec("disk", 1 << 30, "/x,y"))
+    for bad, why in (("disk:relative:1GiB", "absolute"), ("disk:/a:0", "> 0"), ("nvme:/a:1GiB", "expected"),
+                     (["disk:/a:1GiB", "host:1GiB"], "list it first"), (["disk:/a:1GiB", "disk:/a:2GiB"], "one folder"),
+                     (["host:1GiB", "host:2GiB"], "at most one")):
+        with pytest.raises(ValueError, match=why):
+            NodeConfig(tier=bad)

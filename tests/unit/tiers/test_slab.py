@@ -76,6 +76,7 @@ def test_the_file_is_bounded_private_and_restarts_empty_with_another_geometry(tm
     with Slab(tmp_path / "tier", "n0", PAGE, capacity, io=io) as slab:
         assert os.path.getsize(slab.path) <= capacity
         assert stat.S_IMODE(os.stat(slab.path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(slab.table_path).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(tmp_path / "tier").st_mode) == 0o700
         slab.write(0, "ns", b"k", page(0), generation=1)
         with pytest.raises(IndexError):
@@ -90,3 +91,48 @@ def test_names_that_could_leave_the_directory_are_refused(tmp_path: Path) -> Non
     for bad in ("../x", "a/b", "", "x" * 65):
         with pytest.raises(ValueError):
             Slab(tmp_path, bad, PAGE, 4 * PAGE)
+
+
+def test_kind_and_checksum_come_back_from_the_table_and_from_a_scan(tmp_path: Path, io: str) -> None:
+    with Slab(tmp_path, "n0", PAGE, 16 * PAGE, io=io) as slab:
+        slab.write(0, "ns", b"a", page(0), generation=5, kind=2, checksum=(1 << 64) - 1)
+        slab.write(2, "ns", b"b" * 250, page(2), generation=6, kind=3, checksum=7, used=40)  # names too long to inline
+        slab.write(3, "ns", b"c", page(3), generation=7)
+        slab.erase(3)
+    with Slab(tmp_path, "n0", PAGE, 16 * PAGE, io=io) as again:
+        found = {r.slot: r for r in again.records()}
+        assert sorted(found) == [0, 2]
+        assert (found[0].kind, found[0].checksum, found[0].used) == (2, (1 << 64) - 1, 5)
+        assert (found[2].key, found[2].kind, found[2].checksum, found[2].used) == (b"b" * 250, 3, 7, 40)
+        out = bytearray(PAGE)
+        got = again.read_into(2, memoryview(out), expect=found[2])
+        assert got is not None and bytes(out) == page(2)
+        assert again.read_into(2, memoryview(out), expect=found[0]) is None  # another record: not served
+        assert again.corrupt == 0
+    again.table_path.unlink()  # no table: rebuilt from the headers, with the same records
+    with Slab(tmp_path, "n0", PAGE, 16 * PAGE, io=io) as third:
+        assert {(r.slot, r.key, r.kind, r.checksum) for r in third.records()} == {
+            (0, b"a", 2, (1 << 64) - 1), (2, b"b" * 250, 3, 7)}
+    with Slab(tmp_path, "n0", PAGE, 16 * PAGE, io=io) as fourth:  # and the rebuilt table is used next time
+        assert sorted(r.slot for r in fourth.records()) == [0, 2]
+
+
+def test_a_slab_of_the_older_format_opens_empty(tmp_path: Path, io: str) -> None:
+    with Slab(tmp_path, "n0", PAGE, 16 * PAGE, io=io) as slab:
+        slab.write(0, "ns", b"a", page(0), generation=1)
+    with open(slab.path, "r+b") as f:  # the superblock's version field
+        f.seek(8)
+        f.write((1).to_bytes(2, "little"))
+    with Slab(tmp_path, "n0", PAGE, 16 * PAGE, io=io) as again:
+        assert again.records() == [] and list(again.scan()) == []
+
+
+def test_a_table_entry_torn_by_a_kill_reads_as_empty(tmp_path: Path, io: str) -> None:
+    with Slab(tmp_path, "n0", PAGE, 16 * PAGE, io=io) as slab:
+        slab.write(0, "ns", b"a", page(0), generation=1)
+        slab.write(1, "ns", b"b", page(1), generation=2)
+    with open(slab.table_path, "r+b") as f:
+        f.seek(BLOCK + 1 * 256 + 60)  # inside slot 1's entry
+        f.write(b"\xff\xff")
+    with Slab(tmp_path, "n0", PAGE, 16 * PAGE, io=io) as again:
+        assert [r.key for r in again.records()] == [b"a"]

@@ -1,0 +1,604 @@
+"""The tiers below each namespace's pool: what the pool evicts goes down, a read brings it back up.
+
+:class:`TierStack` is the node's (one per node, from ``--tier``): the tier specs, their worker threads and
+the staging budget. :class:`NamespaceTiers` is one namespace's view of it: one
+:class:`~kvstore.tiers.base.PageTier` per spec (a host buffer, a slab file per disk), sized as the
+namespace's share of the node (its pool capacity over the node's), so a tenant's quota holds in every tier.
+
+**Down (demotion).** When the pool evicts pages for room (:meth:`NamespaceTiers.demote`, called by the
+pool while the evicted slots still hold their bytes), each primary or replica page not already below is
+copied into host *staging* memory and queued for a write into the first tier; it stays readable from
+staging until written. The staging memory is bounded node-wide (``--tier-staging``): an eviction that
+finds it full drops the page (counted). A request never waits on a write. Speculative replicas are not
+demoted (a guess the pool gave up on is not worth a disk write): dropped as without tiers. Each tier
+evicts on its own (least recently used within the namespace's share); what the first tier evicts cascades
+into the next, and what the last evicts is gone. With ``--tier-write through`` every committed page is
+also copied down in the background, so an eviction finds it below already and writes nothing.
+
+**Up (promotion).** A read that misses the pool (:meth:`NamespaceTiers.promote`) brings the pages it finds
+below into the pool: one job per page, single-flight (a second reader waits for the first), reads of one
+batch in parallel on the tier's threads, each page committed as soon as its bytes landed and matched the
+checksum the pool computed when it was first stored. The caller waits until its deadline and then serves
+what arrived; the rest still lands. The copy below stays (so the next eviction of the page writes
+nothing). A page's kind, checksum and pins travel with it; a Pin on a page below the pool holds it in its
+tier (never evicted there) and moves into the pool with it.
+
+**Threads.** Everything here runs on the event loop thread except the tier calls, which run on each
+tier's reader and writer threads; their results come back with ``call_soon_threadsafe``. Without a
+running loop (pure-logic use in tests) the tier calls run inline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import xxhash
+
+from kvstore.config import NodeConfig, TierSpec
+from kvstore.pool.pool import Entry, PageKind
+from kvstore.tiers.base import PageId, PageTier, Stored
+
+
+class Node(Protocol):
+    """What the stack uses of its node (``kvstore.node.Node``): a put batch to promote into, and the
+    directory listeners to tell of pages gone."""
+
+    def begin_put(self, name: str, kind: PageKind = ..., *, expires_at: float = ...,
+                  timeout: float | None = ...) -> Any: ...
+
+    def report(self, namespace: str, added: list[Any], removed: list[bytes]) -> None: ...
+
+
+Namespace = Any  # kvstore.node.Namespace: name, layout, capacity, pool
+
+log = logging.getLogger(__name__)
+
+IO_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+"""Upper bounds (seconds) of the tier I/O latency histograms."""
+
+STAGING = "staging"
+"""The tier name of a page waiting in staging memory for its write down."""
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Counts of observations per bucket of :data:`IO_BUCKETS` (the last: above them), and their sum."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(IO_BUCKETS) + 1))
+    total: float = 0.0
+
+    @property
+    def bounds(self) -> tuple[float, ...]:
+        return IO_BUCKETS
+
+    def observe(self, seconds: float) -> None:
+        i = 0
+        while i < len(IO_BUCKETS) and seconds > IO_BUCKETS[i]:
+            i += 1
+        self.counts[i] += 1
+        self.total += seconds
+
+
+@dataclass(slots=True)
+class LevelCounters:
+    """What the stack counts per tier (on top of the tier's own :class:`~kvstore.tiers.base.TierStats`)."""
+
+    demotions: int = 0       # pages written into this tier (from the pool or cascaded from the tier above)
+    promotions: int = 0      # pages read from this tier into the pool
+    drops: int = 0           # pages that could not go down: staging full (first tier) or the tier refused
+    reads: Histogram = field(default_factory=Histogram)
+    writes: Histogram = field(default_factory=Histogram)
+    read_seconds_per_page: float = 0.0  # moving average of measured reads (0: none measured yet)
+
+
+@dataclass(slots=True)
+class Level:
+    """One tier spec of the node: its worker threads and counters, shared by the namespaces."""
+
+    name: str
+    spec: TierSpec
+    readers: ThreadPoolExecutor
+    writers: ThreadPoolExecutor
+    counters: LevelCounters = field(default_factory=LevelCounters)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # counters written from worker threads
+
+    def observe_read(self, seconds: float) -> None:
+        with self.lock:
+            self.counters.reads.observe(seconds)
+            avg = self.counters.read_seconds_per_page
+            self.counters.read_seconds_per_page = seconds if avg == 0 else 0.8 * avg + 0.2 * seconds
+
+    def observe_write(self, seconds: float, pages: int = 1) -> None:
+        with self.lock:
+            self.counters.writes.observe(seconds)
+            self.counters.demotions += pages
+
+
+@dataclass(slots=True)
+class TierPage:
+    """A page held below the pool, as the directory outbox reads it (``kvstore.cluster.directory.PageState``)."""
+
+    key: bytes
+    kind: int
+    expires_at: float = 0.0
+    tier: int = 1  # 0: the pool; 1: the first tier below, ...
+
+
+@dataclass(slots=True)
+class _Staged:
+    data: np.ndarray  # one page of bytes
+    kind: int
+    checksum: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierRun:
+    """A run of a Lookup's prefix held in one tier, and the expected time to load it from there."""
+
+    tier: str
+    pages: int
+    load_seconds: float
+
+
+class TierStack:
+    """The node's tiers below the pool (module doc)."""
+
+    def __init__(self, config: NodeConfig, host_visible_pool: bool,
+                 allocate_host: Callable[[int], np.ndarray] | None = None) -> None:
+        self.config = config
+        self.staging_budget = config.tier_staging
+        self.staged_bytes = 0
+        self.allocate_host = allocate_host
+        self.levels: list[Level] = []
+        disks = 0
+        for spec in config.tier:
+            if spec.kind == "host" and host_visible_pool:
+                log.warning("tiers: the pool is host memory already; the host tier is skipped")
+                continue
+            name = "host" if spec.kind == "host" else f"disk{disks}"
+            disks += spec.kind == "disk"
+            # one writer per tier: the only thread that puts into it (and cascades from it), so what a put
+            # stored is known right after it, without racing another put's evictions
+            self.levels.append(Level(name, spec,
+                                     ThreadPoolExecutor(config.tier_threads, thread_name_prefix=f"tier-{name}-r"),
+                                     ThreadPoolExecutor(1, thread_name_prefix=f"tier-{name}-w")))
+        self.namespaces: dict[str, NamespaceTiers] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.levels)
+
+    def attach(self, node: Node, ns: Namespace) -> NamespaceTiers:
+        """Open ``ns``'s tiers (a disk tier's pages written before a restart come back) and hook its pool."""
+        share = ns.capacity / max(1, self.config.capacity)
+        tiers: list[PageTier] = []
+        for level in self.levels:
+            capacity = int(level.spec.capacity * share)
+            if level.spec.kind == "host":
+                from kvstore.tiers.host import HostPages
+                tiers.append(HostPages(ns.name, ns.layout.page_bytes, capacity, allocate=self.allocate_host))
+            else:
+                from kvstore.tiers.disk import DiskPages
+                tiers.append(DiskPages(level.spec.path, slab_name(ns.name, ns.layout.page_bytes),
+                                       ns.layout.page_bytes, capacity, io=self.config.tier_io))
+        below = NamespaceTiers(self, node, ns, tiers)
+        self.namespaces[ns.name] = below
+        ns.pool.on_evict = below.demote
+        return below
+
+    def detach(self, name: str, remove_files: bool = True) -> None:
+        """A namespace is deleted: close its tiers and (``remove_files``) delete its slab files."""
+        below = self.namespaces.pop(name, None)
+        if below is not None:
+            below.close()
+            if remove_files:
+                for level, tier in zip(self.levels, below.tiers):
+                    if level.spec.kind == "disk":  # the slab and what the slab keeps beside it
+                        for path in Path(level.spec.path).glob(f"slab-{slab_name(name, below.page_bytes)}.*"):
+                            path.unlink(missing_ok=True)
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per tier, its counters summed over the namespaces (``kvctl stats``, the metrics)."""
+        out = []
+        for i, level in enumerate(self.levels):
+            tiers = [below.tiers[i] for below in self.namespaces.values()]
+            stats = [t.stats for t in tiers]
+            page_bytes = [below.page_bytes for below in self.namespaces.values()]
+            out.append(dict(
+                tier=level.name, path=level.spec.path,
+                io=next((getattr(t, "io", "") for t in tiers if getattr(t, "io", "")), ""),
+                capacity_bytes=sum(st.capacity_pages * pb for st, pb in zip(stats, page_bytes)),
+                used_bytes=sum(st.pages * pb for st, pb in zip(stats, page_bytes)),
+                pages=sum(st.pages for st in stats), hits=sum(st.hits for st in stats),
+                misses=sum(st.misses for st in stats), demotions=level.counters.demotions,
+                promotions=level.counters.promotions, drops=level.counters.drops,
+                evictions=sum(st.evictions for st in stats), corrupt=sum(st.corrupt for st in stats),
+                bytes_written=sum(st.bytes_written for st in stats), recovered=sum(st.recovered for st in stats),
+                degraded="; ".join(sorted({st.degraded for st in stats if st.degraded})),
+                staged_bytes=self.staged_bytes if i == 0 else 0,
+            ))
+        return out
+
+    def close(self) -> None:
+        """Stop: the pages waiting in staging are written first (a clean stop loses none of them; at most
+        ``--tier-staging`` bytes at the disk's speed), then the tiers close."""
+        for level in self.levels:
+            level.writers.shutdown(wait=True)
+        for level in self.levels:
+            level.readers.shutdown(wait=True, cancel_futures=True)
+        for below in list(self.namespaces.values()):
+            below.close()
+        self.namespaces.clear()
+
+
+def slab_name(namespace: str, page_bytes: int) -> str:
+    """A namespace's slab file name: a digest of its name (a client's input never becomes a path) and its
+    page size. The records inside name the namespace, so a digest collision serves nothing wrong."""
+    return f"ns-{xxhash.xxh3_64_hexdigest(namespace.encode())}-{page_bytes}"
+
+
+class NamespaceTiers:
+    """One namespace's pages below its pool (module doc)."""
+
+    def __init__(self, stack: TierStack, node: Node, ns: Namespace, tiers: list[PageTier]) -> None:
+        self.stack = stack
+        self.node = node
+        self.ns = ns
+        self.name = ns.name
+        self.page_bytes = ns.layout.page_bytes
+        self.tiers = tiers
+        self.levels = stack.levels
+        self.staged: dict[bytes, _Staged] = {}
+        self.pins: Counter[bytes] = Counter()  # pins on pages below the pool
+        self.hidden: set[bytes] = set()        # deleted, their removal from the tiers under way
+        self._inflight: dict[bytes, asyncio.Future[bool]] = {}
+        self.spec_dropped = 0                  # speculative pages evicted from the pool (never demoted)
+        self.mismatched = 0                    # pages read back whose bytes did not match the pool's checksum
+        self.loop: asyncio.AbstractEventLoop | None = None  # where worker results go (None: inline)
+        self._closed = False
+
+    # ---- what is held -------------------------------------------------------------------
+    def level_of(self, key: bytes) -> int:
+        """1 + the index of the fastest tier holding ``key`` (staging counts as the first), 0 if none."""
+        if key in self.hidden:
+            return 0
+        if key in self.staged:
+            return 1
+        page = (self.name, key)
+        for i, tier in enumerate(self.tiers):
+            if page in tier:
+                return i + 1
+        return 0
+
+    def holds(self, key: bytes) -> bool:
+        return self.level_of(key) > 0
+
+    def recovered(self) -> list[TierPage]:
+        """Every page held below (at open: what a disk tier kept over a restart)."""
+        seen: dict[bytes, TierPage] = {}
+        for i, tier in enumerate(self.tiers):
+            for stored in tier.pages():
+                if stored.page[0] == self.name and stored.page[1] not in seen:
+                    seen[stored.page[1]] = TierPage(stored.page[1], stored.kind, tier=i + 1)
+        return list(seen.values())
+
+    def runs(self, keys: Sequence[bytes]) -> list[TierRun]:
+        """Per run of ``keys`` (a prefix the node holds), the tier holding it and the expected load time
+        from there (0 for the pool; measured read rates below it, 0 while none is measured)."""
+        out: list[tuple[str, int, float]] = []
+        for key in keys:
+            if key in self.ns.pool:
+                name, cost = "pool", 0.0
+            else:
+                level = self.level_of(key)
+                if level == 0:
+                    break
+                if key in self.staged:
+                    name, cost = STAGING, 0.0
+                else:
+                    lv = self.levels[level - 1]
+                    name = lv.name
+                    cost = lv.counters.read_seconds_per_page / max(1, self.stack.config.tier_threads)
+            if out and out[-1][0] == name:
+                out[-1] = (name, out[-1][1] + 1, out[-1][2] + cost)
+            else:
+                out.append((name, 1, cost))
+        return [TierRun(name, n, seconds) for name, n, seconds in out]
+
+    # ---- down -----------------------------------------------------------------------------
+    def demote(self, entries: list[Entry]) -> None:
+        """The pool evicted ``entries`` (their slots still hold their bytes): stage them for the first tier."""
+        if self._closed or not self.tiers:
+            return
+        todo = []
+        for entry in entries:
+            if entry.kind is PageKind.SPECULATIVE:
+                self.spec_dropped += 1
+            elif entry.key in self.hidden or self.holds(entry.key):
+                continue  # below already (write-through, or promoted from there): nothing to write
+            elif self.stack.staged_bytes + self.page_bytes > self.stack.staging_budget:
+                self.levels[0].counters.drops += 1
+            else:
+                todo.append(entry)
+                self.stack.staged_bytes += self.page_bytes
+        if todo:
+            self._stage([e.key for e in todo], [e.slot for e in todo], [int(e.kind) for e in todo],
+                        [e.checksum for e in todo])
+
+    def write_through(self, entries: Sequence[Any]) -> None:
+        """Committed pages (``--tier-write through``): copy each one not below yet down in the background,
+        within the staging budget (past it the page goes down at its eviction instead)."""
+        if self._closed or not self.tiers:
+            return
+        todo = [e for e in entries if e.kind is not PageKind.SPECULATIVE and e.key not in self.hidden
+                and not self.holds(e.key)]
+        room = max(0, (self.stack.staging_budget - self.stack.staged_bytes) // self.page_bytes)
+        todo = todo[:room]
+        if todo:
+            self.stack.staged_bytes += len(todo) * self.page_bytes
+            self._stage([e.key for e in todo], [e.slot for e in todo], [int(e.kind) for e in todo],
+                        [e.checksum for e in todo])
+
+    def _stage(self, keys: list[bytes], slots: list[int], kinds: list[int], sums: list[int]) -> None:
+        pool = self.ns.pool
+        if pool.ops.host_visible:
+            data = np.take(pool.buffer, slots, axis=0)
+        else:  # a device pool: one pack kernel and one download into pinned staging memory
+            data = pool.ops.to_host(pool.ops.pack(pool.buffer, slots),
+                                    out=pool.ops.host_empty((len(slots), self.page_bytes)))
+        for i, key in enumerate(keys):
+            self.staged[key] = _Staged(data[i], kinds[i], sums[i])
+        self._submit(self.levels[0].writers, self._write_down, list(keys), lambda lost: self._written(keys, lost))
+
+    def _write_down(self, keys: list[bytes]) -> list[bytes]:
+        """(worker) Write staged pages into the first tier (what it evicts cascades down); returns the keys
+        it did not store (the tier refused them: degraded, or nothing it may evict)."""
+        lost = []
+        for key in keys:
+            staged = self.staged.get(key)
+            if staged is None or self._closed:
+                continue
+            self._put(0, key, staged.kind, staged.checksum, memoryview(staged.data))
+            if (self.name, key) not in self.tiers[0]:
+                lost.append(key)
+        return lost
+
+    def _put(self, i: int, key: bytes, kind: int, checksum: int, data: memoryview) -> None:
+        """(worker) ``key`` into tier ``i``; its evictions into tier ``i + 1``, the last one's are gone."""
+        tier, level = self.tiers[i], self.levels[i]
+        spill = None
+        if i + 1 < len(self.tiers):
+            def spill(page: PageId, kind: int, checksum: int, data: memoryview) -> None:
+                self._put(i + 1, page[1], kind, checksum, data)
+        start = time.perf_counter()
+        evicted = tier.put(self.name, key, data, kind, checksum, spill)
+        level.observe_write(time.perf_counter() - start)
+        if (self.name, key) not in tier:
+            with level.lock:
+                level.counters.drops += 1
+        if evicted and spill is None:
+            self._call_soon(self._gone, [page[1] for page in evicted])
+        if self.pins.get(key):
+            tier.hold((self.name, key))
+
+    def _written(self, keys: list[bytes], lost: list[bytes] | None) -> None:
+        for key in keys:
+            if self.staged.pop(key, None) is not None:
+                self.stack.staged_bytes -= self.page_bytes
+        if lost:
+            self._gone(lost)
+
+    def _gone(self, keys: list[bytes]) -> None:
+        """Pages that left the last tier: the node no longer holds those not in its pool."""
+        lost = [k for k in keys if k not in self.ns.pool and not self.holds(k)]
+        if lost and not self._closed:
+            self.node.report(self.name, [], lost)
+
+    # ---- up -------------------------------------------------------------------------------
+    async def promote(self, keys: Sequence[bytes], timeout: float | None) -> int:
+        """Bring the pages of ``keys`` held below into the pool; wait at most ``timeout`` seconds (None: until
+        all landed). Returns how many of ``keys`` are in the pool now."""
+        pool = self.ns.pool
+        waits = []
+        for key in dict.fromkeys(keys):
+            if key in pool:
+                continue
+            job = self._inflight.get(key)
+            if job is None:
+                level = self.level_of(key)
+                if level == 0:
+                    continue
+                job = self._inflight[key] = asyncio.ensure_future(self._promote_one(key, level - 1))
+                job.add_done_callback(lambda _, k=key: self._inflight.pop(k, None))
+            waits.append(job)
+        if waits and (timeout is None or timeout > 0):
+            await asyncio.wait(waits, timeout=timeout)
+        return sum(1 for k in keys if k in pool)
+
+    async def _promote_one(self, key: bytes, i: int) -> bool:
+        try:
+            batch = self.node.begin_put(self.name, PageKind.PRIMARY)
+            landing = batch.write_in([key])
+        except Exception as exc:  # no room in the pool (all pinned), the namespace went away
+            log.debug("promotion of %s into %s refused: %s", key.hex(), self.name, exc)
+            return False
+        try:
+            target = memoryview(landing.targets[0]).cast("B")
+            staged = self.staged.get(key)
+            if staged is not None:
+                target[:] = memoryview(staged.data).cast("B")
+                stored: Stored | None = Stored((self.name, key), staged.kind, staged.checksum)
+            else:
+                stored = await self._read_any(i, key, target)
+            if stored is None or self._closed:
+                return False
+            if landing.finish([stored.checksum]):  # not what the pool stored: never served, dropped below
+                self.mismatched += 1
+                log.warning("tiers: %s page %s came back with other bytes than stored; dropped", self.name,
+                            key.hex())
+                self.remove([key])
+                return False
+            batch.kinds[key] = PageKind(stored.kind) if stored.kind in (1, 2) else PageKind.PRIMARY
+            if not batch.commit().stored:
+                return key in self.ns.pool
+        finally:
+            landing.abandon()
+            batch.abort()
+        if staged is None:
+            self.levels[i].counters.promotions += 1
+        pins = self.pins.pop(key, 0)
+        if pins:
+            for _ in range(pins):
+                self.ns.pool.pin([key])
+            for tier in self.tiers:
+                tier.unhold((self.name, key))
+        return True
+
+    async def _read_any(self, i: int, key: bytes, out: memoryview) -> Stored | None:
+        """The page from tier ``i``, or, when it left that tier meanwhile (evicted into the next one while the
+        read was on its way), from where it went: a few tries, a moment apart."""
+        for attempt in range(4):
+            stored = await self._run(self.levels[i].readers, self._read, i, key, out)
+            if stored is not None or self._closed:
+                return stored
+            await asyncio.sleep(0.001 * attempt)
+            i = self.level_of(key) - 1
+            if i < 0 or key in self.staged:
+                return None
+        return None
+
+    def _read(self, i: int, key: bytes, out: memoryview) -> Stored | None:
+        """(worker) One page from tier ``i``, timed."""
+        start = time.perf_counter()
+        stored = self.tiers[i].get_into(self.name, key, out)
+        if stored is not None:
+            self.levels[i].observe_read(time.perf_counter() - start)
+        return stored
+
+    async def read(self, keys: Sequence[bytes]) -> dict[bytes, tuple[np.ndarray, int]]:
+        """The bytes and checksums of the pages of ``keys`` held below, read without promoting them (a peer's
+        pull); pages not found (or corrupt) are left out."""
+        out = np.empty((len(keys), self.page_bytes), dtype=np.uint8)
+        jobs, got = [], {}
+        for i, key in enumerate(keys):
+            staged = self.staged.get(key)
+            if staged is not None:
+                out[i] = staged.data
+                got[key] = (out[i], staged.checksum)
+                continue
+            level = self.level_of(key)
+            if level:
+                jobs.append((i, key, self._read_any(level - 1, key, memoryview(out[i]))))
+        results = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
+        for (i, key, _), stored in zip(jobs, results):
+            if isinstance(stored, Stored):
+                got[key] = (out[i], stored.checksum)
+        return got
+
+    async def settle(self, timeout: float = 30.0) -> bool:
+        """Wait until no page waits in staging, no promotion is in flight and no erase is under way (at most
+        ``timeout`` seconds; benches and tests); returns whether it settled."""
+        end = time.monotonic() + timeout
+        while self.staged or self._inflight or self.hidden:
+            if time.monotonic() >= end:
+                return False
+            await asyncio.sleep(0.002)
+        return True
+
+    # ---- pins and deletes -----------------------------------------------------------------
+    def pin(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Pin the pages of ``keys`` held below (not in the pool); returns those pinned."""
+        pinned = []
+        for key in keys:
+            level = self.level_of(key)
+            if level == 0 or key in self.ns.pool:
+                continue
+            if self.pins[key] == 0 and key not in self.staged:
+                self.tiers[level - 1].hold((self.name, key))
+            self.pins[key] += 1
+            pinned.append(key)
+        return pinned
+
+    def unpin(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Drop one pin of each key pinned below; returns the keys not pinned here (pinned in the pool)."""
+        rest = []
+        for key in keys:
+            if not self.pins.get(key):
+                rest.append(key)
+                continue
+            self.pins[key] -= 1
+            if not self.pins[key]:
+                del self.pins[key]
+                for tier in self.tiers:
+                    tier.unhold((self.name, key))
+        return rest
+
+    def remove(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Delete ``keys`` from every tier (hidden at once, erased in the background); returns those that
+        were held below."""
+        held = [k for k in keys if self.holds(k) and not self.pins.get(k)]
+        for key in held:
+            self.hidden.add(key)
+            if self.staged.pop(key, None) is not None:
+                self.stack.staged_bytes -= self.page_bytes
+
+        def erase(keys: list[bytes]) -> None:
+            for key in keys:
+                for tier in self.tiers:
+                    tier.remove(self.name, key)
+
+        if held:
+            self._submit(self.levels[0].writers, erase, held, lambda _: self.hidden.difference_update(held))
+        return held
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for job in list(self._inflight.values()):
+            job.cancel()
+        self.stack.staged_bytes -= len(self.staged) * self.page_bytes
+        self.staged.clear()
+        for tier in self.tiers:
+            tier.close()
+
+    # ---- threads --------------------------------------------------------------------------
+    def _submit(self, pool: ThreadPoolExecutor, fn: Callable[..., Any], arg: Any,
+                done: Callable[[Any], None]) -> None:
+        """Run ``fn(arg)`` on a worker, then ``done(result)`` on the loop (inline without a loop)."""
+        try:
+            loop = self.loop = asyncio.get_running_loop()
+        except RuntimeError:
+            done(fn(arg))
+            return
+
+        def finished(future: Any) -> None:
+            if future.cancelled():
+                return
+            exc = future.exception()
+            if exc is not None:
+                log.error("tier I/O failed in %s: %r", self.name, exc)
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(done, None if exc else future.result())
+
+        pool.submit(fn, arg).add_done_callback(finished)
+
+    async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """(worker) Run ``fn`` on the loop thread (inline without a loop)."""
+        loop = self.loop
+        if loop is None:
+            fn(*args)
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(fn, *args)

@@ -1,0 +1,187 @@
+"""Tiers below the pool through real ``kvstored`` processes: a pool that holds a quarter of what a client
+writes serves everything back from its disk tier on every data path; a restarted node serves its disk
+pages; ``kill -9`` in the middle of a demotion burst never leads to a wrong page; a full filesystem, a read
+error and a disk folder removed under a running node leave it serving, with the loss counted."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore_client import KvClient
+from tests.conftest import wait_until
+
+MiB = 1 << 20
+PAGE = 256 << 10
+POOL_PAGES = 8
+
+
+def content(key: bytes, page_bytes: int = PAGE) -> np.ndarray:
+    """The bytes that belong to ``key``: any page served can be checked on its own."""
+    seed = int.from_bytes(key[-8:], "little")
+    return np.random.default_rng(seed).integers(0, 256, page_bytes, dtype=np.uint8)
+
+
+def keys_of(tag: int, n: int) -> list[bytes]:
+    return [b"t" + tag.to_bytes(4, "little") + i.to_bytes(8, "little") for i in range(n)]
+
+
+def start(daemon, tiers: Path, *extra: str, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    args = ["--capacity", str(POOL_PAGES * PAGE), "--namespace", f"t:{PAGE}", "--shm", "true",
+            "--tier", f"disk:{tiers}:{64 * MiB}", *extra]
+    if env:
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return daemon(*args)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return daemon(*args)
+
+
+def put_all(kv: KvClient, keys: list[bytes], batch: int = 4) -> None:
+    for i in range(0, len(keys), batch):
+        chunk = keys[i:i + batch]
+        kv.put("t", chunk, np.stack([content(k) for k in chunk]))
+
+
+def tier_stats(kv: KvClient) -> dict[str, int | str]:
+    stats = kv.stats()
+    assert len(stats.tiers) == 1, stats
+    t = stats.tiers[0]
+    return {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields}
+
+
+@pytest.mark.parametrize("path, io", [("grpc", "direct"), ("tcp", "direct"), ("shm", "direct"), ("tcp", "buffered")])
+def test_a_pool_a_quarter_of_the_data_serves_it_all_back(daemon, tmp_path: Path, path: str, io: str) -> None:  # type: ignore[no-untyped-def]
+    d = start(daemon, tmp_path / "disk", "--tier-io", io)
+    keys = keys_of(1, 4 * POOL_PAGES)
+    with KvClient(d.address, data_path=path) as kv:
+        put_all(kv, keys)
+        wait_until(lambda: tier_stats(kv)["staged_bytes"] == 0, 10, "the demotions to land")
+        reply = kv.lookup_nodes("t", keys)
+        assert reply.prefix_length == len(keys)  # in the pool or below it: all this node's
+        assert sum(r.pages for r in reply.tiers) == len(keys)
+        assert {r.tier for r in reply.tiers} <= {"pool", "disk0"} and reply.tiers[0].tier == "disk0"
+        for i in range(0, len(keys), 4):
+            got = kv.get("t", keys[i:i + 4])
+            assert not got.missing, (i, got.missing)
+            for k, row in zip(keys[i:i + 4], got.pages):
+                assert np.array_equal(row, content(k)), k
+        stats = tier_stats(kv)
+        assert stats["io"] == io
+        assert stats["promotions"] >= 3 * POOL_PAGES and stats["demotions"] >= 3 * POOL_PAGES
+        assert stats["bytes_written"] >= stats["demotions"] * PAGE and not stats["degraded"]
+        # a read that has to come up from disk says how long it expects (measured, so nonzero now)
+        assert any(r.tier == "disk0" and r.load_seconds > 0 for r in kv.lookup_nodes("t", keys).tiers)
+
+
+def test_a_restarted_node_serves_its_disk_pages(daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start(daemon, tmp_path / "disk")
+    keys = keys_of(2, 4 * POOL_PAGES)
+    with KvClient(d.address) as kv:
+        put_all(kv, keys)
+        wait_until(lambda: tier_stats(kv)["staged_bytes"] == 0, 10, "the demotions to land")
+    assert d.terminate() == 0
+    again = start(daemon, tmp_path / "disk")
+    with KvClient(again.address) as kv:
+        on_disk = keys[:3 * POOL_PAGES]  # the pool held the last quarter: memory, gone with the process
+        assert kv.lookup("t", on_disk) == len(on_disk)
+        assert tier_stats(kv)["recovered"] >= len(on_disk)
+        for i in range(0, len(on_disk), 4):
+            got = kv.get("t", on_disk[i:i + 4])
+            assert not got.missing
+            assert all(np.array_equal(row, content(k)) for k, row in zip(on_disk[i:i + 4], got.pages))
+
+
+def test_kill_9_during_demotion_bursts_never_serves_a_wrong_page(daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(7)
+    written: list[bytes] = []
+    killed_mid_burst = 0
+    for round_ in range(20):
+        d = start(daemon, tmp_path / "disk")
+        keys = keys_of(100 + round_, 3 * POOL_PAGES)
+        with KvClient(d.address, data_path="tcp") as kv:
+            put_all(kv, keys[:2 * POOL_PAGES])  # evicts a pool's worth: a demotion burst under way
+            time.sleep(rng.uniform(0, 0.02))
+            killed_mid_burst += tier_stats(kv)["staged_bytes"] > 0
+        d.proc.kill()
+        d.proc.wait(10)
+        written += keys[:2 * POOL_PAGES]
+    assert killed_mid_burst >= 1, "no kill landed while pages waited for their write"
+    d = start(daemon, tmp_path / "disk")
+    served = 0
+    with KvClient(d.address, data_path="tcp") as kv:
+        for i in range(0, len(written), 4):
+            got = kv.get("t", written[i:i + 4])
+            for k, row, hit in zip(written[i:i + 4], got.pages, got.found):
+                if hit:
+                    served += 1
+                    assert np.array_equal(row, content(k)), f"page {k.hex()} served with other bytes"
+        assert tier_stats(kv)["corrupt"] == 0  # a torn record is never even read back as a page
+    assert served > 0
+
+
+def test_a_full_filesystem_leaves_the_node_serving_its_pool(daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-capped tmpfs needs root")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,mode=0700", "tmpfs", str(small)], check=True)
+    try:
+        d = start(daemon, small)
+        keys = keys_of(3, 2 * POOL_PAGES)
+        with KvClient(d.address) as kv:
+            put_all(kv, keys)
+            stats = tier_stats(kv)
+            assert stats["degraded"] and stats["pages"] == 0
+            wait_until(lambda: tier_stats(kv)["drops"] >= POOL_PAGES, 10, "the dropped demotions to be counted")
+            got = kv.get("t", keys[POOL_PAGES:])
+            assert not got.missing  # the pool still serves what it holds
+        assert "stores nothing more" in d.log_text() or "cannot open" in d.log_text()
+        assert d.proc.poll() is None
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_read_errors_lose_those_pages_only(daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # Root ignores file modes, so the errors are injected at the slab's I/O boundary by its test switch.
+    d = start(daemon, tmp_path / "disk", env={"KVSTORE_TEST_FAIL_READS": "1000000"})
+    keys = keys_of(4, 3 * POOL_PAGES)
+    with KvClient(d.address) as kv:
+        put_all(kv, keys)
+        wait_until(lambda: tier_stats(kv)["staged_bytes"] == 0, 10, "the demotions to land")
+        got = kv.get("t", keys[:4])
+        assert len(got.missing) == 4  # each read failed: a miss, never an error or other bytes
+        assert tier_stats(kv)["corrupt"] >= 4
+        got = kv.get("t", keys[-4:])
+        assert not got.missing  # the pool keeps serving
+    assert d.proc.poll() is None
+
+
+def test_a_disk_folder_removed_under_the_node_stops_the_tier_not_the_node(daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    folder = tmp_path / "disk"
+    d = start(daemon, folder)
+    keys = keys_of(5, 4 * POOL_PAGES)
+    with KvClient(d.address) as kv:
+        put_all(kv, keys[:2 * POOL_PAGES])
+        wait_until(lambda: tier_stats(kv)["staged_bytes"] == 0, 10, "the demotions to land")
+        shutil.rmtree(folder)
+        put_all(kv, keys[2 * POOL_PAGES:])
+        wait_until(lambda: bool(tier_stats(kv)["degraded"]), 10, "the tier to notice")
+        assert tier_stats(kv)["drops"] > 0
+        got = kv.get("t", keys[-4:])
+        assert not got.missing
+    assert "removed under the node" in d.log_text()
+    assert d.proc.poll() is None

@@ -1,0 +1,288 @@
+"""The tier stack under a node (``kvstore.tiers.stack`` through ``kvstore.node``): real pools, real host
+buffers and real slab files in a temporary folder, an event loop for the worker threads' results; no
+sockets. The same tests run over a host pool with a disk tier and over a staged pool (driven like a GPU
+pool) with a host tier above the disk tier."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.config import NodeConfig
+from kvstore.node import Node
+from kvstore.ops.numpy_ops import NumpyPageOps
+from kvstore.ops.staged import StagedNumpyPageOps
+from kvstore.pool.layout import PageLayout
+from kvstore.pool.movement import SOCKET
+from kvstore.pool.pool import PageKind
+
+PB = 4096
+POOL_PAGES = 4
+
+
+def page(i: int) -> bytes:
+    return (i.to_bytes(4, "little") * (PB // 4))
+
+
+def key(i: int) -> bytes:
+    return b"k%05d" % i
+
+
+STACKS = {
+    "host-pool+disk": (NumpyPageOps, lambda d: [f"disk:{d}/d0:{64 * 8 * 1024 + 4096}"]),
+    "staged-pool+host+disk": (StagedNumpyPageOps, lambda d: [f"host:{8 * PB}", f"disk:{d}/d0:{64 * 8 * 1024 + 4096}"]),
+}
+
+
+@pytest.fixture(params=list(STACKS), ids=list(STACKS))
+def stack(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Any, list[str]]:
+    ops, tiers = STACKS[request.param]
+    return ops, tiers(tmp_path)
+
+
+def make_node(stack: tuple[Any, list[str]], **overrides: Any) -> Node:
+    ops, tiers = stack
+    settings: dict[str, Any] = dict(listen="127.0.0.1:0", capacity=POOL_PAGES * PB, device="cpu", prefault=False,
+                                    shm=False, namespace=[f"ns:{PB}"], tier=tiers, tier_io="buffered")
+    settings.update(overrides)
+    return Node(NodeConfig(**settings), ops())
+
+
+def run(fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    return asyncio.run(fn())
+
+
+def put(node: Node, keys: list[bytes], pages: list[bytes], kind: PageKind = PageKind.PRIMARY) -> None:
+    batch = node.begin_put("ns", kind)
+    batch.add(keys, pages)
+    batch.commit()
+
+
+async def get(node: Node, keys: list[bytes], timeout: float | None = 10.0) -> list[bytes | None]:
+    """What a read path does: promote what is below, then read the pool."""
+    await node.promote("ns", keys, timeout)
+    ns, handle = node.acquire("ns", keys)
+    try:
+        out = ns.pool.read_out(handle, SOCKET)
+        got = iter([bytes(v) for v in out.payload or []])
+        out.release()
+    finally:
+        ns.pool.release(handle)
+    return [next(got) if hit else None for hit in handle.found]
+
+
+def below(node: Node) -> Any:
+    below = node.namespace("ns").below
+    assert below is not None
+    return below
+
+
+def test_evicted_pages_go_down_and_come_back_with_their_bytes(stack: Any) -> None:
+    node = make_node(stack)
+    events: list[tuple[list[Any], list[bytes]]] = []
+    node.listeners.append(lambda ns, added, removed: events.append((list(added), list(removed))))
+
+    async def main() -> None:
+        keys = [key(i) for i in range(16)]
+        for i in range(16):
+            put(node, [keys[i]], [page(i)])
+        assert await below(node).settle()
+        assert len(node.namespace("ns").pool) == POOL_PAGES
+        assert node.lookup("ns", keys) == 16  # every page is still this node's
+        assert all(node.exists("ns", keys))
+        # the pool's evictions were never reported as removals: the pages went down
+        assert not [k for _, removed in events for k in removed]
+        for start in range(0, 16, POOL_PAGES):  # a read at most the pool's size at a time
+            got = await get(node, keys[start:start + POOL_PAGES])
+            assert got == [page(i) for i in range(start, start + POOL_PAGES)]
+        runs = node.tier_runs("ns", keys)
+        assert sum(r.pages for r in runs) == 16 and runs[0].tier in ("pool", "host", "disk0")
+        summary = node.tiers.summary()
+        assert summary[-1]["demotions"] > 0 and sum(t["promotions"] for t in summary) >= 4
+    try:
+        run(main)
+    finally:
+        node.close()
+
+
+def test_kind_and_checksum_travel_and_speculative_pages_are_not_demoted(stack: Any) -> None:
+    node = make_node(stack)
+
+    async def main() -> None:
+        put(node, [key(0)], [page(0)], PageKind.REPLICA)
+        batch = node.begin_put("ns", PageKind.SPECULATIVE, expires_at=1e12)
+        batch.add([key(1)], [page(1)])
+        batch.commit()
+        put(node, [key(i) for i in range(2, 2 + POOL_PAGES)], [page(i) for i in range(2, 2 + POOL_PAGES)])
+        assert await below(node).settle()
+        assert node.lookup("ns", [key(1)]) == 0 and below(node).spec_dropped == 1
+        assert (await get(node, [key(0)])) == [page(0)]
+        entry = node.namespace("ns").pool.entry(key(0))
+        assert entry is not None and entry.kind is PageKind.REPLICA and entry.checksum != 0
+    try:
+        run(main)
+    finally:
+        node.close()
+
+
+def test_a_full_staging_budget_drops_the_page_and_says_so(stack: Any) -> None:
+    node = make_node(stack, tier_staging=0)
+    removed: list[bytes] = []
+    node.listeners.append(lambda ns, added, gone: removed.extend(gone))
+
+    async def main() -> None:
+        for i in range(POOL_PAGES + 2):
+            put(node, [key(i)], [page(i)])
+        assert node.tiers.summary()[0]["drops"] == 2
+        assert sorted(removed) == [key(0), key(1)]  # gone from the node, and the directory is told
+        assert node.lookup("ns", [key(0)]) == 0
+    try:
+        run(main)
+    finally:
+        node.close()
+
+
+def test_write_through_copies_down_at_once_so_eviction_writes_nothing(stack: Any) -> None:
+    node = make_node(stack, tier_write="through")
+
+    async def main() -> None:
+        put(node, [key(i) for i in range(POOL_PAGES)], [page(i) for i in range(POOL_PAGES)])
+        assert await below(node).settle()
+        first = node.tiers.summary()[0]["demotions"]
+        assert first == POOL_PAGES  # copied down while still in the pool
+        put(node, [key(i) for i in range(POOL_PAGES, 2 * POOL_PAGES)],
+            [page(i) for i in range(POOL_PAGES, 2 * POOL_PAGES)])
+        assert await below(node).settle()
+        # the evicted pages were below already: only the new pages were written
+        assert node.tiers.summary()[0]["demotions"] == 2 * POOL_PAGES
+        assert (await get(node, [key(0), key(1)])) == [page(0), page(1)]
+    try:
+        run(main)
+    finally:
+        node.close()
+
+
+def test_a_pin_holds_a_page_below_and_moves_up_with_it(stack: Any) -> None:
+    node = make_node(stack)
+
+    async def main() -> None:
+        put(node, [key(i) for i in range(POOL_PAGES)], [page(i) for i in range(POOL_PAGES)])
+        put(node, [key(i) for i in range(POOL_PAGES, 2 * POOL_PAGES)], [page(i) for i in range(POOL_PAGES, 2 * POOL_PAGES)])
+        assert await below(node).settle()
+        assert key(0) not in node.namespace("ns").pool
+        lease, missing = node.pin("ns", [key(0), key(999)], ttl=60)
+        assert lease.keys == [key(0)] and missing == [key(999)]
+        # a Delete leaves a pinned page below, like a pinned page in the pool
+        deleted, not_found, pinned = node.delete("ns", [key(0)])
+        assert (deleted, not_found, pinned) == (0, [], [key(0)])
+        assert (await get(node, [key(0)])) == [page(0)]
+        entry = node.namespace("ns").pool.entry(key(0))
+        assert entry is not None and entry.pins == 1  # the pin came up with the page
+        assert node.unpin("ns", lease.lease_id) == 1
+        assert node.namespace("ns").pool.entry(key(0)).pins == 0  # type: ignore[union-attr]
+    try:
+        run(main)
+    finally:
+        node.close()
+
+
+def test_delete_removes_a_page_from_every_tier(stack: Any) -> None:
+    node = make_node(stack)
+
+    async def main() -> None:
+        put(node, [key(i) for i in range(POOL_PAGES)], [page(i) for i in range(POOL_PAGES)])
+        put(node, [key(i) for i in range(POOL_PAGES, 2 * POOL_PAGES)], [page(i) for i in range(POOL_PAGES, 2 * POOL_PAGES)])
+        assert await below(node).settle()
+        deleted, not_found, pinned = node.delete("ns", [key(0), key(7), key(999)])
+        assert (deleted, not_found, pinned) == (2, [key(999)], [])
+        assert node.lookup("ns", [key(0)]) == 0 and not node.exists("ns", [key(7)])[0]
+        assert await below(node).settle()
+        assert (await get(node, [key(0)])) == [None]
+    try:
+        run(main)
+    finally:
+        node.close()
+
+
+def test_a_restarted_node_serves_its_disk_pages(stack: Any) -> None:
+    node = make_node(stack)
+
+    async def fill() -> None:
+        for i in range(0, 24, POOL_PAGES):
+            put(node, [key(j) for j in range(i, i + POOL_PAGES)], [page(j) for j in range(i, i + POOL_PAGES)])
+        assert await below(node).settle()
+    run(fill)
+    node.close()
+
+    again = make_node(stack)
+    try:
+        snapshot = again.snapshot()["ns"]
+        held = {p.key for p in snapshot}
+        # what was in the pool at the stop is gone (memory); what was on disk is back and announced
+        disk_keys = {key(i) for i in range(24 - POOL_PAGES - (8 if len(stack[1]) == 2 else 0))}
+        assert disk_keys <= held and all(getattr(p, "tier", 0) >= 1 for p in snapshot)
+
+        async def read() -> None:
+            ordered = sorted(disk_keys)
+            for i in range(0, len(ordered), POOL_PAGES):
+                chunk = ordered[i:i + POOL_PAGES]
+                assert await get(again, chunk) == [page(int(k[1:])) for k in chunk]
+        run(read)
+    finally:
+        again.close()
+
+
+def test_a_page_whose_record_is_damaged_is_never_served(stack: Any, tmp_path: Path) -> None:
+    node = make_node(stack)
+    n = 4 * POOL_PAGES
+
+    async def main() -> None:
+        for i in range(0, n, POOL_PAGES):
+            put(node, [key(j) for j in range(i, i + POOL_PAGES)], [page(j) for j in range(i, i + POOL_PAGES)])
+        assert await below(node).settle()
+        # flip one payload byte of every record in the slab: each fails its checksum when read
+        slab = next(Path(tmp_path).rglob("slab-*.kv"))
+        fd = os.open(slab, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            for off in range(4096 + 4096 + 100, size, 8192):
+                byte = os.pread(fd, 1, off)
+                os.pwrite(fd, bytes([byte[0] ^ 0xFF]), off)
+        finally:
+            os.close(fd)
+        got = []
+        for i in range(0, n, POOL_PAGES):
+            got += await get(node, [key(j) for j in range(i, i + POOL_PAGES)])
+        assert all(g is None or g == page(i) for i, g in enumerate(got))  # never other bytes
+        assert None in got  # the disk's pages were lost...
+        assert sum(t["corrupt"] for t in node.tiers.summary()) == got.count(None)  # ...and counted
+    try:
+        run(main)
+    finally:
+        node.close()
+
+
+def test_delete_namespace_removes_its_slab_files(stack: Any, tmp_path: Path) -> None:
+    node = make_node(stack)
+    try:
+        assert list(tmp_path.rglob("slab-*.kv"))
+        node.delete_namespace("ns")
+        assert not list(tmp_path.rglob("slab-*.kv"))
+    finally:
+        node.close()
+
+
+def test_slab_files_are_named_by_digest_not_by_the_client_namespace(tmp_path: Path) -> None:
+    node = make_node((NumpyPageOps, [f"disk:{tmp_path}:{1 << 20}"]), namespace=[])
+    try:
+        node.create_namespace("a/../../etc/passwd", PageLayout(PB))
+        names = [p.name for p in tmp_path.iterdir()]
+        assert names and all(n.startswith("slab-ns-") and ".." not in n for n in names)
+        assert all(c.isalnum() or c in "-._" for n in names for c in n)
+    finally:
+        node.close()
