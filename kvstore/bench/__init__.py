@@ -9,7 +9,7 @@ measured in the same run (:mod:`kvstore.bench.ceilings`).
 * :mod:`kvstore.bench.micro` -- one node's data paths against memcpy and raw TCP (and Redis, Mooncake Store)
 * :mod:`kvstore.bench.replication` -- Replicate between two nodes against the raw transports
 * :mod:`kvstore.bench.replication_raw` -- the raw TCP and UCX transfers alone
-* :mod:`kvstore.bench.tiers` -- the disk tier's page store against raw O_DIRECT file I/O
+* :mod:`kvstore.bench.tiers` -- the tiers below the pool against raw O_DIRECT file I/O and memcpy, and through real nodes
 """
 
 import argparse
@@ -22,7 +22,7 @@ BENCH_HELP = {
     "micro": "one node's data paths against memcpy and raw TCP (and Redis, Mooncake Store)",
     "replication": "Replicate between two nodes against the raw transports",
     "replication_raw": "the raw TCP and UCX transfers alone",
-    "tiers": "the disk tier's page store against raw O_DIRECT file I/O on the same filesystem",
+    "tiers": "the tiers below the pool against raw O_DIRECT file I/O and memcpy, and through real nodes",
 }
 
 

@@ -17,10 +17,21 @@ and each tier:
 
 Source and destination buffers are 4 KiB aligned (as the pool's pages are), so ``O_DIRECT`` moves them
 without a copy. Each repeat measures the ceiling and the tier back to back; each number is the best of
-``--repeats``. Then the time to reopen a slab of N 4 KiB pages (``--reopen-pages``), its page cache
-dropped first (``posix_fadvise``): in process (the index rebuilt), and from the ``exec`` of a fresh
-Python process to its tier answering for every page (``restart``). Writes ``tiers.json``, ``tiers.md``
-and ``tiers.png`` to ``--out``.
+``--repeats``. Then, through real ``kvstored`` processes (:mod:`kvstore.bench.tier_node`):
+
+* the time to reopen a slab of N 4 KiB pages (``--reopen-pages``), its page cache dropped first
+  (``posix_fadvise``): in process (the index rebuilt), and from the ``exec`` of a ``kvstored`` over it
+  until it answers Lookups for its pages (``restart``);
+* for each ``--node-cases`` case and ``--readers`` count: a node whose pool holds a quarter of the pages
+  written, read back over the data channel; the GB/s of the Gets served from disk (each promotes its
+  pages) against the same Gets from a node whose pool holds them all, and against the disk tier's page
+  store alone in this run;
+* Put and Get latency (p99) of a namespace that never evicts while another process writes as fast as it
+  can into a namespace whose pool is full, on a node with a disk tier (its evictions demoted) and on one
+  without (dropped), twice each, interleaved; with the demotion rate reached against the raw write
+  ceiling.
+
+Writes ``tiers.json``, ``tiers.md`` and ``tiers.png`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -31,8 +42,6 @@ import logging
 import mmap
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -45,12 +54,15 @@ from tqdm import tqdm
 
 from kvstore.tiers.disk import DiskPages
 from kvstore.tiers.host import HostPages
+from kvstore.bench import tier_node
 from kvstore.tiers.slab import BLOCK, probe_direct
+from kvstore.tiers.stack import slab_name
 from kvstore.units import format_size, parse_size
 
 CASES = ("1MiB", "4MiB", "8x1MiB")
 BATCH, BATCH_THREADS = 8, 4
 TIERS = ("disk", "host")
+RESTART_NS = "r"
 
 
 def _case(name: str) -> tuple[int, int]:
@@ -242,23 +254,16 @@ def bench_case(folder: Path, name: str, total: int, io: str, repeats: int, tiers
 
 
 # ---- restart -------------------------------------------------------------------------
-RESTART = """
-import sys, time
-from kvstore.tiers.disk import DiskPages
-disk = DiskPages(sys.argv[1], "scan", 4096, int(sys.argv[2]), io=sys.argv[3])
-print(len(disk), flush=True)
-"""
-
-
 def _fill(where: Path, pages: int, io: str) -> int:
-    """A slab of ``pages`` 4 KiB pages written through the tier (4 threads); returns its capacity."""
+    """A slab of ``pages`` 4 KiB pages of namespace ``r`` (keys 0..pages-1), as a node's disk tier keeps them,
+    written through the tier (4 threads); returns the tier's capacity."""
     capacity = BLOCK + pages * (BLOCK + 4096)
-    disk = DiskPages(where, "scan", 4096, capacity, io=io)
+    disk = DiskPages(where, slab_name(RESTART_NS, 4096), 4096, capacity, io=io)
     payload = _aligned(4096, fill=True)
 
     def put(k: int) -> None:
         for i in range(k, pages, 4):
-            disk.put("ns", i.to_bytes(8, "little"), memoryview(payload), kind=1 + i % 3, checksum=i)
+            disk.put(RESTART_NS, i.to_bytes(8, "little"), memoryview(payload), kind=1 + i % 2, checksum=0)
 
     _threads_at_once(4, put)
     if len(disk) != pages:
@@ -278,30 +283,25 @@ def _drop_cache(where: Path) -> None:
 
 def reopen_seconds(folder: Path, pages: int, io: str, repeats: int) -> dict[str, float]:
     """Best seconds to reopen a slab of ``pages`` 4 KiB pages with its index back (in process), and from the
-    ``exec`` of a fresh Python process to its tier holding every page (``restart``)."""
+    ``exec`` of a ``kvstored`` over it until it answers Lookups for its pages (``restart``)."""
     where = folder / f"scan-{pages}"
     shutil.rmtree(where, ignore_errors=True)
     capacity = _fill(where, pages, io)
     best = {"reopen_s": float("inf"), "restart_s": float("inf")}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
-                                                                   os.environ.get("PYTHONPATH", "")) if p))
     for _ in range(repeats):
         _drop_cache(where)
         start = time.perf_counter()
-        again = DiskPages(where, "scan", 4096, capacity, io=io)
+        again = DiskPages(where, slab_name(RESTART_NS, 4096), 4096, capacity, io=io)
         took = time.perf_counter() - start
         if len(again) != pages:
             raise RuntimeError(f"{len(again)} of {pages} pages came back")
         again.close()
         best["reopen_s"] = min(best["reopen_s"], took)
         _drop_cache(where)
-        start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", RESTART, str(where), str(capacity), io], capture_output=True,
-                              text=True, env=env, timeout=600)
-        took = time.perf_counter() - start
-        if done.returncode or int(done.stdout.split()[-1]) != pages:
-            raise RuntimeError(f"restart: {done.stdout[-200:]} {done.stderr[-2000:]}")
-        best["restart_s"] = min(best["restart_s"], took)
+        row = tier_node.restart_time(where, RESTART_NS, pages, capacity, io)
+        if row["held"] != pages:
+            raise RuntimeError(f"restart: the node holds {row['held']} of {pages} pages")
+        best["restart_s"] = min(best["restart_s"], row["seconds"])
     shutil.rmtree(where, ignore_errors=True)
     return best
 
@@ -317,6 +317,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reopen-pages", "--scan-pages", dest="reopen_pages", default="10000,100000",
                         help="comma list of slab sizes in 4 KiB pages to reopen (1000000 writes about 8 GiB); "
                         "empty for none")
+    parser.add_argument("--node-cases", default="4MiB,8x1MiB", help="comma list of page cases read back through a "
+                        "real node whose pool holds a quarter of them (Gets that promote from disk, against the same "
+                        "Gets from a pool); empty for none")
+    parser.add_argument("--readers", default="1,4", help="comma list of concurrent clients for --node-cases")
+    parser.add_argument("--latency-seconds", type=float, default=8.0, help="length of each Put/Get latency run, with "
+                        "and without tiers, while another process's writes are demoted (0: skip)")
+    parser.add_argument("--demotion-share", type=float, default=0.55, help="the latency runs' write load, as a "
+                        "share of the raw write ceiling measured in the same run (0: as fast as the node takes it)")
     parser.add_argument("--io", default="auto", choices=["auto", "direct", "buffered"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("kvstore-out/bench"), help="folder for tiers.{json,md,png}")
@@ -325,6 +333,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     folder: Path = args.dir
     folder.mkdir(parents=True, exist_ok=True)
+    folder = folder.resolve()  # a node's disk tier takes an absolute path
     io = probe_direct(folder) if args.io == "auto" else args.io
     total = parse_size(args.total)
     cases = [c for c in args.cases.split(",") if c]
@@ -340,6 +349,39 @@ def run(args: argparse.Namespace) -> int:
                 results["cases"][name] = bench_case(folder, name, total, io, args.repeats, tiers, bar)
         for pages in tqdm(reopens, desc="reopen", unit="slab"):
             results["reopen"][str(pages)] = reopen_seconds(folder, pages, io, args.repeats)
+        node_cases = [c for c in args.node_cases.split(",") if c]
+        readers = [int(r) for r in args.readers.split(",") if r]
+        results["node"] = []
+        for name in tqdm(node_cases, desc="through a node", unit="case"):
+            page, batch = _case(name)
+            for r in readers:
+                row = tier_node.promote_vs_pool(folder / f"node-{name}-{r}", page, max(8 * batch * r, total // page),
+                                                batch, io, readers=r)
+                row["case"] = name
+                tier = results["cases"].get(name, {}).get("disk")
+                if tier:  # the same case through the disk tier's page store alone, in this run
+                    row["tier_get_gbs"] = tier["store"]["read_gbs"]
+                    row["promote_over_tier"] = row["promote_gbps"] / tier["store"]["read_gbs"]
+                results["node"].append(row)
+        if args.latency_seconds > 0:
+            raw_write = max((row["disk"]["raw"]["write_gbs"] for row in results["cases"].values() if "disk" in row),
+                            default=0.0)
+            results["raw_write_gbs"] = raw_write
+            # the same write load on both nodes: a little over half the raw write ceiling of this run
+            rate = args.demotion_share * raw_write * 1e9
+            lat: list[dict[str, Any]] = []
+            with tqdm(total=6, desc="latency under demotion", unit="run") as bar:
+                for _ in range(2):
+                    for tiers_on in (False, True):
+                        lat.append(tier_node.p99_under_demotion(folder / "lat" if tiers_on else None, io,
+                                                                args.latency_seconds, rate))
+                        bar.update()
+                    # the disk writes of that demotion rate alone, beside a node without tiers
+                    lat.append(tier_node.p99_under_demotion(None, io, args.latency_seconds, rate,
+                                                            raw_disk=(folder / "raw", lat[-1].get("demotion_gbps", 0)
+                                                                      * 1e9 or rate)))
+                    bar.update()
+            results["latency"] = lat
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -370,8 +412,35 @@ def _table(results: dict[str, Any]) -> str:
              if "disk" in row]
     if fills:
         lines += ["", "A fresh slab's first fill (preallocated blocks written the first time): " + ", ".join(fills)]
+    if results.get("node"):
+        lines += ["", "Through a node (`tcp` data channel, a pool a quarter of the pages): Gets of the pages on disk "
+                  "(promoted) against the same Gets from a pool holding them all, and against the disk tier's page "
+                  "store alone (above)", "",
+                  "| case | readers | Get from disk GB/s | Get from pool GB/s | disk / pool | disk tier alone GB/s | "
+                  "node / tier | missing |", "|---|---|---|---|---|---|---|---|"]
+        for r in results["node"]:
+            tier = f"{r['tier_get_gbs']:.2f} | {r['promote_over_tier']:.2f}x" if "tier_get_gbs" in r else "- | -"
+            lines.append(f"| {r['case']} | {r['readers']} | {r['promote_gbps']:.2f} | {r['pool_gbps']:.2f} | "
+                         f"{r['promote_over_pool']:.2f}x | {tier} | {r['promote_missing']} |")
+    if results.get("latency"):
+        lines += ["", "Put/Get latency of 1 MiB pages in a namespace that never evicts, while another process "
+                  "writes 4 MiB pages into a full one at the same rate on both nodes (demoted to disk with tiers, "
+                  "dropped without)", "",
+                  "| tiers | calls | Put p99 ms | Get p99 ms | Put median ms | write load GB/s | demotion GB/s (of raw "
+                  "write) | drops |", "|---|---|---|---|---|---|---|---|"]
+        raw = results.get("raw_write_gbs") or 0.0
+        for r in results["latency"]:
+            dem = r.get("demotion_gbps")
+            share = f"{dem:.2f} ({dem / raw:.0%})" if dem is not None and raw else "-"
+            if "raw_disk_gbps" in r:
+                share = f"raw writes {r['raw_disk_gbps']:.2f}"
+            what = "on" if r["tiers"] else "off, raw disk writes beside" if "raw_disk_gbps" in r else "off"
+            lines.append(f"| {what} | {r['calls']} | {r['put_p99_ms']:.2f} | "
+                         f"{r['get_p99_ms']:.2f} | {r['put_median_ms']:.2f} | {r['writer_gbps']:.2f} | {share} | "
+                         f"{r.get('drops', '-')} |")
     if results["reopen"]:
-        lines += ["", "| 4 KiB pages in the slab | reopen, index back (s) | exec to serving (s) |", "|---|---|---|"]
+        lines += ["", "| 4 KiB pages in the slab | reopen, index back (s) | kvstored exec to Lookups answered (s) |",
+                  "|---|---|---|"]
         lines += [f"| {p} | {s['reopen_s']:.3f} | {s['restart_s']:.3f} |" for p, s in results["reopen"].items()]
     return "\n".join(lines) + "\n"
 

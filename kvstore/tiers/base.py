@@ -2,7 +2,8 @@
 
 A tier holds pages of one size, each under a ``(namespace, key)`` and with its kind (primary or
 replica, the pool's :class:`~kvstore.pool.pool.PageKind` value) and the xxh3-64 checksum the pool
-computed for it (0 = none). It is a bounded store with its own eviction (least recently used within
+computed of its bytes (0 = none; a tier may use it as the checksum of what it stores, since a page whose
+bytes no longer match it fails the check when read back). It is a bounded store with its own eviction (least recently used within
 a namespace's share, see :meth:`PageTier.set_share`); pages the stack holds (pins) are never evicted.
 Its calls block (a disk tier does I/O) and are made from the stack's worker threads, never from the
 event loop; an implementation is safe to call from several threads at once.

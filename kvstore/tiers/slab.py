@@ -284,8 +284,10 @@ class Slab:
         if not 0 <= kind <= 0xFF or not 0 <= checksum < 1 << 64:
             raise ValueError("kind is 0..255 and checksum a 64-bit unsigned number")
         offset = self._offset(slot)
+        # the owner's checksum is the xxh3 of the same bytes (the pool's page checksum): not computed again.
+        # Were the bytes changed since, the record fails its check when read, and is never served.
         record = Record(slot, namespace, bytes(key), len(data), generation, int(kind), int(checksum),
-                        xxhash.xxh3_64_intdigest(data), generation if used is None else used)
+                        int(checksum) or xxhash.xxh3_64_intdigest(data), generation if used is None else used)
         head = self._buffer("head_w", BLOCK)
         head[:] = _ZERO_BLOCK  # the header block starts clean: no byte of an earlier record
         _HEAD.pack_into(head, 0, _HEAD_MAGIC, 1, len(ns), len(key), generation, len(data), record.kind,

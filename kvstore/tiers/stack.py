@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import threading
 import time
 from collections import Counter
@@ -139,6 +140,47 @@ class _Staged:
     data: np.ndarray  # one page of bytes
     kind: int
     checksum: int
+    row: bool = False  # ``data`` is a row of the staging rows (given back once written)
+
+
+class StagingRows:
+    """Host memory for evicted pages waiting for their write: page-aligned rows (an ``O_DIRECT`` write takes
+    them without another copy), kept for reuse once written (their count is bounded by the staging budget).
+    :meth:`prepare` maps a page size's rows ahead, in a thread: a fresh row's first copy would otherwise pay
+    its page faults on the eviction's path (measured: 4 MiB copies 0.5 ms warm, 5-6 ms fresh)."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()  # prepare's thread adds rows while the loop takes them
+
+    def take(self, page_bytes: int) -> np.ndarray:
+        with self._lock:
+            free = self._free.get(page_bytes)
+            if free:
+                return free.pop()
+        return self._row(page_bytes)
+
+    def give(self, row: np.ndarray) -> None:
+        with self._lock:
+            self._free.setdefault(row.nbytes, []).append(row)
+
+    def prepare(self, page_bytes: int, count: int) -> None:
+        """Map ``count`` rows of ``page_bytes`` in a background thread (once per page size)."""
+        with self._lock:
+            if page_bytes in self._free:
+                return
+            self._free[page_bytes] = []
+
+        def fill() -> None:
+            for _ in range(count):
+                self.give(self._row(page_bytes))
+
+        threading.Thread(target=fill, name="tier-staging", daemon=True).start()
+
+    @staticmethod
+    def _row(page_bytes: int) -> np.ndarray:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        return np.frombuffer(mmap.mmap(-1, page_bytes, flags=flags), dtype=np.uint8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +200,7 @@ class TierStack:
         self.config = config
         self.staging_budget = config.tier_staging
         self.staged_bytes = 0
+        self.rows = StagingRows()
         self.allocate_host = allocate_host
         self.levels: list[Level] = []
         disks = 0
@@ -192,6 +235,8 @@ class TierStack:
                                        ns.layout.page_bytes, capacity, io=self.config.tier_io))
         below = NamespaceTiers(self, node, ns, tiers)
         self.namespaces[ns.name] = below
+        if ns.pool.ops.host_visible and self.staging_budget:
+            self.rows.prepare(ns.layout.page_bytes, self.staging_budget // ns.layout.page_bytes)
         ns.pool.on_evict = below.demote
         return below
 
@@ -351,12 +396,15 @@ class NamespaceTiers:
     def _stage(self, keys: list[bytes], slots: list[int], kinds: list[int], sums: list[int]) -> None:
         pool = self.ns.pool
         if pool.ops.host_visible:
-            data = np.take(pool.buffer, slots, axis=0)
+            for i, (key, slot) in enumerate(zip(keys, slots)):
+                row = self.stack.rows.take(self.page_bytes)
+                np.copyto(row, pool.buffer[slot])
+                self.staged[key] = _Staged(row, kinds[i], sums[i], row=True)
         else:  # a device pool: one pack kernel and one download into pinned staging memory
             data = pool.ops.to_host(pool.ops.pack(pool.buffer, slots),
                                     out=pool.ops.host_empty((len(slots), self.page_bytes)))
-        for i, key in enumerate(keys):
-            self.staged[key] = _Staged(data[i], kinds[i], sums[i])
+            for i, key in enumerate(keys):
+                self.staged[key] = _Staged(data[i], kinds[i], sums[i])
         self._submit(self.levels[0].writers, self._write_down, list(keys), lambda lost: self._written(keys, lost))
 
     def _write_down(self, keys: list[bytes]) -> list[bytes]:
@@ -392,10 +440,17 @@ class NamespaceTiers:
 
     def _written(self, keys: list[bytes], lost: list[bytes] | None) -> None:
         for key in keys:
-            if self.staged.pop(key, None) is not None:
-                self.stack.staged_bytes -= self.page_bytes
+            self._unstage(key)
         if lost:
             self._gone(lost)
+
+    def _unstage(self, key: bytes, reuse: bool = True) -> None:
+        """``key`` leaves staging; its row is reused only once no write may still read it (``reuse``)."""
+        staged = self.staged.pop(key, None)
+        if staged is not None:
+            self.stack.staged_bytes -= self.page_bytes
+            if staged.row and reuse:
+                self.stack.rows.give(staged.data)
 
     def _gone(self, keys: list[bytes]) -> None:
         """Pages that left the last tier: the node no longer holds those not in its pool."""
@@ -548,8 +603,7 @@ class NamespaceTiers:
         held = [k for k in keys if self.holds(k) and not self.pins.get(k)]
         for key in held:
             self.hidden.add(key)
-            if self.staged.pop(key, None) is not None:
-                self.stack.staged_bytes -= self.page_bytes
+            self._unstage(key, reuse=False)  # its write may be under way
 
         def erase(keys: list[bytes]) -> None:
             for key in keys:

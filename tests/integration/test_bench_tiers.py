@@ -13,6 +13,7 @@ from pathlib import Path
 def test_the_tiers_bench_runs_and_reports(tmp_path: Path) -> None:
     kvctl = Path(sys.executable).with_name("kvctl")
     done = subprocess.run([str(kvctl), "bench", "tiers", "--total", "16MiB", "--reopen-pages", "500", "--repeats", "1",
+                           "--node-cases", "1MiB", "--readers", "1", "--latency-seconds", "2",
                            "--dir", str(tmp_path / "data"), "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -25,6 +26,12 @@ def test_the_tiers_bench_runs_and_reports(tmp_path: Path) -> None:
                 assert all(math.isfinite(v) and v > 0 for v in tier[side].values())
     reopen = results["reopen"]["500"]
     assert 0 < reopen["reopen_s"] < 60 and reopen["reopen_s"] < reopen["restart_s"] < 60
+    (node,) = results["node"]  # Gets through a real node, promoted from its disk tier, every page back
+    assert node["promote_missing"] == 0 and node["promotions"] > 0
+    assert all(math.isfinite(node[k]) and node[k] > 0 for k in ("promote_gbps", "pool_gbps", "promote_over_tier"))
+    assert len(results["latency"]) == 6 and all(r["calls"] > 0 and r["put_p99_ms"] > 0 for r in results["latency"])
+    assert [r["tiers"] for r in results["latency"]] == [False, True, False] * 2
+    assert all(r["demotion_gbps"] > 0 for r in results["latency"] if r["tiers"])
     assert (tmp_path / "out" / "tiers.md").read_text().count("|") > 10 and (tmp_path / "out" / "tiers.png").exists()
     assert not (tmp_path / "data").exists()  # its files are removed
 

@@ -8,6 +8,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from kvstore.tiers.slab import BLOCK, Slab, probe_direct
 
@@ -95,15 +96,15 @@ def test_names_that_could_leave_the_directory_are_refused(tmp_path: Path) -> Non
 
 def test_kind_and_checksum_come_back_from_the_table_and_from_a_scan(tmp_path: Path, io: str) -> None:
     with Slab(tmp_path, "n0", PAGE, 16 * PAGE, io=io) as slab:
-        slab.write(0, "ns", b"a", page(0), generation=5, kind=2, checksum=(1 << 64) - 1)
-        slab.write(2, "ns", b"b" * 250, page(2), generation=6, kind=3, checksum=7, used=40)  # names too long to inline
+        slab.write(0, "ns", b"a", page(0), generation=5, kind=2, checksum=xxhash.xxh3_64_intdigest(page(0)))
+        slab.write(2, "ns", b"b" * 250, page(2), generation=6, kind=3, checksum=xxhash.xxh3_64_intdigest(page(2)), used=40)  # names too long to inline
         slab.write(3, "ns", b"c", page(3), generation=7)
         slab.erase(3)
     with Slab(tmp_path, "n0", PAGE, 16 * PAGE, io=io) as again:
         found = {r.slot: r for r in again.records()}
         assert sorted(found) == [0, 2]
-        assert (found[0].kind, found[0].checksum, found[0].used) == (2, (1 << 64) - 1, 5)
-        assert (found[2].key, found[2].kind, found[2].checksum, found[2].used) == (b"b" * 250, 3, 7, 40)
+        assert (found[0].kind, found[0].checksum, found[0].used) == (2, xxhash.xxh3_64_intdigest(page(0)), 5)
+        assert (found[2].key, found[2].kind, found[2].checksum, found[2].used) == (b"b" * 250, 3, xxhash.xxh3_64_intdigest(page(2)), 40)
         out = bytearray(PAGE)
         got = again.read_into(2, memoryview(out), expect=found[2])
         assert got is not None and bytes(out) == page(2)
@@ -112,7 +113,7 @@ def test_kind_and_checksum_come_back_from_the_table_and_from_a_scan(tmp_path: Pa
     again.table_path.unlink()  # no table: rebuilt from the headers, with the same records
     with Slab(tmp_path, "n0", PAGE, 16 * PAGE, io=io) as third:
         assert {(r.slot, r.key, r.kind, r.checksum) for r in third.records()} == {
-            (0, b"a", 2, (1 << 64) - 1), (2, b"b" * 250, 3, 7)}
+            (0, b"a", 2, xxhash.xxh3_64_intdigest(page(0))), (2, b"b" * 250, 3, xxhash.xxh3_64_intdigest(page(2)))}
     with Slab(tmp_path, "n0", PAGE, 16 * PAGE, io=io) as fourth:  # and the rebuilt table is used next time
         assert sorted(r.slot for r in fourth.records()) == [0, 2]
 

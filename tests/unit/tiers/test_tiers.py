@@ -124,22 +124,22 @@ def test_held_pages_are_never_evicted_and_a_put_with_nothing_evictable_is_droppe
 def test_spill_gets_each_victims_bytes_kind_and_checksum_before_its_slot_is_reused(make: Make) -> None:
     tier = make(3)
     for i in range(3):
-        tier.put("ns", key(i), page(i), kind=1 + i % 3, checksum=1000 + i)
+        tier.put("ns", key(i), page(i), kind=1 + i % 3, checksum=xxhash.xxh3_64_intdigest(page(i)))
     spilled: list[tuple[tuple[str, bytes], int, int, bytes]] = []
     for i in range(3, 6):
         assert tier.put("ns", key(i), page(i), spill=lambda p, k, c, b: spilled.append((p, k, c, bytes(b)))) == [
             ("ns", key(i - 3))]
-    assert spilled == [(("ns", key(i)), 1 + i % 3, 1000 + i, page(i)) for i in range(3)]
+    assert spilled == [(("ns", key(i)), 1 + i % 3, xxhash.xxh3_64_intdigest(page(i)), page(i)) for i in range(3)]
     assert [read(tier, "ns", key(i)) for i in range(3, 6)] == [page(i) for i in range(3, 6)]
 
 
 def test_remove_and_pages(make: Make) -> None:
     tier = make(4)
     for i in range(3):
-        tier.put("ns", key(i), page(i), kind=3, checksum=i)
+        tier.put("ns", key(i), page(i), kind=3, checksum=xxhash.xxh3_64_intdigest(page(i)))
     assert tier.remove("ns", key(1)) and not tier.remove("ns", key(1))
     assert read(tier, "ns", key(1)) is None and ("ns", key(1)) not in tier and len(tier) == 2
-    assert tier.pages() == [Stored(("ns", key(0)), 3, 0), Stored(("ns", key(2)), 3, 2)]
+    assert tier.pages() == [Stored(("ns", key(i)), 3, xxhash.xxh3_64_intdigest(page(i))) for i in (0, 2)]
     for i in range(3, 5):
         assert tier.put("ns", key(i), page(i)) == []  # the removed page's slot is free again
     assert len(tier) == 4 and tier.stats.evictions == 0
@@ -155,7 +155,7 @@ def test_threads_putting_and_getting_at_once_never_see_another_pages_bytes(make:
         rng = random.Random(seed)
         while not stop.is_set():
             i = rng.randrange(keys)
-            tier.put("ns", key(i), page(i), checksum=i)
+            tier.put("ns", key(i), page(i), checksum=xxhash.xxh3_64_intdigest(page(i)))
 
     def reader(seed: int) -> None:
         rng = random.Random(seed)
@@ -163,7 +163,7 @@ def test_threads_putting_and_getting_at_once_never_see_another_pages_bytes(make:
         while not stop.is_set():
             i = rng.randrange(keys)
             got = tier.get_into("ns", key(i), memoryview(out))
-            if got is not None and (bytes(out) != page(i) or got.checksum != i):
+            if got is not None and (bytes(out) != page(i) or got.checksum != xxhash.xxh3_64_intdigest(page(i))):
                 wrong.append(i)
 
     threads = [threading.Thread(target=writer, args=(s,)) for s in range(2)]
@@ -187,7 +187,7 @@ def io(request: pytest.FixtureRequest) -> str:
 def test_a_reopened_disk_tier_keeps_kind_checksum_and_lru_order(tmp_path: Path, io: str) -> None:
     disk = DiskPages(tmp_path, "t", PAGE, 1 << 20, io=io)
     for i in range(6):
-        disk.put("ns" if i % 2 else "other", key(i), page(i), kind=1 + i % 3, checksum=(1 << 63) + i)
+        disk.put("ns" if i % 2 else "other", key(i), page(i), kind=1 + i % 3, checksum=xxhash.xxh3_64_intdigest(page(i)))
     read(disk, "other", key(0))
     read(disk, "ns", key(3))
     disk.put("other", key(2), page(2))  # a touch
