@@ -289,9 +289,10 @@ class Node:
         self.namespaces[name] = ns
         if self.tiers:
             ns.below = self.tiers.attach(self, ns)
-            recovered = ns.below.recovered()  # a disk tier's pages from before a restart
-            if recovered:
-                self.report(name, recovered, [])
+            if self.listeners:  # (at start there are none yet: the directory's first report is a snapshot)
+                recovered = ns.below.recovered()  # a disk tier's pages from before a restart
+                if recovered:
+                    self.report(name, recovered, [])
         return ns
 
     def namespace(self, name: str) -> Namespace:

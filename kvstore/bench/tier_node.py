@@ -81,7 +81,7 @@ def _read_rate(address: str, ns: str, keys: list[bytes], batch: int, page_bytes:
 
 
 def promote_vs_pool(folder: Path, page_bytes: int, pages: int, batch: int, io: str,
-                    readers: int = 1) -> dict[str, Any]:
+                    readers: int = 1, write: str = "back") -> dict[str, Any]:
     """Get GB/s of pages promoted from disk against the same Gets from a pool (module doc)."""
     from kvstore_client import KvClient
 
@@ -93,12 +93,14 @@ def promote_vs_pool(folder: Path, page_bytes: int, pages: int, batch: int, io: s
                            "pool_pages": pool_pages}
     below = keys[:pages - pool_pages]  # the pool keeps the last ones written
     node = NodeProcess(["--capacity", str(pool_pages * page_bytes), "--namespace", f"b:{page_bytes}",
-                        "--tier", tier, "--tier-io", io, "--shm", "false"])
+                        "--tier", tier, "--tier-io", io, "--tier-write", write, "--shm", "false"])
+    row["write"] = write
     try:
         with KvClient(node.address, data_path="tcp") as kv:
             for i in range(0, pages, batch):
                 kv.put("b", keys[i:i + batch], data[i:i + batch])
-            _settle(kv)
+                _settle(kv)  # written down before the next put: no demotion dropped for want of staging room
+            row["fill_drops"] = _tier_stats(kv).drops
             row["promote_gbps"], row["promote_missing"] = _read_rate(node.address, "b", below, batch, page_bytes,
                                                                      readers)
             t = _tier_stats(kv)

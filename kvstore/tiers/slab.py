@@ -9,8 +9,8 @@ input. The file is a superblock followed by ``slots`` slots of ``stride`` bytes:
 
 A slot's header holds the namespace, the key, the payload length, a generation number (set by the
 slab's owner; the newer of two records of one key wins after a crash), the page's kind and the checksum
-its owner gave it (kept, not checked here), and two xxh3-64 checksums: one of the header itself, one of
-the payload. A record is written in one ``pwritev`` of its header and payload; erasing one zeroes its
+its owner gave it, and two xxh3-64 checksums: one of the header itself, one of the payload (the owner's
+checksum when it gave one, which is the xxh3-64 of the same bytes: not computed again). A record is written in one ``pwritev`` of its header and payload; erasing one zeroes its
 header block. What a crash or a torn write can leave:
 
 * a header that does not check (torn inside the header, or never written): the slot is empty;

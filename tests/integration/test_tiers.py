@@ -1,7 +1,8 @@
 """Tiers below the pool through real ``kvstored`` processes: a pool that holds a quarter of what a client
-writes serves everything back from its disk tier on every data path; a restarted node serves its disk
-pages; ``kill -9`` in the middle of a demotion burst never leads to a wrong page; a full filesystem, a read
-error and a disk folder removed under a running node leave it serving, with the loss counted."""
+writes serves everything back from its disk tier on every data path; a peer pulls from a node's disk
+without promoting there; a restarted node serves its disk pages; ``kill -9`` in the middle of a demotion
+burst never leads to a wrong page; a full filesystem, a read error, a truncated slab and a disk folder
+removed under a running node leave it serving, with the loss counted."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import KvClient
 from tests.conftest import wait_until
 
@@ -185,3 +188,52 @@ def test_a_disk_folder_removed_under_the_node_stops_the_tier_not_the_node(daemon
         assert not got.missing
     assert "removed under the node" in d.log_text()
     assert d.proc.poll() is None
+
+
+def test_a_peer_pulls_from_a_nodes_disk_without_promoting_it_there(daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    fast = ("--heartbeat-interval", "0.1", "--heartbeat-timeout", "0.8", "--transport", "tcp")
+    a = start(daemon, tmp_path / "disk", "--node-id", "a", *fast)
+    b = daemon("--node-id", "b", "--capacity", str(4 * POOL_PAGES * PAGE), "--namespace", f"t:{PAGE}",
+               "--peers", a.address, *fast)
+    keys = keys_of(6, 4 * POOL_PAGES)
+    with KvClient(a.address) as ka, KvClient(b.address) as kb:
+        put_all(ka, keys)
+        wait_until(lambda: tier_stats(ka)["staged_bytes"] == 0, 10, "the demotions to land")
+
+        def a_seen_from_b() -> Any:
+            return next((n for n in kb.lookup_nodes("t", keys).nodes if n.node_id == "a"), None)
+        wait_until(lambda: (a_seen_from_b() or pb.NodePrefix()).prefix_length == len(keys), 10,
+                   "the directory to show all of a's pages")
+        seen = a_seen_from_b()
+        assert seen.pool_length == 0  # the chain starts with pages a holds below its pool
+        before = tier_stats(ka)
+        on_disk = keys[:POOL_PAGES]
+        got = kb.get("t", on_disk)
+        assert not got.missing
+        assert all(np.array_equal(row, content(k)) for k, row in zip(on_disk, got.pages))
+        after = tier_stats(ka)
+        assert after["hits"] >= before["hits"] + POOL_PAGES  # read from a's disk tier...
+        assert after["promotions"] == before["promotions"]  # ...and not brought into a's pool
+        assert ka.lookup_nodes("t", on_disk).tiers[0].tier == "disk0"
+
+
+def test_a_truncated_slab_serves_what_is_left(daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start(daemon, tmp_path / "disk")
+    keys = keys_of(7, 4 * POOL_PAGES)
+    with KvClient(d.address) as kv:
+        put_all(kv, keys)
+        wait_until(lambda: tier_stats(kv)["staged_bytes"] == 0, 10, "the demotions to land")
+    assert d.terminate() == 0
+    (slab,) = (tmp_path / "disk").glob("slab-*.kv")
+    stride = 4096 + PAGE  # a header block and the page
+    os.truncate(slab, 4096 + 12 * stride + 1000)  # twelve records left whole, the next one cut in its header
+    again = start(daemon, tmp_path / "disk")
+    with KvClient(again.address) as kv:
+        on_disk = keys[:3 * POOL_PAGES]
+        held = [k for k, there in zip(on_disk, kv.exists("t", on_disk)) if there]
+        assert 0 < len(held) < len(on_disk)  # the records past the cut are gone, the others are served
+        for i in range(0, len(held), 4):
+            got = kv.get("t", held[i:i + 4])
+            assert not got.missing
+            assert all(np.array_equal(row, content(k)) for k, row in zip(held[i:i + 4], got.pages))
+    assert again.proc.poll() is None
