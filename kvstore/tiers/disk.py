@@ -42,13 +42,13 @@ import threading
 from pathlib import Path
 
 from kvstore.tiers.base import PageId, Spill, Stored, TierStats
-from kvstore.tiers.host import Entry, PageIndex
+from kvstore.tiers.host import Entry, IndexedTier, PageIndex
 from kvstore.tiers.slab import MAX_NAME, Record, Slab, _flat
 
 log = logging.getLogger(__name__)
 
 
-class DiskPages:
+class DiskPages(IndexedTier):
     """A bounded store of ``page_bytes`` pages in the slab ``directory``/``slab-<name>.kv`` (module doc)."""
 
     def __init__(self, directory: str | Path, name: str, page_bytes: int, capacity_bytes: int,
@@ -114,17 +114,6 @@ class DiskPages:
             log.info("disk tier %s: %d pages back, %d stale records erased", self.slab.path, len(newest), len(stale))
 
     # ---- PageTier ---------------------------------------------------------------------
-    def __contains__(self, page: object) -> bool:
-        return page in self._index.entries
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def pages(self) -> list[Stored]:
-        """Every page held, least recently used first."""
-        with self._lock:
-            return self._index.in_order()
-
     def put(self, namespace: str, key: bytes, payload: bytes | memoryview, kind: int = 1, checksum: int = 0,
             spill: Spill | None = None) -> list[PageId]:
         """Store one page of exactly ``page_bytes``; returns the pages evicted for room, each passed to
@@ -240,26 +229,6 @@ class DiskPages:
         if now:
             self._retire(entry.slot)
         return True
-
-    def set_share(self, namespace: str, max_pages: int) -> None:
-        """At most ``max_pages`` of ``namespace``; pages over it (found at open, or a share made smaller)
-        are evicted by the namespace's next put, each passed to that put's spill."""
-        with self._lock:
-            self._index.set_share(namespace, max_pages)
-
-    def hold(self, page: PageId) -> bool:
-        with self._lock:
-            entry = self._index.entries.get(page)
-            if entry is None:
-                return False
-            entry.holds += 1
-            return True
-
-    def unhold(self, page: PageId) -> None:
-        with self._lock:
-            entry = self._index.entries.get(page)
-            if entry is not None and entry.holds > 0:
-                entry.holds -= 1
 
     def close(self) -> None:
         """Stop (later puts are dropped, gets miss), wait for the I/O in flight, close the files."""

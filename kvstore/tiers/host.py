@@ -160,7 +160,46 @@ class PageIndex:
         return [entry.stored() for entry in self.lru.values()]
 
 
-class HostPages:
+class IndexedTier:
+    """What both page tiers answer from their :class:`PageIndex` alone, under their lock: membership, the
+    pages in order, shares and holds. A subclass sets ``_lock`` and ``_index``."""
+
+    _lock: threading.Lock
+    _index: PageIndex
+
+    def __contains__(self, page: object) -> bool:
+        return page in self._index.entries
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def pages(self) -> list[Stored]:
+        """Every page held, least recently used first."""
+        with self._lock:
+            return self._index.in_order()
+
+    def set_share(self, namespace: str, max_pages: int) -> None:
+        """At most ``max_pages`` of ``namespace``; pages over it (found at open, or a share made smaller)
+        are evicted by the namespace's next put, each passed to that put's spill."""
+        with self._lock:
+            self._index.set_share(namespace, max_pages)
+
+    def hold(self, page: PageId) -> bool:
+        with self._lock:
+            entry = self._index.entries.get(page)
+            if entry is None:
+                return False
+            entry.holds += 1
+            return True
+
+    def unhold(self, page: PageId) -> None:
+        with self._lock:
+            entry = self._index.entries.get(page)
+            if entry is not None and entry.holds > 0:
+                entry.holds -= 1
+
+
+class HostPages(IndexedTier):
     """A bounded store of ``page_bytes`` pages in one host buffer (module doc); safe from several threads.
 
     ``allocate(nbytes)`` returns the buffer (anything exposing a writable buffer of ``nbytes`` bytes:
@@ -192,17 +231,6 @@ class HostPages:
         return self._bytes[slot * self.page_bytes:(slot + 1) * self.page_bytes]
 
     # ---- PageTier ---------------------------------------------------------------------
-    def __contains__(self, page: object) -> bool:
-        return page in self._index.entries
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def pages(self) -> list[Stored]:
-        """Every page held, least recently used first."""
-        with self._lock:
-            return self._index.in_order()
-
     def put(self, namespace: str, key: bytes, payload: bytes | memoryview, kind: int = 1, checksum: int = 0,
             spill: Spill | None = None) -> list[PageId]:
         """Store one page of exactly ``page_bytes``; returns the pages evicted for room, each passed to
@@ -273,25 +301,6 @@ class HostPages:
                 self._index.free.append(entry.slot)
             self.stats.pages = len(self._index)
             return True
-
-    def set_share(self, namespace: str, max_pages: int) -> None:
-        """At most ``max_pages`` of ``namespace``; pages over it are evicted by the namespace's next put."""
-        with self._lock:
-            self._index.set_share(namespace, max_pages)
-
-    def hold(self, page: PageId) -> bool:
-        with self._lock:
-            entry = self._index.entries.get(page)
-            if entry is None:
-                return False
-            entry.holds += 1
-            return True
-
-    def unhold(self, page: PageId) -> None:
-        with self._lock:
-            entry = self._index.entries.get(page)
-            if entry is not None and entry.holds > 0:
-                entry.holds -= 1
 
     def close(self) -> None:
         """Stop storing (later puts are dropped); the buffer is released with the tier."""
