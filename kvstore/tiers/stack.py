@@ -100,6 +100,7 @@ class LevelCounters:
     demotions: int = 0       # pages written into this tier (from the pool or cascaded from the tier above)
     promotions: int = 0      # pages read from this tier into the pool
     drops: int = 0           # pages that could not go down: staging full (first tier) or the tier refused
+    mismatched: int = 0      # pages read back whose bytes did not match the pool's checksum (dropped)
     reads: Histogram = field(default_factory=Histogram)
     writes: Histogram = field(default_factory=Histogram)
     read_seconds_per_page: float = 0.0  # moving average of measured reads (0: none measured yet)
@@ -271,7 +272,8 @@ class TierStack:
                 pages=sum(st.pages for st in stats), hits=sum(st.hits for st in stats),
                 misses=sum(st.misses for st in stats), demotions=level.counters.demotions,
                 promotions=level.counters.promotions, drops=level.counters.drops,
-                evictions=sum(st.evictions for st in stats), corrupt=sum(st.corrupt for st in stats),
+                evictions=sum(st.evictions for st in stats),
+                corrupt=sum(st.corrupt for st in stats) + level.counters.mismatched,
                 bytes_written=sum(st.bytes_written for st in stats), recovered=sum(st.recovered for st in stats),
                 degraded="; ".join(sorted({st.degraded for st in stats if st.degraded})),
                 staged_bytes=self.staged_bytes if i == 0 else 0,
@@ -312,7 +314,6 @@ class NamespaceTiers:
         self.hidden: set[bytes] = set()        # deleted, their removal from the tiers under way
         self._inflight: dict[bytes, asyncio.Future[bool]] = {}
         self.spec_dropped = 0                  # speculative pages evicted from the pool (never demoted)
-        self.mismatched = 0                    # pages read back whose bytes did not match the pool's checksum
         self.loop: asyncio.AbstractEventLoop | None = None  # where worker results go (None: inline)
         self._closed = False
 
@@ -502,7 +503,8 @@ class NamespaceTiers:
             if stored is None or self._closed:
                 return False
             if landing.finish([stored.checksum]):  # not what the pool stored: never served, dropped below
-                self.mismatched += 1
+                if staged is None:
+                    self.levels[i].counters.mismatched += 1
                 log.warning("tiers: %s page %s came back with other bytes than stored; dropped", self.name,
                             key.hex())
                 self.remove([key])
