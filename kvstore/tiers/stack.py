@@ -70,6 +70,9 @@ IO_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.
 PREPARED_MIN = 256 << 10
 """Staging rows of pages at least this large are mapped ahead (:class:`StagingRows`)."""
 
+MOVE_WAIT_S = 1.0
+"""Longest a read waits for its page to land in the next tier down while a cascading put moves it."""
+
 STAGING = "staging"
 """The tier name of a page waiting in staging memory for its write down."""
 
@@ -315,6 +318,7 @@ class NamespaceTiers:
         self._inflight: dict[bytes, asyncio.Future[bool]] = {}
         self.spec_dropped = 0                  # speculative pages evicted from the pool (never demoted)
         self.loop: asyncio.AbstractEventLoop | None = None  # where worker results go (None: inline)
+        self._cascading = 0  # puts under way whose evictions go into the next tier (written by the writer)
         self._closed = False
 
     # ---- what is held -------------------------------------------------------------------
@@ -434,7 +438,13 @@ class NamespaceTiers:
             def spill(page: PageId, kind: int, checksum: int, data: memoryview) -> None:
                 self._put(i + 1, page[1], kind, checksum, data)
         start = time.perf_counter()
-        evicted = tier.put(self.name, key, data, kind, checksum, spill)
+        if spill is not None:
+            self._cascading += 1  # its victims move to the next tier, in neither for a moment (_read_any)
+        try:
+            evicted = tier.put(self.name, key, data, kind, checksum, spill)
+        finally:
+            if spill is not None:
+                self._cascading -= 1
         level.observe_write(time.perf_counter() - start)
         if (self.name, key) not in tier:
             with level.lock:
@@ -526,18 +536,24 @@ class NamespaceTiers:
         return True
 
     async def _read_any(self, i: int, key: bytes, out: memoryview) -> Stored | None:
-        """The page from tier ``i``, or, when it left that tier meanwhile (evicted into the next one while the
-        read was on its way: for the moment of that write it is in neither), from where it went: a few tries
-        over about 15 ms, then a miss."""
-        for pause in (0.0, 0.001, 0.002, 0.004, 0.008, None):
+        """The page from tier ``i``, or, when it left that tier meanwhile, from where it went. A page leaves a
+        tier by a remove, a failed check (then it is gone: a miss at once) or an eviction into the next tier
+        during a cascading put, when for a moment it is in neither: while such a put runs, the read waits
+        for it (at most :data:`MOVE_WAIT_S`) and looks again."""
+        end = time.monotonic() + MOVE_WAIT_S
+        while time.monotonic() < end:
             if i >= 0:
                 stored = await self._run(self.levels[i].readers, self._read, i, key, out)
                 if stored is not None or self._closed:
                     return stored
-            if pause is None or key in self.staged:
+            if key in self.staged:
                 return None
-            await asyncio.sleep(pause)
+            await asyncio.sleep(0.001)
+            while self._cascading and self.level_of(key) == 0 and time.monotonic() < end:
+                await asyncio.sleep(0.001)
             i = self.level_of(key) - 1
+            if i < 0:
+                return None
         return None
 
     def _read(self, i: int, key: bytes, out: memoryview) -> Stored | None:
