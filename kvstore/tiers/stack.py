@@ -126,10 +126,10 @@ class Level:
             avg = self.counters.read_seconds_per_page
             self.counters.read_seconds_per_page = seconds if avg == 0 else 0.8 * avg + 0.2 * seconds
 
-    def observe_write(self, seconds: float, pages: int = 1) -> None:
+    def observe_write(self, seconds: float) -> None:
         with self.lock:
             self.counters.writes.observe(seconds)
-            self.counters.demotions += pages
+            self.counters.demotions += 1
 
 
 @dataclass(slots=True)
@@ -249,16 +249,15 @@ class TierStack:
         ns.pool.on_evict = below.demote
         return below
 
-    def detach(self, name: str, remove_files: bool = True) -> None:
-        """A namespace is deleted: close its tiers and (``remove_files``) delete its slab files."""
+    def detach(self, name: str) -> None:
+        """A namespace is deleted: close its tiers and delete its slab files."""
         below = self.namespaces.pop(name, None)
         if below is not None:
             below.close()
-            if remove_files:
-                for level, tier in zip(self.levels, below.tiers):
-                    if level.spec.kind == "disk":  # the slab and what the slab keeps beside it
-                        for path in Path(level.spec.path).glob(f"slab-{slab_name(name, below.page_bytes)}.*"):
-                            path.unlink(missing_ok=True)
+            for level in self.levels:
+                if level.spec.kind == "disk":  # the slab and what the slab keeps beside it
+                    for path in Path(level.spec.path).glob(f"slab-{slab_name(name, below.page_bytes)}.*"):
+                        path.unlink(missing_ok=True)
 
     def summary(self) -> list[dict[str, Any]]:
         """Per tier, its counters summed over the namespaces (``kvctl stats``, the metrics)."""
@@ -353,16 +352,15 @@ class NamespaceTiers:
         for key in keys:
             if key in self.ns.pool:
                 name, cost = "pool", 0.0
+            elif key in self.staged and key not in self.hidden:
+                name, cost = STAGING, 0.0
             else:
                 level = self.level_of(key)
                 if level == 0:
                     break
-                if key in self.staged:
-                    name, cost = STAGING, 0.0
-                else:
-                    lv = self.levels[level - 1]
-                    name = lv.name
-                    cost = lv.counters.read_seconds_per_page / max(1, self.stack.config.tier_threads)
+                lv = self.levels[level - 1]
+                name = lv.name
+                cost = lv.counters.read_seconds_per_page / max(1, self.stack.config.tier_threads)
             if out and out[-1][0] == name:
                 out[-1] = (name, out[-1][1] + 1, out[-1][2] + cost)
             else:
@@ -380,14 +378,11 @@ class NamespaceTiers:
                 self.spec_dropped += 1
             elif entry.key in self.hidden or self.holds(entry.key):
                 continue  # below already (write-through, or promoted from there): nothing to write
-            elif self.stack.staged_bytes + self.page_bytes > self.stack.staging_budget:
+            elif self.stack.staged_bytes + (len(todo) + 1) * self.page_bytes > self.stack.staging_budget:
                 self.levels[0].counters.drops += 1
             else:
                 todo.append(entry)
-                self.stack.staged_bytes += self.page_bytes
-        if todo:
-            self._stage([e.key for e in todo], [e.slot for e in todo], [int(e.kind) for e in todo],
-                        [e.checksum for e in todo])
+        self._stage(todo)
 
     def write_through(self, entries: Sequence[Any]) -> None:
         """Committed pages (``--tier-write through``): copy each one not below yet down in the background,
@@ -397,25 +392,27 @@ class NamespaceTiers:
         todo = [e for e in entries if e.kind is not PageKind.SPECULATIVE and e.key not in self.hidden
                 and not self.holds(e.key)]
         room = max(0, (self.stack.staging_budget - self.stack.staged_bytes) // self.page_bytes)
-        todo = todo[:room]
-        if todo:
-            self.stack.staged_bytes += len(todo) * self.page_bytes
-            self._stage([e.key for e in todo], [e.slot for e in todo], [int(e.kind) for e in todo],
-                        [e.checksum for e in todo])
+        self._stage(todo[:room])
 
-    def _stage(self, keys: list[bytes], slots: list[int], kinds: list[int], sums: list[int]) -> None:
+    def _stage(self, entries: Sequence[Any]) -> None:
+        """Copy the pool pages of ``entries`` (their slots hold their bytes) into staging memory (counted
+        against the budget, which the caller checked) and queue their write into the first tier."""
+        if not entries:
+            return
+        self.stack.staged_bytes += len(entries) * self.page_bytes
         pool = self.ns.pool
         if pool.ops.host_visible:
-            for i, (key, slot) in enumerate(zip(keys, slots)):
+            for e in entries:
                 row = self.stack.rows.take(self.page_bytes)
-                np.copyto(row, pool.buffer[slot])
-                self.staged[key] = _Staged(row, kinds[i], sums[i], row=True)
+                np.copyto(row, pool.buffer[e.slot])
+                self.staged[e.key] = _Staged(row, int(e.kind), e.checksum, row=True)
         else:  # a device pool: one pack kernel and one download into pinned staging memory
-            data = pool.ops.to_host(pool.ops.pack(pool.buffer, slots),
-                                    out=pool.ops.host_empty((len(slots), self.page_bytes)))
-            for i, key in enumerate(keys):
-                self.staged[key] = _Staged(data[i], kinds[i], sums[i])
-        self._submit(self.levels[0].writers, self._write_down, list(keys), lambda lost: self._written(keys, lost))
+            data = pool.ops.to_host(pool.ops.pack(pool.buffer, [e.slot for e in entries]),
+                                    out=pool.ops.host_empty((len(entries), self.page_bytes)))
+            for e, row in zip(entries, data):
+                self.staged[e.key] = _Staged(row, int(e.kind), e.checksum)
+        keys = [e.key for e in entries]
+        self._submit(self.levels[0].writers, self._write_down, keys, lambda lost: self._written(keys, lost))
 
     def _write_down(self, keys: list[bytes]) -> list[bytes]:
         """(worker) Write staged pages into the first tier (what it evicts cascades down); returns the keys
@@ -486,8 +483,8 @@ class NamespaceTiers:
             job = self._inflight.get(key)
             if job is None:
                 level = self.level_of(key)
-                if level == 0:
-                    continue
+                if level == 0 and not self._cascading:
+                    continue  # (while a cascading put runs, the page may be on its way down: _read_any)
                 job = self._inflight[key] = asyncio.ensure_future(self._promote_one(key, level - 1))
                 job.add_done_callback(lambda _, k=key: self._inflight.pop(k, None))
             waits.append(job)
@@ -496,6 +493,8 @@ class NamespaceTiers:
         return sum(1 for k in keys if k in pool)
 
     async def _promote_one(self, key: bytes, i: int) -> bool:
+        if i < 0 and (i := await self._landed(key, time.monotonic() + MOVE_WAIT_S) - 1) < 0:
+            return False  # it was not on its way down: gone
         try:
             batch = self.node.begin_put(self.name, PageKind.PRIMARY)
             landing = batch.write_in([key])
@@ -542,19 +541,20 @@ class NamespaceTiers:
         for it (at most :data:`MOVE_WAIT_S`) and looks again."""
         end = time.monotonic() + MOVE_WAIT_S
         while time.monotonic() < end:
-            if i >= 0:
-                stored = await self._run(self.levels[i].readers, self._read, i, key, out)
-                if stored is not None or self._closed:
-                    return stored
-            if key in self.staged:
-                return None
+            stored = await self._run(self.levels[i].readers, self._read, i, key, out)
+            if stored is not None or self._closed or key in self.staged:
+                return stored
             await asyncio.sleep(0.001)
-            while self._cascading and self.level_of(key) == 0 and time.monotonic() < end:
-                await asyncio.sleep(0.001)
-            i = self.level_of(key) - 1
+            i = await self._landed(key, end) - 1
             if i < 0:
                 return None
         return None
+
+    async def _landed(self, key: bytes, end: float) -> int:
+        """:meth:`level_of` ``key``, once no cascading put may be moving it down (waiting until ``end``)."""
+        while self._cascading and self.level_of(key) == 0 and time.monotonic() < end:
+            await asyncio.sleep(0.001)
+        return self.level_of(key)
 
     def _read(self, i: int, key: bytes, out: memoryview) -> Stored | None:
         """(worker) One page from tier ``i``, timed."""
