@@ -145,10 +145,14 @@ class NamespaceSpec:
         return cls(parts[0], parse_size(parts[1]), parse_size(parts[2]) if len(parts) == 3 else 0)
 
 
+def _items(value: Any) -> list[Any]:
+    """A repeatable setting's values: a list (flags, TOML), a comma list (the environment) or one value."""
+    return list(value) if isinstance(value, (list, tuple)) else value.split(",") if isinstance(value, str) else [value]
+
+
 def _parse_namespaces(value: Any) -> tuple[NamespaceSpec, ...]:
-    items = value if isinstance(value, (list, tuple)) else value.split(",") if isinstance(value, str) else [value]
     try:
-        return tuple(NamespaceSpec.parse(v) for v in items)
+        return tuple(NamespaceSpec.parse(v) for v in _items(value))
     except KeyError as exc:
         raise ValueError(f"a namespace table needs {exc}") from None
 
@@ -193,12 +197,11 @@ def _positive_size(size: Any, value: Any) -> int:
 
 
 def _parse_tiers(value: Any) -> tuple[TierSpec, ...]:
-    items = value if isinstance(value, (list, tuple)) else value.split(",") if isinstance(value, str) else [value]
-    tiers = tuple(TierSpec.parse(v) for v in items if not isinstance(v, str) or v.strip())
+    tiers = tuple(TierSpec.parse(v) for v in _items(value) if not isinstance(v, str) or v.strip())
     paths = [t.path for t in tiers if t.kind == "disk"]
     if len(set(paths)) != len(paths):
         raise ValueError("two disk tiers name one folder")
-    if [t.kind for t in tiers if t.kind == "host"] and tiers[0].kind != "host":
+    if any(t.kind == "host" for t in tiers) and tiers[0].kind != "host":
         raise ValueError("a host tier goes above the disk tiers (list it first)")
     if sum(t.kind == "host" for t in tiers) > 1:
         raise ValueError("at most one host tier")

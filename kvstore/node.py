@@ -323,10 +323,10 @@ class Node:
             if added and self.config.tier_write == "through":
                 below.write_through(added)
             if removed:
-                kept = [TierPage(k, 1, tier=below.level_of(k)) for k in removed if below.holds(k)]
-                if kept:
-                    removed = [k for k in removed if not below.holds(k)]
-                    added = [*added, *kept]
+                levels = [below.level_of(k) for k in removed]
+                if any(levels):
+                    added = [*added, *(TierPage(k, 1, tier=lv) for k, lv in zip(removed, levels) if lv)]
+                    removed = [k for k, lv in zip(removed, levels) if not lv]
         self.report(namespace, added, removed)
 
     def report(self, namespace: str, added: list[Any], removed: list[bytes]) -> None:
@@ -370,23 +370,17 @@ class Node:
 
     def lookup(self, name: str, keys: Sequence[bytes]) -> int:
         """Length of the longest leading run of ``keys`` this node holds, in its pool or below it."""
-        ns = self.namespace(name)
-        self.check_read_batch(ns, keys)
-        if ns.below is None:
-            return ns.pool.prefix_length(keys)
-        n = 0
-        for key in keys:
-            if key not in ns.pool and not ns.below.holds(key):
-                break
-            n += 1
-        return n
+        return sum(run.pages for run in self.tier_runs(name, keys))
 
     def tier_runs(self, name: str, keys: Sequence[bytes]) -> list[TierRun]:
-        """Per run of the held prefix ``keys``, the tier it is in and the expected time to load it."""
+        """The longest leading run of ``keys`` this node holds, as runs by the tier holding them, each with
+        the expected time to load it into the pool."""
         ns = self.namespace(name)
-        if ns.below is None:
-            return [TierRun("pool", len(keys), 0.0)] if keys else []
-        return ns.below.runs(keys)
+        self.check_read_batch(ns, keys)
+        if ns.below is not None:
+            return ns.below.runs(keys)
+        n = ns.pool.prefix_length(keys)
+        return [TierRun("pool", n, 0.0)] if n else []
 
     async def promote(self, name: str, keys: Sequence[bytes], timeout: float | None) -> None:
         """Bring the pages of ``keys`` held below the pool into it, waiting at most ``timeout`` seconds
@@ -406,17 +400,15 @@ class Node:
         ns = self.namespace(name)
         self.check_read_batch(ns, keys)
         below = ns.below
-        if below is not None:
-            pinned_below = [k for k in keys if below.pins.get(k)]
-            erased = below.remove([k for k in keys if not below.pins.get(k)])
+        if below is None:
+            return ns.pool.delete(keys)
+        erased = set(below.remove(keys))  # a page pinned below stays, like a pinned page in the pool
         deleted, not_found, pinned = ns.pool.delete(keys)
-        if below is not None:
-            held_below = set(erased)
-            deleted += sum(1 for k in not_found if k in held_below)
-            not_found = [k for k in not_found if k not in held_below and k not in pinned_below]
-            pinned += [k for k in pinned_below if k not in pinned]
-            if erased:
-                self.report(name, [], [k for k in keys if k in held_below and k not in ns.pool])
+        deleted += sum(1 for k in not_found if k in erased)
+        pinned += [k for k in not_found if below.pins.get(k)]
+        not_found = [k for k in not_found if k not in erased and not below.pins.get(k)]
+        # the pool reported the pages it deleted; those only below are gone from this node too
+        self.report(name, [], [k for k in erased if k not in ns.pool])
         return deleted, not_found, pinned
 
     # ---- leases --------------------------------------------------------

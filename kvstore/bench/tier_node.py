@@ -17,7 +17,6 @@ import mmap
 import multiprocessing
 import os
 import statistics
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -241,8 +240,3 @@ def p99_under_demotion(folder: Path | None, io: str, seconds: float = 8.0, rate:
         row["demotion_gbps"] = (after.bytes_written - before.bytes_written) / seconds / 1e9
         row["drops"] = after.drops - before.drops
     return row
-
-
-def scratch_folder(base: Path | None) -> Path:
-    """A fresh folder for slabs under ``base`` (default: the system's temporary folder)."""
-    return Path(tempfile.mkdtemp(prefix="kvstore-tiers-", dir=base))

@@ -190,6 +190,24 @@ def _empty(tier: Any, n: int, prefix: bytes) -> None:
         tier.remove("ns", prefix + i.to_bytes(8, "little"))
 
 
+def _best_of(repeats: int, ceiling: Callable[[], dict[str, float]], tier: Any, n: int,
+             drive: Callable[[bytes], tuple[float, float]], page: int, bar: Any) -> dict[str, Any]:
+    """The ceiling and the tier, back to back in each of ``repeats``: the best GB/s of each, and the ratios."""
+    raw: dict[str, float] = {"write_gbs": 0.0, "read_gbs": 0.0}
+    store = {"write_gbs": 0.0, "read_gbs": 0.0}
+    for r in range(repeats):
+        for side, gbs in ceiling().items():
+            raw[side] = max(raw.get(side, 0.0), gbs)
+        prefix = r.to_bytes(4, "little")
+        wrote, read = drive(prefix)
+        _empty(tier, n, prefix)
+        store["write_gbs"] = max(store["write_gbs"], n * page / wrote / 1e9)
+        store["read_gbs"] = max(store["read_gbs"], n * page / read / 1e9)
+        bar.update(1)
+    return {"raw": raw, "store": store, "write_ratio": store["write_gbs"] / raw["write_gbs"],
+            "read_ratio": store["read_gbs"] / raw["read_gbs"]}
+
+
 def bench_case(folder: Path, name: str, total: int, io: str, repeats: int, tiers: list[str],
                bar: Any) -> dict[str, Any]:
     """Ceiling and tier, back to back in each repeat, for each of ``tiers``; best of ``repeats``."""
@@ -206,47 +224,26 @@ def bench_case(folder: Path, name: str, total: int, io: str, repeats: int, tiers
             os.posix_fallocate(fd, 0, n * page)
             os.close(fd)
             raw_disk(raw_path, n * page, page, io)  # untimed: the first write of preallocated blocks is slower
-            raw = {"write_gbs": 0.0, "read_gbs": 0.0}
-            store = {"write_gbs": 0.0, "read_gbs": 0.0}
             where = folder / f"store-{name}"
             shutil.rmtree(where, ignore_errors=True)
             disk = DiskPages(where, "bench", page, BLOCK + n * (BLOCK + page), io=io)
             wrote, _ = _drive(disk, n, page, batch, pool, b"fill", payload, outs)  # the same for the slab
             first_fill = n * page / wrote / 1e9
             _empty(disk, n, b"fill")
-            for r in range(repeats):
-                for side, gbs in raw_disk(raw_path, n * page, page, io).items():
-                    raw[side] = max(raw.get(side, 0.0), gbs)
-                prefix = r.to_bytes(4, "little")
-                wrote, read = _drive(disk, n, page, batch, pool, prefix, payload, outs)
-                _empty(disk, n, prefix)
-                store["write_gbs"] = max(store["write_gbs"], n * page / wrote / 1e9)
-                store["read_gbs"] = max(store["read_gbs"], n * page / read / 1e9)
-                bar.update(1)
+            got["disk"] = _best_of(repeats, lambda: raw_disk(raw_path, n * page, page, io), disk, n,
+                                   lambda prefix: _drive(disk, n, page, batch, pool, prefix, payload, outs), page, bar)
+            got["disk"]["first_fill_write_gbs"] = first_fill
             if disk.stats.corrupt or disk.stats.drops or disk.stats.evictions:
                 raise RuntimeError(f"disk tier: {disk.stats}")
             disk.close()
             shutil.rmtree(where, ignore_errors=True)
             raw_path.unlink()
-            got["disk"] = {"raw": raw, "store": store, "write_ratio": store["write_gbs"] / raw["write_gbs"],
-                           "read_ratio": store["read_gbs"] / raw["read_gbs"], "first_fill_write_gbs": first_fill}
         if "host" in tiers:
             area = _mapped(n * page)
             host = HostPages("bench", page, n * page, allocate=_mapped)
-            ceiling = {"write_gbs": 0.0, "read_gbs": 0.0}
-            store = {"write_gbs": 0.0, "read_gbs": 0.0}
-            for r in range(repeats):
-                for side, gbs in raw_memory(area, page).items():
-                    ceiling[side] = max(ceiling[side], gbs)
-                prefix = r.to_bytes(4, "little")
-                wrote, read = _drive(host, n, page, batch, pool, prefix, payload, outs)
-                _empty(host, n, prefix)
-                store["write_gbs"] = max(store["write_gbs"], n * page / wrote / 1e9)
-                store["read_gbs"] = max(store["read_gbs"], n * page / read / 1e9)
-                bar.update(1)
+            got["host"] = _best_of(repeats, lambda: raw_memory(area, page), host, n,
+                                   lambda prefix: _drive(host, n, page, batch, pool, prefix, payload, outs), page, bar)
             host.close()
-            got["host"] = {"raw": ceiling, "store": store, "write_ratio": store["write_gbs"] / ceiling["write_gbs"],
-                           "read_ratio": store["read_gbs"] / ceiling["read_gbs"]}
     finally:
         if pool is not None:
             pool.shutdown()

@@ -412,7 +412,8 @@ class ClusterAgent:
         with placement hints; ``record`` logs the request for the predictor.
         The directory is the coordinator's, else the standby's, else (neither
         answers) this node's own copy if it keeps one."""
-        local = self.node.lookup(namespace, keys)
+        runs = self.node.tier_runs(namespace, keys)
+        local = sum(run.pages for run in runs)
         me = self.node.node_id
         if claim_seconds > 0:
             self._claimed_until = max(self._claimed_until,
@@ -424,7 +425,6 @@ class ClusterAgent:
                 namespace=namespace, keys=keys, claim_seconds=claim_seconds, claim_node_id=me,
                 claim_start=local))
             nodes = list(reply.nodes) if reply is not None else self.prefixes(namespace, keys)
-        runs = self.node.tier_runs(namespace, keys[:local])
         local_pool = runs[0].pages if runs and runs[0].tier == "pool" else 0
         nodes = answer.as_seen_by(nodes, me, local, self.node.address, self.membership.alive, local_pool)
         nodes.sort(key=lambda n: (-n.prefix_length, n.pending, n.node_id))

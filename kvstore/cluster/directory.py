@@ -103,15 +103,16 @@ class Directory:
         holders = self._holders.setdefault(namespace, {})
         mine = state.keys.setdefault(namespace, set())
         lower = self._below.setdefault(namespace, {})
-        down = set(below)
-        for key in (*removes, *adds):
-            nodes = lower.get(key)
-            if key in down:
-                lower.setdefault(key, set()).add(node_id)
-            elif nodes is not None:
-                nodes.discard(node_id)
-                if not nodes:
-                    del lower[key]
+        if below or lower:  # (nothing to do in a cluster without tiers)
+            down = set(below)
+            for key in (*removes, *adds):
+                nodes = lower.get(key)
+                if key in down:
+                    lower.setdefault(key, set()).add(node_id)
+                elif nodes is not None:
+                    nodes.discard(node_id)
+                    if not nodes:
+                        del lower[key]
         for key in removes:
             if key in mine:
                 mine.discard(key)
@@ -178,6 +179,8 @@ class Directory:
         """Per node of ``nodes``, how many leading pages of ``chain`` are not below its pool (reported in
         its tiers): of its prefix, the part it serves without reading a tier first."""
         lower = self._below.get(namespace, {})
+        if not lower:  # no node holds a page of the namespace below its pool
+            return dict.fromkeys(nodes, len(chain))
         out = {}
         for node in nodes:
             n = 0

@@ -169,16 +169,14 @@ class Replicator:
         seconds; returns the namespace, the hold and the keys pulled."""
         fetched: set[bytes] = set()
         ns = self.node.namespace(namespace)
+        self.node.check_read_batch(ns, keys)
         if ns.below is not None:  # this node's tiers first: bring what they hold into the pool
-            self.node.check_read_batch(ns, keys)
             start = time.monotonic()
             with TRACER.start_as_current_span("kvstore.promote", attributes={"kvstore.pages": len(keys)}):
                 await ns.below.promote(keys, self.config.fetch_timeout if timeout is None else timeout)
             if timeout is not None:
                 timeout = max(0.0, timeout - (time.monotonic() - start))
         if not local_only and self.config.replication != "none" and self._live_peers():
-            ns = self.node.namespace(namespace)
-            self.node.check_read_batch(ns, keys)
             budget = self.config.fetch_timeout if timeout is None else min(timeout, self.config.fetch_timeout)
             fetched = await self.fetch_missing(namespace, keys, budget)
         ns, handle = self.node.acquire(namespace, keys)

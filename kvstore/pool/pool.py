@@ -222,16 +222,17 @@ class PagePool:
         if res.ahead:
             self._lent -= len(res.slots)
         added = []
-        kinds = [kind] * len(keys) if isinstance(kind, PageKind) else list(kind)
+        one = kind if isinstance(kind, PageKind) else None
         for i, (key, slot) in enumerate(zip(keys, res.slots)):
             if key in self._table:
                 self._free.append(slot)
                 continue
-            entry = Entry(key, slot, kinds[i], checksums[i] if checksums is not None else 0,
-                          expires_at if kinds[i] is PageKind.SPECULATIVE else 0.0)
+            k = one or kind[i]  # type: ignore[index]
+            entry = Entry(key, slot, k, checksums[i] if checksums is not None else 0,
+                          expires_at if k is PageKind.SPECULATIVE else 0.0)
             self._table[key] = entry
             self._queue_of(entry)[key] = entry
-            self._kinds[kinds[i]] += 1
+            self._kinds[k] += 1
             added.append(entry)
         if added and self._on_change:
             self._on_change(added, [])
