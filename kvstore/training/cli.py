@@ -69,8 +69,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-seeds", type=_depths, default=TRAIN_SEEDS, help="generator seeds trained on")
     p.add_argument("--valid-seed", type=int, default=VALID_SEED, help="generator seed validated on")
     p.add_argument("--eval-seeds", type=_seeds, default=EVAL_SEEDS, help="generator seeds tested on")
-    p.add_argument("--train-from", type=float, default=TRAIN_FROM_S,
-                   help="trace seconds of a window source never trained on (the replay's window + H)")
+    p.add_argument("--train-from", type=float, default=None,
+                   help=f"trace seconds of a window source never trained on (default: {TRAIN_FROM_S:g}, the replay's "
+                   "window + H, for the shipped traces; 0 for a --trace file)")
     p.add_argument("--recency-tau", type=float, default=RECENCY_TAU_S,
                    help="recency weighting of a trace's training rows: exp((t - t_last) / tau)")
     p.add_argument("--threads", type=int, default=1, help="LightGBM threads")
@@ -95,16 +96,20 @@ def trace_name(path: str) -> str:
     return "synth_fanout" if path.startswith("synth") else Path(path).stem
 
 
-def sources_from_args(args: argparse.Namespace) -> list[Source]:
+def sources_from_args(args: argparse.Namespace, cfg: PredictorConfig | None = None) -> list[Source]:
     """The suite's sources named by ``--source`` (all when neither it nor ``--trace`` is given) plus
-    ``--trace`` files, with the command's overrides of router and sampling."""
+    ``--trace`` files, with the command's overrides of router and sampling. A trace file is read here:
+    one too short to label raises ``ValueError``, and its snapshots come often enough for each part of
+    its split to hold several (:func:`trace_sampling`)."""
+    horizon = (cfg or PredictorConfig()).horizon_s
     out = default_sources(args.source) if args.source or not args.trace else []
     for path in args.trace or []:
         if path.startswith("synth"):
             out += default_sources(["synth"])
             continue
-        out.append(Source(trace_name(path), lambda seed, p=path: load_trace(p, limit=args.limit, seed=0),
-                          "window", family=trace_name(path)))
+        reqs = load_trace(path, limit=args.limit, seed=0)
+        out.append(Source(trace_name(path), lambda seed, r=reqs: r, "window", family=trace_name(path),
+                          sample_every_s=trace_sampling(path, reqs, horizon), train_from_s=0.0))
     over: dict[str, Any] = {}
     if args.router:
         over["router"] = args.router
@@ -115,15 +120,29 @@ def sources_from_args(args: argparse.Namespace) -> list[Source]:
     return [replace(s, **over) for s in out]
 
 
+def trace_sampling(path: str, reqs: Sequence[Any], horizon_s: float, default_s: float = 30.0) -> float:
+    """Seconds between snapshots of a user's trace: the suite's 30 s, or less where the trace is short, so
+    the validation part (a fifth of the time left after the label horizon and the two gaps of ``H`` its
+    split needs) holds at least five snapshots. Raises ``ValueError`` when no time is left."""
+    span = (reqs[-1].t - reqs[0].t) if reqs else 0.0
+    usable = span - 3 * horizon_s
+    if usable <= 0:
+        raise ValueError(f"{path}: {len(reqs)} requests over {span:.0f} s; labelling looks {horizon_s:g} s ahead "
+                         f"(--horizon) and the train, validation and test parts need {horizon_s:g} s between them, "
+                         f"so a trace must span over {3 * horizon_s:g} s: pass a smaller --horizon")
+    return min(default_s, max(1.0, 0.2 * usable / 5))
+
+
 def parts_from_args(args: argparse.Namespace, cfg: PredictorConfig) -> list[Parts]:
     """Build every source's train / validation / test rows with the command's options."""
     parts = []
-    for src in sources_from_args(args):
+    for src in sources_from_args(args, cfg):
         p = build_parts(src, cfg, nodes=args.nodes, capacity_blocks=args.capacity_blocks,
                         train_seeds=args.train_seeds, valid_seed=args.valid_seed, eval_seeds=args.eval_seeds,
                         train_from_s=args.train_from)
         if not len(p.train) or not len(p.test):
-            raise ValueError(f"{src.name}: no labelled rows to train or test on (trace shorter than H?)")
+            raise ValueError(f"{src.name}: no labelled rows to train or test on ({len(p.train)} train, "
+                             f"{len(p.test)} test rows; try a smaller --horizon or --sample-every)")
         parts.append(p)
     return parts
 
@@ -131,7 +150,14 @@ def parts_from_args(args: argparse.Namespace, cfg: PredictorConfig) -> list[Part
 def seeds_note(args: argparse.Namespace) -> str:
     return (f"generators trained on seeds {','.join(map(str, args.train_seeds))}, validated on seed "
             f"{args.valid_seed}, tested on seeds {','.join(map(str, args.eval_seeds))}; traces: train the first "
-            f"60 % of time (from {args.train_from:g} s), validate the next 20 %, test the last 20 %")
+            f"60 % of time (from {_train_from(args)}), validate the next 20 %, test the last 20 % (a trace too short "
+            "for the gaps of H these leave: the same shares of the time left after them)")
+
+
+def _train_from(args: argparse.Namespace) -> str:
+    if args.train_from is not None:
+        return f"{args.train_from:g} s"
+    return f"{TRAIN_FROM_S:g} s of the shipped traces, 0 s of a --trace file"
 
 
 def json_safe(obj: Any) -> Any:
@@ -236,7 +262,8 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"kvctl train: {exc}", file=sys.stderr)
         return 2
     model = fit(parts, cfg, args.label, args.threads, args.seed, args.recency_tau, config=asdict(cfg),
-                train_seeds=list(args.train_seeds), valid_seed=args.valid_seed, train_from_s=args.train_from)
+                train_seeds=list(args.train_seeds), valid_seed=args.valid_seed,
+                train_from_s=TRAIN_FROM_S if args.train_from is None else args.train_from)  # of the shipped traces
     model.save(args.out)
     res = [(p.source.name, score_part(model, p, cfg, args.label)["valid"]) for p in parts]
     print(f"trained on {model.meta['rows']} rows ({model.meta['positives']} positive) of "

@@ -111,13 +111,27 @@ def time_split(ds: Dataset, horizon_s: float, fractions: tuple[float, float] = (
 
     Boundaries at ``fractions`` of the labelled time span; rows whose label
     window ``(t, t + H]`` crosses a boundary are dropped (no label leakage),
-    as are rows in the last ``H`` seconds (censored labels).
+    as are rows in the last ``H`` seconds (censored labels). Where that leaves
+    a part without rows (a trace shorter than about six ``H``), the fractions
+    apply instead to the labelled span less the two gaps of ``H`` the purge
+    needs, so each part gets its share of the time that can be used.
     """
     t0 = float(ds.t.min()) if len(ds) else 0.0
     t_last = ds.t_end - horizon_s
-    b1 = t0 + fractions[0] * (t_last - t0)
-    b2 = b1 + fractions[1] * (t_last - t0)
-    t = ds.t
+    parts = _split(ds.t, t0, t_last, horizon_s, fractions, t_last - t0)
+    if len(ds) and not all(p.size for p in parts):
+        usable = t_last - t0 - 2 * horizon_s
+        if usable > 0:
+            short = _split(ds.t, t0, t_last, horizon_s, fractions, usable, gap=horizon_s)
+            if all(p.size for p in short):
+                return short
+    return parts
+
+
+def _split(t: np.ndarray, t0: float, t_last: float, horizon_s: float, fractions: tuple[float, float],
+           span: float, gap: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    b1 = t0 + fractions[0] * span + gap
+    b2 = b1 + fractions[1] * span + gap
     train = np.flatnonzero(t + horizon_s <= b1)
     valid = np.flatnonzero((t > b1) & (t + horizon_s <= b2))
     test = np.flatnonzero((t > b2) & (t <= t_last))

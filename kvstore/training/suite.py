@@ -7,8 +7,8 @@ each source's held-out part, against momentum:
   trace, the Azure code trace, ``mixed``: the conversation with fan-out
   bursts overlaid). It is split by time (train / validation / test, see
   :func:`~kvstore.training.evaluate.time_split`); rows before
-  ``train_from_s`` are never trained on (the replay's conversation window,
-  0-120 s, plus H);
+  ``train_from_s`` are never trained on (for the shipped traces the replay's
+  conversation window, 0-120 s, plus H; none of a trace a user brings);
 * a **generator** source (``synth`` and every shape in
   :mod:`kvstore.workloads.shapes`) is trained on seeds ``train_seeds``,
   validated on ``valid_seed`` and tested on ``eval_seeds``: traces it never
@@ -61,6 +61,7 @@ class Source:
     max_rows: int = 2000
     family: str = ""                        # sources sharing data are held out together
     seeded: bool = False                    # a window source whose overlay depends on the seed
+    train_from_s: float = TRAIN_FROM_S      # a window source's seconds never trained on (0 for a user's trace)
 
 
 def find_data(name: str) -> Path | None:
@@ -188,9 +189,10 @@ def _uncensored(ds: Dataset, horizon_s: float) -> Dataset:
 
 def build_parts(src: Source, cfg: PredictorConfig, nodes: int = 4, capacity_blocks: int = 16384,
                 train_seeds: Sequence[int] = TRAIN_SEEDS, valid_seed: int = VALID_SEED,
-                eval_seeds: Sequence[int] = EVAL_SEEDS, train_from_s: float = TRAIN_FROM_S,
+                eval_seeds: Sequence[int] = EVAL_SEEDS, train_from_s: float | None = None,
                 fractions: tuple[float, float] = (0.6, 0.2)) -> Parts:
-    """Build and split one source's rows (window: by time; generator: by seed)."""
+    """Build and split one source's rows (window: by time; generator: by seed). ``train_from_s`` overrides
+    the source's own (:attr:`Source.train_from_s`)."""
     def ds_of(seed: int) -> Dataset:
         return build_dataset(src.load(seed), cfg, nodes=nodes, router=src.router, capacity_blocks=capacity_blocks,
                              sample_every_s=src.sample_every_s, max_rows=src.max_rows, seed=seed)
@@ -198,7 +200,8 @@ def build_parts(src: Source, cfg: PredictorConfig, nodes: int = 4, capacity_bloc
     if src.kind == "window":
         tr_ds = ds_of(train_seeds[0])
         tr, va, _ = time_split(tr_ds, cfg.horizon_s, fractions)
-        tr = tr[tr_ds.t[tr] >= tr_ds.t.min() + train_from_s]
+        skip = src.train_from_s if train_from_s is None else train_from_s
+        tr = tr[tr_ds.t[tr] >= tr_ds.t.min() + skip]
         ev_ds = ds_of(eval_seeds[0]) if src.seeded else tr_ds
         _, _, te = time_split(ev_ds, cfg.horizon_s, fractions)
         test = ev_ds.take(te)
