@@ -20,7 +20,7 @@ its owner calls it under its own. Its rules:
 :class:`HostPages` is the host-memory tier over one preallocated buffer of ``capacity_bytes //
 page_bytes`` slots, from ``allocate`` (pinned host memory on a GPU node) or ``numpy.empty``. Its copies
 run outside its lock: a put copies into a slot reserved for it, a get copies out of a slot its read
-keeps from reuse.
+keeps from reuse; a copy of a large page is split across threads (:func:`~kvstore.hostmem.copy_into`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.hostmem import copy_into
 from kvstore.tiers.base import PageId, Spill, Stored, TierStats
 
 log = logging.getLogger(__name__)
@@ -256,7 +257,7 @@ class HostPages(IndexedTier):
             for victim in taken.victims:
                 if spill is not None:
                     spill(victim.page, victim.kind, victim.checksum, memoryview(self._slot_bytes(victim.slot)))
-            np.copyto(self._slot_bytes(taken.slot), data)
+            copy_into(self._slot_bytes(taken.slot), data)
         except BaseException:
             with self._lock:
                 self._index.settle(page)
@@ -281,7 +282,7 @@ class HostPages(IndexedTier):
                 return None
             entry.readers += 1
         try:
-            np.copyto(_bytes_of(out)[:self.page_bytes], self._slot_bytes(entry.slot))
+            copy_into(_bytes_of(out)[:self.page_bytes], self._slot_bytes(entry.slot))
         finally:
             with self._lock:
                 if self._index.release_reader(entry):

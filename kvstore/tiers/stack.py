@@ -46,6 +46,7 @@ import numpy as np
 import xxhash
 
 from kvstore.config import NodeConfig, TierSpec
+from kvstore.hostmem import copy_into
 from kvstore.pool.pool import Entry, PageKind
 from kvstore.tiers.base import PageId, PageTier, Stored
 
@@ -404,7 +405,7 @@ class NamespaceTiers:
         if pool.ops.host_visible:
             for e in entries:
                 row = self.stack.rows.take(self.page_bytes)
-                np.copyto(row, pool.buffer[e.slot])
+                copy_into(row, pool.buffer[e.slot])
                 self.staged[e.key] = _Staged(row, int(e.kind), e.checksum, row=True)
         else:  # a device pool: one pack kernel and one download into pinned staging memory
             data = pool.ops.to_host(pool.ops.pack(pool.buffer, [e.slot for e in entries]),
@@ -505,7 +506,8 @@ class NamespaceTiers:
             target = memoryview(landing.targets[0]).cast("B")
             staged = self.staged.get(key)
             if staged is not None:
-                target[:] = memoryview(staged.data).cast("B")
+                copy_into(np.frombuffer(target, dtype=np.uint8), np.frombuffer(memoryview(staged.data).cast("B"),
+                                                                               dtype=np.uint8))
                 stored: Stored | None = Stored((self.name, key), staged.kind, staged.checksum)
             else:
                 stored = await self._read_any(i, key, target)
