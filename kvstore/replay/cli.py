@@ -167,6 +167,17 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--sim-rpc-ms", type=float,
                    help="simulation: real ms one KV round trip (Lookup, Get, Put, Replicate) costs, x speedup in "
                         "trace time like every measured wait")
+    r = p.add_argument_group("regime map")
+    r.add_argument("--regimes", action="store_true", help="run the regime map instead of one replay: the synthetic "
+                   "fan-out over a grid of shared context x link x nodes x burst size x burst window, each cell every "
+                   "--policies under every --routers (kvstore/replay/regimes.py); resumes what --out holds")
+    r.add_argument("--regimes-axis", action="append", default=[], metavar="NAME=V1,V2",
+                   help="replace an axis's values (context, link, nodes, burst, window); repeatable")
+    r.add_argument("--regimes-jobs", type=int, default=0, help="cells run at once (0: one per core with --sim, "
+                   "else 1)")
+    r.add_argument("--regimes-near", type=float, default=0.1, help="a cell whose best predictive ratio is within "
+                   "this of 1.0 on one seed runs again with --regimes-seeds seeds")
+    r.add_argument("--regimes-seeds", type=int, default=3)
     p.set_defaults(**ReplayConfig.flag_defaults())
 
 
@@ -251,6 +262,11 @@ def run_replay(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"kvctl replay: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "regimes", False):
+        from kvstore.replay import regimes
+
+        return regimes.main(a, args.regimes_axis, args.regimes_jobs, args.regimes_near, args.regimes_seeds,
+                            sys.argv[1:])
     if threading.current_thread() is not threading.main_thread():
         return _replay(a)
     # SIGTERM (and a SIGINT that a parent shell set to ignore) unwinds like Ctrl-C, so the daemons get stopped
