@@ -12,6 +12,9 @@
   (:func:`worth_waiting`). A copy already on its way to this node (``pending``, not computing, on
   its own entry: the coordinator's copy tree) is waited for too (:func:`incoming`), rather than
   pulled a second time.
+* **Read.** Before its Get an engine reads another node's prefix only when pulling it beats
+  computing it (:func:`worth_reading`): the pull's time counts the other pulls of that prefix the
+  coordinator expects in flight on its holder (``copies_ahead`` of a holder's entry).
 * **Until.** The follower re-looks (no record, no claim, no lease; every :func:`look_again_s`, an
   eighth of what it still expects) until :func:`landed`, at most its
   own prefill time (times the margin; and the connector's cap), then loads what is held; a claim
@@ -106,6 +109,33 @@ def decide(nodes: Sequence[Any], me: str, local: int, *, page_bytes: int, link_b
         ready = float(e.ready_in_seconds) * time_scale
         if worth_waiting(ready, copy, own, m) and (best is None or length > best.length):
             best = Wait(node=e.node_id, length=length, ready_in_s=ready, budget_s=m * own)
+    return best
+
+
+def pull_s(entry: Any, local: int, *, page_bytes: int, link_bytes_per_s: float) -> float:
+    """Seconds to pull ``entry``'s prefix beyond ``local`` blocks over the link, sharing its holder's
+    egress with the ``copies_ahead`` other pulls and copies of that prefix the answer counts."""
+    if link_bytes_per_s <= 0:
+        return math.inf
+    blocks = max(0, int(entry.prefix_length) - local)
+    return blocks * page_bytes / link_bytes_per_s * (int(entry.copies_ahead) + 1)
+
+
+def worth_reading(nodes: Sequence[Any], me: str, local: int, *, page_bytes: int, link_bytes_per_s: float,
+                  prefill_blocks_s: Callable[[int], float]) -> int:
+    """Blocks of the chain to read (load or recompute): ``local`` (this node's own), or the deepest
+    prefix another node holds whose pull beats computing the same blocks here (:func:`pull_s`: the
+    measured contention on its holder's egress included). On a slow link, a short prefix, or a holder
+    already serving a burst of pulls, computing is faster and nothing is pulled: the rule every engine
+    applies before its Get, whatever the policy (a pull is a cost, not a prediction)."""
+    best = local
+    for e in nodes:
+        length = int(e.prefix_length)
+        if e.pending or e.node_id == me or length <= best:
+            continue
+        if pull_s(e, local, page_bytes=page_bytes, link_bytes_per_s=link_bytes_per_s) < prefill_blocks_s(
+                length - local):
+            best = length
     return best
 
 

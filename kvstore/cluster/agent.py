@@ -28,7 +28,7 @@ import grpc
 
 from kvstore.cluster import answer
 from kvstore.cluster.checks import check_key_batch
-from kvstore.cluster.claims import Claim, Claims
+from kvstore.cluster.claims import Claim, Claims, Pulls
 from kvstore.cluster.directory import Directory, Outbox
 from kvstore.cluster.membership import make_membership, plan_round
 from kvstore.cluster.peers import PeerClient
@@ -94,6 +94,7 @@ class ClusterAgent:
         self.directory = Directory()
         # in-flight prefill claims (kvstore.cluster.claims): kept, like the directory, where it is asked
         self.claims = Claims()
+        self.pulls = Pulls()  # the reactive pulls its answers announced (kvstore.cluster.claims.Pulls)
         self._claimed_until = 0.0  # this node forwarded claims that may live until then: report Puts at once
         self.outbox = Outbox()
         node.listeners.append(self.outbox.record)
@@ -346,13 +347,15 @@ class ClusterAgent:
         return pb.LocateResponse(holders=[pb.KeyHolders(node_ids=sorted(h)) for h in holders], members=members)
 
     def prefixes(self, namespace: str, keys: Sequence[bytes], asker: str = "", claim_seconds: float = 0.0,
-                 claim_start: int = 0) -> list[pb.NodePrefix]:
+                 claim_start: int = 0, record: bool = False) -> list[pb.NodePrefix]:
         """Per live node: its longest cached prefix of ``keys``, with
         placement hints (speculative copies in flight or alive) and in-flight
         prefill claims (``computing``). ``asker`` (a node id) is noted as a
         waiter of the claims it is shown; with ``claim_seconds`` it claims
         the part of the chain past ``claim_start`` and what the directory
-        knows is stored (after the answer is drawn: it never sees itself)."""
+        knows is stored (after the answer is drawn: it never sees itself). The holders' entries count the
+        pulls of the prefix in flight (``copies_ahead``); a ``record`` lookup of an asker that holds
+        ``claim_start`` blocks announces its own."""
         def address_of(node_id: str) -> str | None:
             member = self.membership.member(node_id)
             return member.address if member is not None else None
@@ -362,6 +365,7 @@ class ClusterAgent:
         now = time.monotonic()
         seen = self.claims.seen(namespace, keys, now, held, asker)
         out = answer.merge(held, self.placement.hints(namespace, keys), seen, address_of)
+        answer.pulls_ahead(out, self.pulls, namespace, keys, asker, claim_start, now, held, record)
         pool = self.directory.pool_lengths(namespace, keys, held)
         for n in out:
             n.pool_length = n.prefix_length if n.pending else min(n.prefix_length, pool.get(n.node_id, 0))
@@ -419,11 +423,11 @@ class ClusterAgent:
             self._claimed_until = max(self._claimed_until,
                                       time.monotonic() + claim_seconds + self.claims.grace_s)
         if self._answers_locally():
-            nodes = self.prefixes(namespace, keys, me, claim_seconds, local)
+            nodes = self.prefixes(namespace, keys, me, claim_seconds, local, record)
         else:
             reply = await self._ask_directory("ClusterLookup", pb.LookupRequest(
                 namespace=namespace, keys=keys, claim_seconds=claim_seconds, claim_node_id=me,
-                claim_start=local))
+                claim_start=local, record=record))
             nodes = list(reply.nodes) if reply is not None else self.prefixes(namespace, keys)
         local_pool = runs[0].pages if runs and runs[0].tier == "pool" else 0
         nodes = answer.as_seen_by(nodes, me, local, self.node.address, self.membership.alive, local_pool)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from kvstore.cluster.claims import Seen
+from kvstore.cluster.claims import Pulls, Seen
 from kvstore.v1 import kvstore_pb2 as pb
 
 
@@ -47,3 +47,23 @@ def as_seen_by(nodes: Sequence[pb.NodePrefix], me: str, local: int, address: str
         out.append(pb.NodePrefix(node_id=me, address=address, prefix_length=local,
                                  pool_length=local if local_pool is None else local_pool))
     return out
+
+
+def pulls_ahead(out: Sequence[pb.NodePrefix], pulls: Pulls, namespace: str, keys: Sequence[bytes], asker: str,
+                local: int, now: float, held: Mapping[str, int], record: bool) -> None:
+    """Set ``copies_ahead`` on the entries of the nodes that hold the deepest prefix of ``keys`` (not
+    pending): the pulls of it in flight (:class:`~kvstore.cluster.claims.Pulls`; ``held``: the directory's
+    prefix length per node, which ends a pull that landed), spread over those holders. A recorded lookup
+    from ``asker``, which holds ``local`` blocks, then announces its own pull."""
+    holders = [n for n in out if not n.pending and n.node_id != asker]
+    depth = max((int(n.prefix_length) for n in holders), default=0)
+    if depth <= local or not asker:
+        return
+    deepest = [n for n in holders if int(n.prefix_length) == depth]
+    key = keys[depth - 1]
+    ahead = pulls.ahead(namespace, key, now, asker, lambda node: held.get(node, 0) >= depth)
+    share = -(-ahead // len(deepest))
+    for n in deepest:
+        n.copies_ahead = share
+    if record:
+        pulls.note(namespace, key, asker, now)

@@ -181,6 +181,54 @@ class Claims:
         return dropped
 
 
+DEFAULT_PULL_HORIZON_S = 30.0  # a pull the directory never saw land stops counting after this
+
+
+class Pulls:
+    """The reactive pulls the coordinator expects in flight, per prefix (pure; beside :class:`Claims`).
+
+    A recorded lookup (an engine about to serve a request) from a node that lacks a prefix another node
+    holds announces a pull of it. The pull counts as in flight until the directory shows the asker
+    holding the prefix (its pull, or its own prefill, landed), or ``horizon_s`` passed. A later asker of
+    the same prefix is told, on each holder's entry, how many of those pulls share that holder
+    (``copies_ahead``), so its engine prices its own pull with that contention
+    (``kvstore_client.claims.worth_reading``). An asker whose engine computes instead keeps counting
+    until its Put lands: the estimate errs towards contention, and so towards computing."""
+
+    def __init__(self, horizon_s: float = DEFAULT_PULL_HORIZON_S, max_prefixes: int = 10_000) -> None:
+        self.horizon_s, self.max_prefixes = horizon_s, max_prefixes
+        self._ends: dict[tuple[str, bytes], dict[str, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def ahead(self, namespace: str, key: bytes, now: float, asker: str = "",
+              holding: Callable[[str], bool] = lambda node: False) -> int:
+        """Pulls of the prefix ending in ``key`` in flight now: announced, not past the horizon, and by a
+        node that does not hold it yet (``holding``); the asker's own aside."""
+        ends = self._ends.get((namespace, key))
+        if not ends:
+            return 0
+        for node in [n for n, end in ends.items() if end <= now or holding(n)]:
+            del ends[node]
+        if not ends:
+            del self._ends[(namespace, key)]
+        return sum(1 for node in ends if node != asker)
+
+    def note(self, namespace: str, key: bytes, asker: str, now: float) -> None:
+        """``asker`` pulls the prefix ending in ``key`` from now on."""
+        slot = (namespace, key)
+        if slot not in self._ends and len(self._ends) >= self.max_prefixes:
+            self.prune(now)
+            if len(self._ends) >= self.max_prefixes:
+                return
+        self._ends.setdefault(slot, {})[asker] = now + self.horizon_s
+
+    def prune(self, now: float) -> None:
+        for slot in [s for s, ends in self._ends.items() if all(end <= now for end in ends.values())]:
+            del self._ends[slot]
+
+
 def waiter_tree(claim: Claim, alive: Callable[[str], bool], fanout: int, ttl_s: float, page_bytes: int,
                 others: Sequence[str] = (), spread_at: int = SPREAD_AT_WAITERS,
                 parts: int = 1) -> Decision | None:

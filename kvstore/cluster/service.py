@@ -53,7 +53,8 @@ class ClusterService(pb_grpc.ClusterServicer):
             self.agent.check_keys(request.namespace, request.keys)
             check_claim_seconds(request.claim_seconds, self.agent.config.max_claim_seconds)
             nodes = self.agent.prefixes(request.namespace, list(request.keys), request.claim_node_id,
-                                        request.claim_seconds, min(request.claim_start, len(request.keys)))
+                                        request.claim_seconds, min(request.claim_start, len(request.keys)),
+                                        request.record)
             self._check_warm(max((n.prefix_length for n in nodes), default=0) < len(request.keys))
             return pb.LookupResponse(nodes=nodes)
         except KvError as exc:

@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from kvstore.replay.costmodel import CostModel
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client.claims import (Wait, decide, held, incoming_copy, landed, look_again_s, read_after_wait,
-                                   still_coming)
+                                   still_coming, worth_reading)
 
 __all__ = ["POLL_S", "Wait", "choose", "claim_seconds", "held", "incoming", "landed", "look_again", "margin_for",
-           "readable_after", "split_policy", "still_coming", "wait_end", "wait_for"]
+           "readable", "readable_after", "split_policy", "still_coming", "wait_end", "wait_for"]
 
 POLL_S = 0.010  # real seconds between the re-lookups of a waiting follower, at least (look_again)
 # --claim-margin auto: the margin each policy did best with on agent-fanout (simulated sweep over 1, 1.5,
@@ -100,6 +100,13 @@ def wait_end(came: bool, waited_s: float, wait: Wait) -> str:
     if came:
         return "came"
     return "budget" if waited_s >= wait.budget_s else "gone"
+
+
+def readable(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel, link_bytes_s: float) -> int:
+    """Blocks to read before computing the rest: the connectors' load-or-recompute rule
+    (:func:`kvstore_client.claims.worth_reading`) in the cost model's units."""
+    return worth_reading(nodes, me, local, page_bytes=cost.page_bytes, link_bytes_per_s=link_bytes_s,
+                         prefill_blocks_s=lambda blocks: cost.prefill_s(blocks * cost.block_tokens))
 
 
 def readable_after(wait: Wait, came: bool, nodes: Sequence[pb.NodePrefix], local: int, held_before: int,

@@ -20,7 +20,7 @@ generator, so the engine's rules (claim, wait, fetch, prefill, store) exist once
 
 Per request (the engine's slot is the driver's: it starts this once a slot is free): (oracle) wait for
 the planned prefix; ``Lookup``; (+claims) wait for another node's claimed prefill and re-look; ``Get`` of
-the cluster-cached prefix; the prefill unit, for the uncached tokens (first token); ``Put`` what the node
+the cluster-cached prefix, as far as pulling it beats computing it (``claiming.readable``); the prefill unit, for the uncached tokens (first token); ``Put`` what the node
 lacked; decode. TTFT = queueing + fetch + local load + prefill, as ``RequestRecord`` defines it.
 """
 
@@ -125,6 +125,7 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
         claim = claiming.claim_seconds(cost, rec.input_tokens, 0, e.backlog_s, S) if rules.claims else 0.0
         local, nodes = yield Lookup(keys, record=True, claim_s=claim)
         cluster_max = claiming.held(nodes, local)
+        read = claiming.readable(nodes, e.node_id, local, cost, rules.link_bytes_s)  # pull only what beats computing
         wait = claiming.choose(nodes, e.node_id, local, cost, S, rules.link_bytes_s, e.backlog_s,
                                rules.claim_margin) if rules.claims else None
         if wait is not None:  # another request is computing this prefix: wait for it, then read it
@@ -137,11 +138,12 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
                 if (came or now() - t_wait >= wait.budget_s
                         or not claiming.still_coming(nodes, e.node_id, wait.length, wait.node)):
                     break
-            cluster_max = claiming.readable_after(wait, came, nodes, local, held_before, cost, rules.link_bytes_s)
+            cluster_max = read = claiming.readable_after(wait, came, nodes, local, held_before, cost,
+                                                         rules.link_bytes_s)
             rec.wait_real_s = (now() - t_wait) / S
             rec.wait_end = claiming.wait_end(came, now() - t_wait, wait)
             rec.wait_ready_s = wait.ready_in_s
-        fetch = cluster_max if step is None else max(local, step.depth)  # the oracle gets what its plan says
+        fetch = read if step is None else max(local, step.depth)  # the oracle gets what its plan says
         if fetch > 0:
             t_get = now()
             cached, rec.corrupt = yield Get(keys[:fetch])

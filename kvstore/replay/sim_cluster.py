@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 from kvstore.replay.sim_kernel import Event, Network, Sim
 from kvstore.cluster import answer
-from kvstore.cluster.claims import Claims
+from kvstore.cluster.claims import Claims, Pulls
 from kvstore.cluster.directory import Directory, Outbox
 from kvstore.cluster.replicator import assign_sources
 from kvstore.pool.pool import PageKind
@@ -191,6 +191,7 @@ class SimCluster:
         self.net = Network(sim, p.nodes, p.link_rate, p.link_latency)
         self.directory = Directory()
         self.claims = Claims()              # in-flight prefill claims (the coordinator's, as in the daemons)
+        self.pulls = Pulls()                # the reactive pulls its answers announced (as the agent's)
         self.membership = Membership(self)
         self.placement = placement          # the coordinator glue (predictive/full), or None
         self.inflight: list[dict[bytes, Event]] = [{} for _ in self.ids]
@@ -272,7 +273,7 @@ class SimCluster:
 
     # ---- lookups -------------------------------------------------------------
     def prefixes(self, keys: Sequence[bytes], asker: str = "", claim_node: str = "",
-                 claim_seconds: float = 0.0, claim_start: int = 0) -> list[pb.NodePrefix]:
+                 claim_seconds: float = 0.0, claim_start: int = 0, record: bool = False) -> list[pb.NodePrefix]:
         """The coordinator's answer: per live node its longest prefix (directory), with the hints and the
         in-flight claims; a claim in the same call is recorded after the answer is drawn (as the agent)."""
         ns = self.p.namespace
@@ -281,6 +282,7 @@ class SimCluster:
         seen = self.claims.seen(ns, keys, now, held, asker)
         hints = self.placement.hints(ns, keys) if self.placement is not None else []
         out = answer.merge(held, hints, seen, lambda n: "" if self.membership.alive(n) else None)
+        answer.pulls_ahead(out, self.pulls, ns, keys, asker, claim_start, now, held, record)
         if claim_seconds > 0 and claim_node:
             start = max([claim_start, *held.values()])
             if self.claims.claim(ns, keys, claim_node, claim_seconds, now, start=start) is not None:
@@ -299,7 +301,8 @@ class SimCluster:
         """Node ``i``'s Lookup: (its local prefix, every node's prefix) as the agent answers it."""
         local = self.pools[i].prefix(keys)
         me = self.ids[i]
-        reply = self.prefixes(keys, asker=me, claim_node=me, claim_seconds=claim_seconds, claim_start=local)
+        reply = self.prefixes(keys, asker=me, claim_node=me, claim_seconds=claim_seconds, claim_start=local,
+                              record=record)
         nodes = answer.as_seen_by(reply, me, local)
         if record and keys:
             depth = min(len(keys), self.p.depth_cap)

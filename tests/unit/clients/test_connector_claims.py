@@ -64,6 +64,37 @@ def test_wait_for_a_remote_claim_when_ready_plus_copy_beats_own_prefill() -> Non
     assert rule([entry("a", 8, computing=True, ready=0.1)], prefill_tokens_per_s=0) is None
 
 
+def read(nodes: list[pb.NodePrefix], local: int = 0, me: str = "b", link: float = LINK) -> int:
+    return claims.worth_reading(nodes, me, local, page_bytes=PAGE, link_bytes_per_s=link,
+                                prefill_blocks_s=lambda blocks: claims.prefill_s(blocks * BS, TPS))
+
+
+def test_read_pulls_a_held_prefix_only_where_the_pull_beats_computing_it() -> None:
+    """Load or recompute, pure: a block's copy ~1 ms against 32 ms of prefill here."""
+    assert read([entry("a", 8)]) == 8                               # 8 ms of copies against 256 ms of prefill
+    assert read([entry("a", 8)], local=3) == 8 and read([entry("a", 2)], local=3) == 3
+    assert read([entry("a", 8)], link=PAGE / 0.040) == 0            # a slow link: a block's copy is 40 ms
+    # recomputing is faster than a pull that shares its holder with 40 others (41 ms a block): no pull
+    assert read([entry("a", 8, ahead=40)]) == 0
+    assert read([entry("a", 8, ahead=28)]) == 8                     # 30 ms a block: still pulls
+    # a less contended holder of a shorter prefix is read when the deeper one is not worth it
+    assert read([entry("a", 8, ahead=40), entry("c", 4)]) == 4
+    assert read([entry("a", 8, pending=True)]) == 0                 # a copy in flight is not held yet
+    assert read([entry("b", 8)]) == 0 and read([entry("a", 8)], link=0) == 0
+
+
+def test_in_a_cell_where_recomputing_wins_nobody_pulls_or_waits_and_where_it_loses_all_do() -> None:
+    """The two sides of one comparison: a burst's followers over a slow link for a short prefix
+    compute; over a fast link for a long one they read and wait."""
+    short_slow = dict(link_bytes_per_s=PAGE / 0.040)
+    for ahead in range(8):
+        assert read([entry("a", 4, ahead=ahead)], link=PAGE / 0.040) == 0
+        assert rule([entry("a", 4, computing=True, ready=0.05, ahead=ahead)], **short_slow) is None
+    for ahead in range(8):
+        assert read([entry("a", 64, ahead=ahead)]) == 64
+        assert rule([entry("a", 64, computing=True, ready=0.5, ahead=ahead)]) is not None
+
+
 def test_wait_for_skips_what_is_held_and_picks_the_deepest() -> None:
     held = [entry("c", 8), entry("a", 8, computing=True, ready=0.01)]
     assert rule(held) is None                                   # c holds it already: load it

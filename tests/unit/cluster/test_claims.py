@@ -91,3 +91,44 @@ def test_a_wide_burst_spreads_the_tree_to_every_live_node_after_the_waiters() ->
     c.seen(NS, CHAIN, now=0.1, asker="e")
     wide = waiter_tree(claim, lambda n: n != "d", 2, 30.0, 1, others=["a", "b", "c", "d", "e"])
     assert wide is not None and wide.targets == ("c", "e", "b")  # waiters first, then the live rest
+
+
+def test_pulls_count_until_the_puller_holds_the_prefix_or_the_horizon() -> None:
+    from kvstore.cluster.claims import Pulls
+
+    pulls = Pulls(horizon_s=10.0, max_prefixes=2)
+    for node in ("b", "c", "d"):
+        pulls.note("ns", b"k8", node, 0.0)
+    assert pulls.ahead("ns", b"k8", 1.0) == 3 and pulls.ahead("ns", b"k8", 1.0, asker="b") == 2
+    assert pulls.ahead("ns", b"k8", 1.0, holding=lambda node: node == "c") == 2  # c's landed: gone for good
+    assert pulls.ahead("ns", b"k8", 1.0) == 2
+    assert pulls.ahead("ns", b"k8", 10.5) == 0 and len(pulls) == 0                # past the horizon
+    pulls.note("ns", b"x", "b", 0.0)
+    pulls.note("ns", b"y", "b", 0.0)
+    pulls.note("ns", b"z", "b", 0.0)                                              # full, nothing expired
+    assert pulls.ahead("ns", b"z", 1.0) == 0 and len(pulls) == 2
+    pulls.note("ns", b"z", "b", 20.0)                                             # the others expired
+    assert pulls.ahead("ns", b"z", 21.0) == 1
+
+
+def test_the_answer_spreads_the_pulls_in_flight_over_the_prefix_holders() -> None:
+    from kvstore.cluster import answer
+    from kvstore.cluster.claims import Pulls
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    keys = [bytes([i]) for i in range(8)]
+    pulls = Pulls()
+
+    def ask(asker: str, local: int, holders: dict[str, int], record: bool = True) -> dict[str, int]:
+        out = [pb.NodePrefix(node_id=n, prefix_length=length) for n, length in holders.items()]
+        answer.pulls_ahead(out, pulls, "ns", keys, asker, local, 0.0, holders, record)
+        return {n.node_id: n.copies_ahead for n in out}
+
+    assert ask("b", 0, {"a": 8}) == {"a": 0}                  # the first puller shares with nobody
+    assert ask("c", 0, {"a": 8}) == {"a": 1}
+    assert ask("d", 0, {"a": 8}, record=False) == {"a": 2}    # a router's look: announces no pull
+    assert ask("d", 0, {"a": 8}) == {"a": 2}
+    assert ask("e", 0, {"a": 8, "f": 8, "g": 4}) == {"a": 2, "f": 2, "g": 0}  # 3 pulls over 2 holders
+    assert ask("h", 0, {"a": 8, "b": 8}) == {"a": 2, "b": 2}  # b's pull landed: c, d, e left
+    assert ask("a", 0, {"a": 8}) == {"a": 0}                  # a holder asking pulls nothing
+    assert ask("i", 8, {"a": 8}) == {"a": 0}                  # nor does a node that holds it
