@@ -59,11 +59,15 @@ class ConnectorConfig:
     prefill_tokens_per_s: float = 0.0
     """This engine's prefill throughput (tokens/s, at its usual batch): the
     claimant's ``claim_seconds`` (its queued prefill plus its own) and a
-    follower's alternative to waiting. Required (> 0) with ``claims``."""
+    follower's alternative to waiting. Required (> 0) with ``claims``. Set
+    (with or without claims), it also decides what to load: a prefix only
+    another node holds is pulled only where the pull (``link_bytes_per_s``,
+    shared with the other pulls of it the coordinator counts in flight)
+    beats computing it; unset, every held block is loaded."""
     link_bytes_per_s: float = 12.5e9
-    """The node-to-node link the copy of a waited-for prefix takes (bytes/s;
-    12.5e9 = 100 Gb/s). The copy of ``n`` pages costs ``n * page_bytes /
-    link_bytes_per_s`` per wave ahead of this node."""
+    """The node-to-node link the copy of a waited-for or pulled prefix takes
+    (bytes/s; 12.5e9 = 100 Gb/s). The copy of ``n`` pages costs ``n *
+    page_bytes / link_bytes_per_s`` per copy ahead of this one."""
     claim_margin: float = 1.0
     """Wait when ``ready_in + copy < m * own prefill`` (queued prefill
     included), at most ``m * own prefill``. 1.0: only when waiting is expected

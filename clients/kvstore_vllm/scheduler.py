@@ -196,13 +196,26 @@ class SchedulerCore:
     def _settle(self, req: _Request, reply: pb.LookupResponse, hit: int | None = None) -> None:
         """``hit_blocks`` from a Lookup's answer, or ``hit`` (the lease is the first Lookup's)."""
         if hit is None:
-            hit = claiming.held(reply.nodes, int(reply.prefix_length))
+            hit = self._worth_reading(reply)
         req.hit_blocks = min(hit, req.max_hit_blocks)
         req.hints = [NodeHint(n.node_id, n.address, n.prefix_length, n.pending, n.expires_in_seconds)
                      for n in reply.nodes]
         # blocks the store already holds are not saved again
         req.saved_blocks = req.hit_blocks
         self.stats.add(lookup_hit_tokens=req.hit_blocks * self.block_size)
+
+    def _worth_reading(self, reply: pb.LookupResponse) -> int:
+        """Blocks to load: what this node holds, and another node's deeper prefix where pulling it beats
+        computing it (:func:`kvstore_client.claims.worth_reading`; it needs ``prefill_tokens_per_s``,
+        without which every held block is loaded)."""
+        local = int(reply.prefix_length)
+        held = claiming.held(reply.nodes, local)
+        tps = self.config.prefill_tokens_per_s
+        if held <= local or not tps > 0 or (ctx := self._context()) is None:
+            return held
+        return claiming.worth_reading(reply.nodes, ctx[0], local, page_bytes=ctx[1],
+                                      link_bytes_per_s=self.config.link_bytes_per_s,
+                                      prefill_blocks_s=lambda b: claiming.prefill_s(b * self.block_size, tps))
 
     # ---- in-flight prefill claims ----------------------------------------------
     def backlog_tokens(self, but: _Request | None = None) -> int:

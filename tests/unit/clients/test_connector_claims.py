@@ -381,3 +381,15 @@ def test_sglang_backend_claims_what_it_will_compute() -> None:
     assert len(keys) == 6 and seconds == pytest.approx(6 * 4 / 100.0)  # every page of the batch, at most
     backend.claims = False
     assert backend.batch_exists(["k0"]) == 2 and backend.client.calls[-1][1] == 0.0
+
+
+def test_the_connector_loads_a_remote_prefix_only_where_pulling_it_beats_computing_it() -> None:
+    """vLLM's scheduler, with and without claims: a holder serving 40 other pulls (41 ms a block against
+    32 ms of prefill) is not read; an idle one is; without a throughput every held block is loaded."""
+    for claims_on in (True, False):
+        busy = ScriptedClient(lambda call: reply(entry("a", 8, ahead=40)))
+        assert core(busy, claims=claims_on).matched_tokens("r", PROMPT, b"", 0) == 0
+        idle = ScriptedClient(lambda call: reply(entry("a", 8)))
+        assert core(idle, claims=claims_on).matched_tokens("r", PROMPT, b"", 0) == 8 * BS
+    unknown = ScriptedClient(lambda call: reply(entry("a", 8, ahead=40)))
+    assert core(unknown, claims=False, prefill_tokens_per_s=0).matched_tokens("r", PROMPT, b"", 0) == 8 * BS
