@@ -11,7 +11,7 @@ VVENV   ?= .venv-vllm
 VBIN    := $(VVENV)/bin
 VSTAMP  := $(VVENV)/.installed
 
-.PHONY: install proto test test-gpu test-vllm bench run run-full run-sweep demo kernels clean
+.PHONY: install proto test test-gpu test-vllm bench run run-full run-sweep regimes demo kernels clean
 
 install: $(STAMP)
 
@@ -103,6 +103,15 @@ SWEEP_ARGS ?= --trace conversation --window 60 --trace agent-fanout \
   --no-plots --out kvstore-out/replay-sweep
 run-sweep: $(STAMP)
 	$(BIN)/kvctl replay --device cpu $(SWEEP_ARGS) $(ARGS)
+
+# The regime map (docs/regimes.md): the synthetic fan-out over shared context x link x nodes x burst
+# size x burst window, simulated, every policy with and without claims under three routers, 3 seeds
+# where a ratio is within 0.1 of 1.0 (about 20 minutes on 2 cores; resumes what its folder holds).
+REGIMES_ARGS ?= --sim --regimes --preset llama3-70b-tp8 \
+  --policies none,reactive,reactive+claims,predictive,predictive+claims,oracle \
+  --routers round-robin,least-load,cache-aware --out kvstore-out/regimes
+regimes: $(STAMP)
+	$(BIN)/kvctl replay $(REGIMES_ARGS) $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

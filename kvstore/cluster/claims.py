@@ -62,6 +62,7 @@ class Claim:
     chain: list[bytes] = field(default_factory=list)  # the claimant's chain up to its last won key
     needed: int = 0                                   # the longest prefix of it a waiter asked for
     waiters: set[str] = field(default_factory=set)    # nodes whose lookups were answered with this claim
+    seconds: float = 0.0                              # what the claimant said its queue and prefill take
 
 
 @dataclass(slots=True, frozen=True)
@@ -110,7 +111,7 @@ class Claims:
         taken = set(won)
         last = max(i for i, k in enumerate(keys) if k in taken)
         c = Claim(node=node, namespace=namespace, ready_at=now + seconds,
-                  expires_at=now + seconds + self.grace_s, keys=won, chain=list(keys[:last + 1]))
+                  expires_at=now + seconds + self.grace_s, keys=won, chain=list(keys[:last + 1]), seconds=seconds)
         for k in won:
             self._by_key[(namespace, k)] = c
         heapq.heappush(self._expiry, (c.expires_at, next(self._seq), c))
@@ -231,18 +232,22 @@ class Pulls:
 
 def waiter_tree(claim: Claim, alive: Callable[[str], bool], fanout: int, ttl_s: float, page_bytes: int,
                 others: Sequence[str] = (), spread_at: int = SPREAD_AT_WAITERS,
-                parts: int = 1) -> Decision | None:
+                parts: int = 1, bytes_per_s: float = 0.0) -> Decision | None:
     """The copy tree that brings a landed claim's shared prefix to the nodes that waited for it (the
     claimant first, then every landed copy serves more), instead of every waiter pulling from the
     claimant at once. When at least ``spread_at`` nodes waited, a burst is on and a router that
     spreads load will send its next followers anywhere: the tree then goes on to ``others`` (the live
-    nodes), after the waiters; relayed in ``parts`` parts when > 1. None when nobody else waited."""
+    nodes), after the waiters -- where a copy can pay: one copy of the shared prefix at ``bytes_per_s``
+    (the measured link rate; 0: not known) takes less than the claimant's own prefill of it took (its
+    claim's seconds), else a follower there computes it sooner than the copy lands and the copies only
+    load the links. Relayed in ``parts`` parts when > 1. None when nobody else waited."""
     waiters = sorted(n for n in claim.waiters if n != claim.node and alive(n))
     chain = claim.chain[:claim.needed]  # what the waiters share (the claimant's own suffix is its alone)
     if not waiters or not chain:
         return None
-    extra = [n for n in others if n != claim.node and n not in claim.waiters and alive(n)] \
-        if len(waiters) >= spread_at else []
+    copy_s = len(chain) * page_bytes / bytes_per_s if bytes_per_s > 0 else 0.0
+    spread = len(waiters) >= spread_at and (copy_s < claim.seconds or not claim.seconds)
+    extra = [n for n in others if n != claim.node and n not in claim.waiters and alive(n)] if spread else []
     targets = tuple(waiters + sorted(extra))
     edges, waves = copy_tree([claim.node], list(targets), fanout, parts)
     return Decision(namespace=claim.namespace, keys=tuple(chain), depth=len(chain), source=claim.node,

@@ -203,7 +203,8 @@ class CoordinatorCore:
             return None
         return waiter_tree(claim, alive, self.plan_cfg.fanout, self.plan_cfg.ttl_s,
                            self._page_bytes(claim.namespace), others=self.membership.live_ids(),
-                           parts=self.relay_parts(claim.namespace, min(claim.needed, len(claim.chain))))
+                           parts=self.relay_parts(claim.namespace, min(claim.needed, len(claim.chain))),
+                           bytes_per_s=self.bandwidth)
 
     @property
     def bandwidth(self) -> float:

@@ -91,6 +91,14 @@ def test_a_wide_burst_spreads_the_tree_to_every_live_node_after_the_waiters() ->
     c.seen(NS, CHAIN, now=0.1, asker="e")
     wide = waiter_tree(claim, lambda n: n != "d", 2, 30.0, 1, others=["a", "b", "c", "d", "e"])
     assert wide is not None and wide.targets == ("c", "e", "b")  # waiters first, then the live rest
+    # the spread pays only where a copy of the shared prefix lands before a prefill of it would end
+    # (the claimant said 1 s): CHAIN's pages of 1 byte at 1 B/s take len(CHAIN) s
+    claim.needed = len(CHAIN)
+    slow = waiter_tree(claim, lambda n: True, 2, 30.0, 1, others=["a", "b", "c", "d", "e"], bytes_per_s=1.0)
+    assert slow is not None and slow.targets == ("c", "e")        # the waiters still get theirs
+    fast = waiter_tree(claim, lambda n: True, 2, 30.0, 1, others=["a", "b", "c", "d", "e"],
+                       bytes_per_s=10.0 * len(CHAIN))
+    assert fast is not None and fast.targets == ("c", "e", "b", "d")
 
 
 def test_pulls_count_until_the_puller_holds_the_prefix_or_the_horizon() -> None:
