@@ -122,10 +122,12 @@ def pull_s(entry: Any, local: int, *, page_bytes: int, link_bytes_per_s: float) 
 
 
 def worth_reading(nodes: Sequence[Any], me: str, local: int, *, page_bytes: int, link_bytes_per_s: float,
-                  prefill_blocks_s: Callable[[int], float]) -> int:
+                  prefill_blocks_s: Callable[[int], float], backlog_s: float = 0.0, margin: float = 1.0) -> int:
     """Blocks of the chain to read (load or recompute): ``local`` (this node's own), or the deepest
     prefix another node holds whose pull beats computing the same blocks here (:func:`pull_s`: the
-    measured contention on its holder's egress included). On a slow link, a short prefix, or a holder
+    measured contention on its holder's egress included), by the same margin as a wait for a claim
+    (:func:`scaled_margin`: with prefill queued on this engine, computing also delays what is queued,
+    so a pull up to ``margin`` times longer is taken). On a slow link, a short prefix, or a holder
     already serving a burst of pulls, computing is faster and nothing is pulled: the rule every engine
     applies before its Get, whatever the policy (a pull is a cost, not a prediction)."""
     best = local
@@ -133,8 +135,9 @@ def worth_reading(nodes: Sequence[Any], me: str, local: int, *, page_bytes: int,
         length = int(e.prefix_length)
         if e.pending or e.node_id == me or length <= best:
             continue
-        if pull_s(e, local, page_bytes=page_bytes, link_bytes_per_s=link_bytes_per_s) < prefill_blocks_s(
-                length - local):
+        mine = prefill_blocks_s(length - local)
+        if pull_s(e, local, page_bytes=page_bytes, link_bytes_per_s=link_bytes_per_s) < scaled_margin(
+                margin, backlog_s, mine) * mine:
             best = length
     return best
 

@@ -196,7 +196,7 @@ class SchedulerCore:
     def _settle(self, req: _Request, reply: pb.LookupResponse, hit: int | None = None) -> None:
         """``hit_blocks`` from a Lookup's answer, or ``hit`` (the lease is the first Lookup's)."""
         if hit is None:
-            hit = self._worth_reading(reply)
+            hit = self._worth_reading(req, reply)
         req.hit_blocks = min(hit, req.max_hit_blocks)
         req.hints = [NodeHint(n.node_id, n.address, n.prefix_length, n.pending, n.expires_in_seconds)
                      for n in reply.nodes]
@@ -204,7 +204,7 @@ class SchedulerCore:
         req.saved_blocks = req.hit_blocks
         self.stats.add(lookup_hit_tokens=req.hit_blocks * self.block_size)
 
-    def _worth_reading(self, reply: pb.LookupResponse) -> int:
+    def _worth_reading(self, req: _Request, reply: pb.LookupResponse) -> int:
         """Blocks to load: what this node holds, and another node's deeper prefix where pulling it beats
         computing it (:func:`kvstore_client.claims.worth_reading`; it needs ``prefill_tokens_per_s``,
         without which every held block is loaded)."""
@@ -215,7 +215,9 @@ class SchedulerCore:
             return held
         return claiming.worth_reading(reply.nodes, ctx[0], local, page_bytes=ctx[1],
                                       link_bytes_per_s=self.config.link_bytes_per_s,
-                                      prefill_blocks_s=lambda b: claiming.prefill_s(b * self.block_size, tps))
+                                      prefill_blocks_s=lambda b: claiming.prefill_s(b * self.block_size, tps),
+                                      backlog_s=claiming.prefill_s(self.backlog_tokens(req), tps),
+                                      margin=self.config.claim_margin)
 
     # ---- in-flight prefill claims ----------------------------------------------
     def backlog_tokens(self, but: _Request | None = None) -> int:

@@ -102,11 +102,13 @@ def wait_end(came: bool, waited_s: float, wait: Wait) -> str:
     return "budget" if waited_s >= wait.budget_s else "gone"
 
 
-def readable(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel, link_bytes_s: float) -> int:
+def readable(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel, link_bytes_s: float,
+             backlog_s: float = 0.0, margin: float = 1.0) -> int:
     """Blocks to read before computing the rest: the connectors' load-or-recompute rule
     (:func:`kvstore_client.claims.worth_reading`) in the cost model's units."""
     return worth_reading(nodes, me, local, page_bytes=cost.page_bytes, link_bytes_per_s=link_bytes_s,
-                         prefill_blocks_s=lambda blocks: cost.prefill_s(blocks * cost.block_tokens))
+                         prefill_blocks_s=lambda blocks: cost.prefill_s(blocks * cost.block_tokens),
+                         backlog_s=backlog_s, margin=margin)
 
 
 def readable_after(wait: Wait, came: bool, nodes: Sequence[pb.NodePrefix], local: int, held_before: int,

@@ -125,7 +125,8 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
         claim = claiming.claim_seconds(cost, rec.input_tokens, 0, e.backlog_s, S) if rules.claims else 0.0
         local, nodes = yield Lookup(keys, record=True, claim_s=claim)
         cluster_max = claiming.held(nodes, local)
-        read = claiming.readable(nodes, e.node_id, local, cost, rules.link_bytes_s)  # pull only what beats computing
+        # pull only what beats computing (by the claim margin, with prefill queued here)
+        read = claiming.readable(nodes, e.node_id, local, cost, rules.link_bytes_s, e.backlog_s, rules.claim_margin)
         wait = claiming.choose(nodes, e.node_id, local, cost, S, rules.link_bytes_s, e.backlog_s,
                                rules.claim_margin) if rules.claims else None
         if wait is not None:  # another request is computing this prefix: wait for it, then read it
