@@ -91,3 +91,26 @@ def test_a_bad_claim_is_invalid_argument_and_changes_nothing(daemon) -> None:  #
             with pytest.raises(InvalidArgument, match="claim_seconds"):
                 kb.lookup_nodes("m", keys, claim_seconds=bad)
         assert _entry(kc, keys, "b") is None
+
+
+def test_a_recorded_lookup_announces_its_pull_to_the_next_asker_until_it_lands(daemon) -> None:  # type: ignore[no-untyped-def]
+    """The coordinator counts the pulls of a prefix in flight on its holder (``copies_ahead`` on the
+    holder's entry): a recorded Lookup from a node that lacks it announces one, a router's look does
+    not, and the puller holding the prefix ends it."""
+    nodes = _start(daemon, "reactive")
+    keys, pages = keys_for(8, b"pull"), random_pages(8, MiB)
+    with KvClient(nodes["a"].address) as ka, KvClient(nodes["b"].address) as kb, \
+            KvClient(nodes["c"].address) as kc:
+        ka.put("m", keys, pages)
+        wait_until(lambda: (e := _entry(kc, keys, "a")) is not None and e.prefix_length == 8, 5,
+                   "a's pages in the directory")
+        assert _entry(kc, keys, "a").copies_ahead == 0  # type: ignore[union-attr]   # a look, not a pull
+        assert _entry(kc, keys, "a").copies_ahead == 0  # type: ignore[union-attr]
+        kb.lookup_nodes("m", keys, record=True)                     # b is about to pull it from a
+        ahead = next(n for n in kc.lookup_nodes("m", keys, record=True).nodes if n.node_id == "a")
+        assert ahead.copies_ahead == 1                              # c's pull would share a with b's
+        assert _entry(kb, keys, "a").copies_ahead == 1  # type: ignore[union-attr]   # b's own aside: c's
+        assert kb.get("m", keys).found.all()                         # b pulls it and reports it
+        wait_until(lambda: (e := _entry(kc, keys, "a")) is not None and e.copies_ahead == 0, 5,
+                   "b's pull to end when the directory shows b holding the prefix")
+        assert _entry(kc, keys, "b").prefix_length == 8  # type: ignore[union-attr]
