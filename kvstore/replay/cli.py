@@ -265,8 +265,8 @@ def run_replay(args: argparse.Namespace) -> int:
     if getattr(args, "regimes", False):
         from kvstore.replay import regimes
 
-        return regimes.main(a, args.regimes_axis, args.regimes_jobs, args.regimes_near, args.regimes_seeds,
-                            sys.argv[1:])
+        return regimes.main(_replay, a, args.regimes_axis, args.regimes_jobs, args.regimes_near,
+                            args.regimes_seeds, sys.argv[1:])
     if threading.current_thread() is not threading.main_thread():
         return _replay(a)
     # SIGTERM (and a SIGINT that a parent shell set to ignore) unwinds like Ctrl-C, so the daemons get stopped

@@ -203,13 +203,15 @@ def summary_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 # ---- running it ------------------------------------------------------------------------
-def _run_cell(config: Any, out: Path) -> dict[str, Any]:
-    """(worker) One cell's replay into ``out``; its workload entry, or ``{"error": ...}``."""
-    from kvstore.replay.cli import _replay
+Replay = Callable[[Any], int]
+"""Runs one replay (a ReplayConfig) into its ``out`` folder; returns its exit code (``kvctl replay``'s)."""
 
+
+def _run_cell(replay: Replay, config: Any, out: Path) -> dict[str, Any]:
+    """(worker) One cell's replay into ``out``; its workload entry, or ``{"error": ...}``."""
     sink = io.StringIO()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-        rc = _replay(config)
+        rc = replay(config)
     results = out / "results.json"
     if not results.is_file():
         return {"error": f"exit {rc}: {sink.getvalue()[-400:]}"}
@@ -226,11 +228,12 @@ def _done(folder: Path, seeds: int) -> dict[str, Any] | None:
     return got if got.get("seeds", 0) >= seeds and "error" not in got else None
 
 
-def run_map(base: Any, grid: dict[str, Sequence[Any]], out: Path, jobs: int, near: float = NEAR,
+def run_map(replay: Replay, base: Any, grid: dict[str, Sequence[Any]], out: Path, jobs: int, near: float = NEAR,
             seeds: int = SEEDS, progress: Callable[..., Any] | None = None) -> list[dict[str, Any]]:
-    """Run every cell of ``grid`` (``base``: the ReplayConfig of every cell but its axes) that ``out``
-    does not hold yet, ``jobs`` at a time, then again with ``seeds`` seeds each cell :func:`needs_seeds`;
-    returns one row per cell (its axes, id and :func:`cell_summary`)."""
+    """Run every cell of ``grid`` (``base``: the ReplayConfig of every cell but its axes; ``replay``: a
+    module-level function, so that worker processes can be handed it) that ``out`` does not hold yet,
+    ``jobs`` at a time, then again with ``seeds`` seeds each cell :func:`needs_seeds`; returns one row per
+    cell (its axes, id and :func:`cell_summary`)."""
     todo = cells(grid)
     rows: dict[str, dict[str, Any]] = {}
 
@@ -252,9 +255,9 @@ def run_map(base: Any, grid: dict[str, Sequence[Any]], out: Path, jobs: int, nea
             if progress else None
         with ProcessPoolExecutor(max(1, jobs)) if jobs > 1 else contextlib.nullcontext() as pool:
             if pool is None:
-                done = ((c, r, f, _run_cell(cfg, f)) for c, r, cfg, f in pending)
+                done = ((c, r, f, _run_cell(replay, cfg, f)) for c, r, cfg, f in pending)
             else:
-                futures = {pool.submit(_run_cell, cfg, f): (c, r, f) for c, r, cfg, f in pending}
+                futures = {pool.submit(_run_cell, replay, cfg, f): (c, r, f) for c, r, cfg, f in pending}
                 done = ((*futures[fut], fut.result()) for fut in as_completed(futures))
             for cell, repeats, folder, got in done:
                 row = {"cell": cell, "id": cell_id(cell), **(cell_summary(got["workload"]) if "workload" in got
@@ -337,8 +340,10 @@ def plot(rows: Sequence[dict[str, Any]], grid: dict[str, Sequence[Any]], path: P
     plt.close(fig)
 
 
-def main(config: Any, axes: Sequence[str], jobs: int, near: float, seeds: int, argv: Sequence[str]) -> int:
-    """``kvctl replay --regimes``: run the map (resuming what ``config.out`` holds) and write it."""
+def main(replay: Replay, config: Any, axes: Sequence[str], jobs: int, near: float, seeds: int,
+         argv: Sequence[str]) -> int:
+    """``kvctl replay --regimes``: run the map (resuming what ``config.out`` holds) with ``replay`` running
+    each cell, and write it."""
     from tqdm import tqdm
 
     try:
@@ -347,7 +352,7 @@ def main(config: Any, axes: Sequence[str], jobs: int, near: float, seeds: int, a
         print(f"kvctl replay: {exc}", file=sys.stderr)
         return 2
     jobs = jobs or (os.cpu_count() or 1 if config.sim else 1)
-    rows = run_map(config, grid, config.out, jobs, near, seeds, progress=tqdm)
+    rows = run_map(replay, config, grid, config.out, jobs, near, seeds, progress=tqdm)
     write_map(rows, grid, config.to_json(), config.out, "kvctl " + " ".join(argv))
     print("\n".join(summary_lines(rows)))
     print(f"wrote {config.out / 'regimes.md'}, regimes.json and regimes.png")
