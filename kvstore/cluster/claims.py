@@ -240,7 +240,10 @@ def waiter_tree(claim: Claim, alive: Callable[[str], bool], fanout: int, ttl_s: 
     nodes), after the waiters -- where a copy can pay: one copy of the shared prefix at ``bytes_per_s``
     (the measured link rate; 0: not known) takes less than the claimant's own prefill of it took (its
     claim's seconds), else a follower there computes it sooner than the copy lands and the copies only
-    load the links. Relayed in ``parts`` parts when > 1. None when nobody else waited."""
+    load the links. Relayed in ``parts`` parts when > 1. None when nobody else waited, or when the tree
+    would land its last copy no sooner than its targets all pulling from the claimant at once (a few
+    targets copied store and forward, :func:`~kvstore.placement.copytree.copy_times`): its waves and
+    their round trips through the coordinator would only add to the pulls' time."""
     waiters = sorted(n for n in claim.waiters if n != claim.node and alive(n))
     chain = claim.chain[:claim.needed]  # what the waiters share (the claimant's own suffix is its alone)
     if not waiters or not chain:
@@ -249,6 +252,8 @@ def waiter_tree(claim: Claim, alive: Callable[[str], bool], fanout: int, ttl_s: 
     spread = len(waiters) >= spread_at and (copy_s < claim.seconds or not claim.seconds)
     extra = [n for n in others if n != claim.node and n not in claim.waiters and alive(n)] if spread else []
     targets = tuple(waiters + sorted(extra))
+    if copy_times(1, len(targets), fanout, parts) >= len(targets):
+        return None  # the tree's last copy lands no sooner than every target pulling at once: they pull
     edges, waves = copy_tree([claim.node], list(targets), fanout, parts)
     return Decision(namespace=claim.namespace, keys=tuple(chain), depth=len(chain), source=claim.node,
                     targets=targets, prob=1.0, ttl_s=ttl_s, reason="claim-waiters",

@@ -26,15 +26,15 @@ def _live(address: str) -> list[str]:
     return sorted(m.node_id for m in reply.members)
 
 
-def _start(daemon, policy: str):  # type: ignore[no-untyped-def]
+def _start(daemon, policy: str, ids: str = "abc", *extra: str):  # type: ignore[no-untyped-def]
     nodes, seed = {}, None
-    for node_id in "abc":
+    for node_id in ids:
         args = ["--node-id", node_id, "--transport", "tcp", "--namespace", f"m:{MiB}", "--replication", policy,
-                "--metrics-port", "0", *FAST]
+                "--metrics-port", "0", *FAST, *extra]
         nodes[node_id] = daemon(*args, *(["--peers", seed] if seed else []))
         seed = seed or nodes[node_id].address
     for d in nodes.values():
-        wait_until(lambda d=d: _live(d.address) == ["a", "b", "c"], 15, "membership to converge")
+        wait_until(lambda d=d: _live(d.address) == sorted(ids), 15, "membership to converge")
     wait_until(lambda: _warm(nodes["a"].address), 15, "the coordinator's directory to warm up")
     return nodes
 
@@ -74,13 +74,36 @@ def test_a_claim_is_seen_as_computing_until_its_put_lands(daemon, policy) -> Non
         took = wait_until(lambda: (e := _entry(kc, keys, "b")) is not None and not e.computing
                           and not e.pending and e.prefix_length == 8, 3, "b's Put to resolve its claim")
         assert took < 1.0
-        if policy == "predictive":  # c waited for b's claim: the coordinator copies it there, no Get needed
-            wait_until(lambda: kc.lookup("m", keys[:6]) == 6, 5, "the waiter tree to reach c")
-            url = f"http://127.0.0.1:{nodes['a'].fields['metrics_port']}/metrics"  # a coordinates
-            text = urllib.request.urlopen(url, timeout=5).read().decode()
-            assert 'kvstore_planner_decisions_total{kind="claim_tree"} 1.0' in text
+        # c alone waited for b's claim: one copy is no faster than c's own pull, so no tree (c's Get pulls)
         got = kc.get("m", keys)
         assert got.found.all() and (got.pages == pages).all()
+        assert 'kvstore_planner_decisions_total{kind="claim_tree"} 1.0' not in _metrics(nodes["a"])
+
+
+def _metrics(node) -> str:  # type: ignore[no-untyped-def]
+    url = f"http://127.0.0.1:{node.fields['metrics_port']}/metrics"
+    return urllib.request.urlopen(url, timeout=5).read().decode()
+
+
+def test_under_predictive_a_burst_of_waiters_gets_the_claim_as_a_copy_tree(daemon) -> None:  # type: ignore[no-untyped-def]
+    """Three nodes wait for b's claim: with one copy at a time per node (``--copy-fanout 1``) the tree
+    lands its last copy sooner than three pulls sharing b's egress, so the coordinator copies it to them
+    (and on to the rest of the live nodes: a wide burst), no Get needed."""
+    nodes = _start(daemon, "predictive", "abcde", "--copy-fanout", "1")
+    keys, pages = keys_for(8, b"tree"), random_pages(8, MiB)
+    with KvClient(nodes["b"].address) as kb:
+        kb.lookup_nodes("m", keys, record=True, claim_seconds=5.0)
+        waiters = {w: KvClient(nodes[w].address) for w in "cde"}
+        try:
+            for client in waiters.values():
+                assert _entry(client, keys, "b").computing  # type: ignore[union-attr]
+            kb.put("m", keys, pages)
+            for w, client in waiters.items():
+                wait_until(lambda client=client: client.lookup("m", keys) == 8, 10, f"the waiter tree to reach {w}")
+        finally:
+            for client in waiters.values():
+                client.close()
+    assert 'kvstore_planner_decisions_total{kind="claim_tree"} 1.0' in _metrics(nodes["a"])
 
 
 def test_a_bad_claim_is_invalid_argument_and_changes_nothing(daemon) -> None:  # type: ignore[no-untyped-def]

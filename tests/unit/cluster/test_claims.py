@@ -72,33 +72,46 @@ def test_waiter_tree_copies_the_shared_part_from_the_claimant_out() -> None:
     claim = c.claim(NS, CHAIN, "a", 1.0, now=0.0)
     assert claim is not None
     assert waiter_tree(claim, lambda n: True, 2, 30.0, 100) is None  # nobody waited
-    for w in ("b", "c", "d", "dead"):
+    for w in ("b", "c", "d", "e", "f", "dead"):
         c.seen(NS, CHAIN[:4], now=0.1, asker=w)
     d = waiter_tree(claim, lambda n: n != "dead", 2, 30.0, 100)
     assert d is not None
-    assert d.keys == tuple(CHAIN[:4]) and d.targets == ("b", "c", "d")
-    assert d.tree[0][0] == "a" and {t for _, t in d.tree} == {"b", "c", "d"} and d.waves == 2
-    assert d.bytes == 4 * 100 * 3
+    assert d.keys == tuple(CHAIN[:4]) and d.targets == ("b", "c", "d", "e", "f")
+    assert d.tree[0][0] == "a" and {t for _, t in d.tree} == {"b", "c", "d", "e", "f"} and d.waves == 2
+    assert d.bytes == 4 * 100 * 5
+
+
+def test_a_tree_no_faster_than_its_targets_pulling_at_once_is_not_started() -> None:
+    """Three waiters, fanout 2: the tree's two waves take as long as three pulls sharing the claimant's
+    egress, and add the coordinator's round trips: they pull. Relayed in parts, the tree is faster."""
+    c = Claims()
+    claim = c.claim(NS, CHAIN, "a", 1.0, now=0.0)
+    assert claim is not None
+    c.seen(NS, CHAIN[:4], now=0.1, asker="b")
+    assert waiter_tree(claim, lambda n: True, 2, 30.0, 100) is None    # one waiter: one copy, or one pull
+    for w in ("c", "d"):
+        c.seen(NS, CHAIN[:4], now=0.1, asker=w)
+    assert waiter_tree(claim, lambda n: True, 2, 30.0, 100) is None
+    relayed = waiter_tree(claim, lambda n: True, 2, 30.0, 100, parts=4)
+    assert relayed is not None and relayed.targets == ("b", "c", "d") and relayed.parts == 4
 
 
 def test_a_wide_burst_spreads_the_tree_to_every_live_node_after_the_waiters() -> None:
     c = Claims()
     claim = c.claim(NS, CHAIN, "a", 1.0, now=0.0)
     assert claim is not None
-    c.seen(NS, CHAIN, now=0.1, asker="c")
-    one = waiter_tree(claim, lambda n: True, 2, 30.0, 1, others=["a", "b", "c", "d", "e"])
-    assert one is not None and one.targets == ("c",)    # one waiter: no burst to spread for
-    c.seen(NS, CHAIN, now=0.1, asker="e")
-    wide = waiter_tree(claim, lambda n: n != "d", 2, 30.0, 1, others=["a", "b", "c", "d", "e"])
-    assert wide is not None and wide.targets == ("c", "e", "b")  # waiters first, then the live rest
+    nodes = ["a", "b", "c", "d", "e", "f", "g", "h"]
+    for w in ("c", "e"):
+        c.seen(NS, CHAIN, now=0.1, asker=w)
+    wide = waiter_tree(claim, lambda n: n != "d", 2, 30.0, 1, others=nodes)
+    assert wide is not None and wide.targets == ("c", "e", "b", "f", "g", "h")  # waiters first, then the live rest
     # the spread pays only where a copy of the shared prefix lands before a prefill of it would end
-    # (the claimant said 1 s): CHAIN's pages of 1 byte at 1 B/s take len(CHAIN) s
+    # (the claimant said 1 s): CHAIN's pages of 1 byte at 1 B/s take len(CHAIN) s; two waiters alone
+    # then pull
     claim.needed = len(CHAIN)
-    slow = waiter_tree(claim, lambda n: True, 2, 30.0, 1, others=["a", "b", "c", "d", "e"], bytes_per_s=1.0)
-    assert slow is not None and slow.targets == ("c", "e")        # the waiters still get theirs
-    fast = waiter_tree(claim, lambda n: True, 2, 30.0, 1, others=["a", "b", "c", "d", "e"],
-                       bytes_per_s=10.0 * len(CHAIN))
-    assert fast is not None and fast.targets == ("c", "e", "b", "d")
+    assert waiter_tree(claim, lambda n: True, 2, 30.0, 1, others=nodes, bytes_per_s=1.0) is None
+    fast = waiter_tree(claim, lambda n: True, 2, 30.0, 1, others=nodes, bytes_per_s=10.0 * len(CHAIN))
+    assert fast is not None and fast.targets == ("c", "e", "b", "d", "f", "g", "h")
 
 
 def test_pulls_count_until_the_puller_holds_the_prefix_or_the_horizon() -> None:
