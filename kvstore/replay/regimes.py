@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.replay.claiming import split_policy
-from kvstore.replay.sweep import BASELINES, spread
+from kvstore.replay.sweep import spread
 
 # axis name -> (ReplayConfig field, the grid values)
 AXES: dict[str, tuple[str, tuple[Any, ...]]] = {
