@@ -95,7 +95,9 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                    "; each but oracle may take +claims (engines claim their prefills and wait for each other's)")
     c.add_argument("--claim-margin",
                    help="+claims: an engine waits for another's prefill when ready + copy < this x its own "
-                        "queue + prefill; auto: 1.0 under reactive, 2.0 under predictive (each one's best)")
+                        "queue + prefill; every policy: it pulls a prefix another node holds when the pull < this "
+                        "x its own prefill of it (with prefill queued; 1 with none); auto: 1.0 under reactive, "
+                        "2.0 under predictive (each one's best)")
     c.add_argument("--router", choices=ROUTERS, help="the router (see --routers)")
     c.add_argument("--routers", help="comma list of routers; every policy runs under each "
                    "(the oracle routes itself). Default: --router")

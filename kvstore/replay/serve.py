@@ -20,8 +20,9 @@ generator, so the engine's rules (claim, wait, fetch, prefill, store) exist once
 
 Per request (the engine's slot is the driver's: it starts this once a slot is free): (oracle) wait for
 the planned prefix; ``Lookup``; (+claims) wait for another node's claimed prefill and re-look; ``Get`` of
-the cluster-cached prefix, as far as pulling it beats computing it (``claiming.readable``); the prefill unit, for the uncached tokens (first token); ``Put`` what the node
-lacked; decode. TTFT = queueing + fetch + local load + prefill, as ``RequestRecord`` defines it.
+the cluster-cached prefix, as far as pulling it beats computing it (``claiming.readable``); the prefill
+unit, for the uncached tokens (first token); ``Put`` what the node lacked; decode. TTFT = queueing +
+fetch + local load + prefill, as ``RequestRecord`` defines it.
 """
 
 from __future__ import annotations
