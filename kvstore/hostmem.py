@@ -14,6 +14,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -61,6 +62,14 @@ def shared_empty(count: int, page_bytes: int, name: str = "kvstore-pool") -> tup
 
 
 # ---- copies -------------------------------------------------------------------------
+def as_bytes(buffer: Any) -> np.ndarray:
+    """A flat uint8 array over ``buffer``'s bytes (anything with the buffer protocol; no copy)."""
+    view = memoryview(buffer)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return np.frombuffer(view, dtype=np.uint8)
+
+
 PIECE_MIN_BYTES = 1 << 20   # a copy is split across threads in pieces of at least this (smaller: the
                             # hand-off costs more than the second stream gains; measured on 2 cores)
 _PIECE = 64 << 10           # pieces start on 64 KiB boundaries (whole cache lines and 4 KiB pages)

@@ -91,6 +91,18 @@ def cell_id(cell: dict[str, Any]) -> str:
     return (f"{cell['link']}_n{cell['nodes']}_b{cell['burst']}_w{cell['window']:g}_c{cell['context']}")
 
 
+def rows_of(grid: dict[str, Sequence[Any]]) -> list[tuple[Any, Any, Any]]:
+    """The (nodes, burst, window) rows of the map's tables and heatmaps; context is their columns."""
+    return list(itertools.product(grid["nodes"], grid["burst"], grid["window"]))
+
+
+def at(by_id: dict[str, dict[str, Any]], link: str, row: tuple[Any, Any, Any], context: int) -> dict[str, Any]:
+    """The summary of the cell at (``link``, ``row``, ``context``) in ``by_id``; empty when it did not run."""
+    nodes, burst, window = row
+    return by_id.get(cell_id({"link": link, "nodes": nodes, "burst": burst, "window": window,
+                              "context": context}), {})
+
+
 def overrides(cell: dict[str, Any]) -> dict[str, Any]:
     """The ReplayConfig fields one cell sets."""
     return {AXES[a][0]: v for a, v in cell.items()}
@@ -157,19 +169,15 @@ def table(rows: Sequence[dict[str, Any]], grid: dict[str, Sequence[Any]]) -> str
                 "its seeds; **bold**: predictive over 1.0x; `*`: 3 seeds.", "",
                 "| nodes | burst | window s | " + " | ".join(f"{c // 1024}k" for c in grid["context"]) + " |",
                 "|---|---|---|" + "---|" * len(grid["context"])]
-        for nodes, burst, window in itertools.product(grid["nodes"], grid["burst"], grid["window"]):
-            texts = []
-            for context in grid["context"]:
-                r = by.get(cell_id({"link": link, "nodes": nodes, "burst": burst, "window": window,
-                                    "context": context}))
-                texts.append(_cell_text(r))
-            out.append(f"| {nodes} | {burst} | {window:g} | " + " | ".join(texts) + " |")
+        for row in rows_of(grid):
+            texts = [_cell_text(at(by, link, row, context)) for context in grid["context"]]
+            out.append(f"| {row[0]} | {row[1]} | {row[2]:g} | " + " | ".join(texts) + " |")
         out.append("")
     return "\n".join(out)
 
 
-def _cell_text(row: dict[str, Any] | None) -> str:
-    if row is None or "predictive" not in row:
+def _cell_text(row: dict[str, Any]) -> str:
+    if "predictive" not in row:
         return "-"
     pred = row["predictive"]["ratio"]
     text = f"{pred:.2f}"
@@ -306,7 +314,7 @@ def plot(rows: Sequence[dict[str, Any]], grid: dict[str, Sequence[Any]], path: P
     from matplotlib.colors import LogNorm
 
     by = {cell_id(r["cell"]): r for r in rows}
-    ys = list(itertools.product(grid["nodes"], grid["burst"], grid["window"]))
+    ys = rows_of(grid)
     links = list(grid["link"])
     fig, axes = plt.subplots(len(links), 2, figsize=(2.2 + 1.3 * len(grid["context"]) * 2, 1.2 + 0.3 * len(ys)
                                                          * len(links)), squeeze=False)
@@ -317,10 +325,9 @@ def plot(rows: Sequence[dict[str, Any]], grid: dict[str, Sequence[Any]], path: P
                                                ("oracle", "oracle / best baseline"))):
             ax = axes[li][side]
             data = np.full((len(ys), len(grid["context"])), np.nan)
-            for yi, (nodes, burst, window) in enumerate(ys):
+            for yi, row in enumerate(ys):
                 for xi, context in enumerate(grid["context"]):
-                    r = by.get(cell_id({"link": link, "nodes": nodes, "burst": burst, "window": window,
-                                        "context": context}), {})
+                    r = at(by, link, row, context)
                     if what in r:
                         data[yi, xi] = r[what]["ratio"]
             image = ax.imshow(np.clip(data, 0.1, 10.0), cmap="RdYlGn_r", norm=norm, aspect="auto")

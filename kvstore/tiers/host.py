@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.hostmem import copy_into
+from kvstore.hostmem import as_bytes, copy_into
 from kvstore.tiers.base import PageId, Spill, Stored, TierStats
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ class HostPages(IndexedTier):
         """Store one page of exactly ``page_bytes``; returns the pages evicted for room, each passed to
         ``spill`` with its bytes first (the view is valid during the call only). A page held or in
         flight already is only touched; a put with nothing to evict is dropped (``stats.drops``)."""
-        data = _bytes_of(payload)
+        data = as_bytes(payload)
         if data.nbytes != self.page_bytes:
             raise ValueError(f"a {data.nbytes} B page in a tier of {self.page_bytes} B pages")
         page = (namespace, bytes(key))
@@ -282,7 +282,7 @@ class HostPages(IndexedTier):
                 return None
             entry.readers += 1
         try:
-            copy_into(_bytes_of(out)[:self.page_bytes], self._slot_bytes(entry.slot))
+            copy_into(as_bytes(out)[:self.page_bytes], self._slot_bytes(entry.slot))
         finally:
             with self._lock:
                 if self._index.release_reader(entry):
@@ -307,11 +307,3 @@ class HostPages(IndexedTier):
         """Stop storing (later puts are dropped); the buffer is released with the tier."""
         with self._lock:
             self._closed = True
-
-
-def _bytes_of(buffer: Any) -> np.ndarray:
-    """A flat uint8 array over ``buffer``'s bytes (no copy)."""
-    view = memoryview(buffer)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return np.frombuffer(view, dtype=np.uint8)

@@ -46,7 +46,7 @@ import numpy as np
 import xxhash
 
 from kvstore.config import NodeConfig, TierSpec
-from kvstore.hostmem import copy_into
+from kvstore.hostmem import as_bytes, copy_into
 from kvstore.pool.pool import Entry, PageKind
 from kvstore.tiers.base import PageId, PageTier, Stored
 
@@ -506,8 +506,7 @@ class NamespaceTiers:
             target = memoryview(landing.targets[0]).cast("B")
             staged = self.staged.get(key)
             if staged is not None:
-                copy_into(np.frombuffer(target, dtype=np.uint8), np.frombuffer(memoryview(staged.data).cast("B"),
-                                                                               dtype=np.uint8))
+                copy_into(as_bytes(target), as_bytes(staged.data))
                 stored: Stored | None = Stored((self.name, key), staged.kind, staged.checksum)
             else:
                 stored = await self._read_any(i, key, target)
