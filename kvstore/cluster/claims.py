@@ -199,6 +199,7 @@ class Pulls:
     def __init__(self, horizon_s: float = DEFAULT_PULL_HORIZON_S, max_prefixes: int = 10_000) -> None:
         self.horizon_s, self.max_prefixes = horizon_s, max_prefixes
         self._ends: dict[tuple[str, bytes], dict[str, float]] = {}
+        self._full_until = 0.0  # a full table's earliest expiry: no prune can free a slot before it
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -220,8 +221,11 @@ class Pulls:
         """``asker`` pulls the prefix ending in ``key`` from now on."""
         slot = (namespace, key)
         if slot not in self._ends and len(self._ends) >= self.max_prefixes:
+            if now < self._full_until:
+                return  # full, and nothing in it can have expired since the last prune looked
             self.prune(now)
             if len(self._ends) >= self.max_prefixes:
+                self._full_until = min(min(ends.values()) for ends in self._ends.values())
                 return
         self._ends.setdefault(slot, {})[asker] = now + self.horizon_s
 
