@@ -72,6 +72,7 @@ class Wait:
     ready_in_s: float
     budget_s: float     # the longest the wait may take: this engine's own prefill of those blocks
     computing: bool = True  # False: a copy on its way to this node
+    prefill_s: float = math.inf  # this engine's prefill of the awaited blocks alone (no queue, no margin)
 
 
 def wait_for(nodes: Sequence[Any], me: str, local: int, *, block_tokens: int, page_bytes: int,
@@ -108,7 +109,7 @@ def decide(nodes: Sequence[Any], me: str, local: int, *, page_bytes: int, link_b
         m = scaled_margin(margin, backlog_s, mine)
         ready = float(e.ready_in_seconds) * time_scale
         if worth_waiting(ready, copy, own, m) and (best is None or length > best.length):
-            best = Wait(node=e.node_id, length=length, ready_in_s=ready, budget_s=m * own)
+            best = Wait(node=e.node_id, length=length, ready_in_s=ready, budget_s=m * own, prefill_s=mine)
     return best
 
 
@@ -122,22 +123,25 @@ def pull_s(entry: Any, local: int, *, page_bytes: int, link_bytes_per_s: float) 
 
 
 def worth_reading(nodes: Sequence[Any], me: str, local: int, *, page_bytes: int, link_bytes_per_s: float,
-                  prefill_blocks_s: Callable[[int], float], backlog_s: float = 0.0, margin: float = 1.0) -> int:
+                  prefill_blocks_s: Callable[[int], float]) -> int:
     """Blocks of the chain to read (load or recompute): ``local`` (this node's own), or the deepest
     prefix another node holds whose pull beats computing the same blocks here (:func:`pull_s`: the
-    measured contention on its holder's egress included), by the same margin as a wait for a claim
-    (:func:`scaled_margin`: with prefill queued on this engine, computing also delays what is queued,
-    so a pull up to ``margin`` times longer is taken). On a slow link, a short prefix, or a holder
+    contention on its holder's egress the answer counts included). No margin: a pull slower than
+    computing, taken to spare a queued GPU, loads a holder every other puller of the burst shares, and
+    the count of those pullers is an estimate (measured in the regime map, docs/regimes.md: a margin of
+    2 on pulls cost up to 2.2x the best baseline on 100 GbE). On a slow link, a short prefix, or a holder
     already serving a burst of pulls, computing is faster and nothing is pulled: the rule every engine
-    applies before its Get, whatever the policy (a pull is a cost, not a prediction)."""
+    applies before its Get, whatever the policy (a pull is a cost, not a prediction). With a copy of the
+    prefix on its way here (this node's own entry ``pending``, not computing: a copy tree's) that the
+    engine did not wait for, a pull would only race it into the same link: it computes."""
+    if any(e.node_id == me and e.pending and not e.computing and int(e.prefix_length) > local for e in nodes):
+        return local
     best = local
     for e in nodes:
         length = int(e.prefix_length)
         if e.pending or e.node_id == me or length <= best:
             continue
-        mine = prefill_blocks_s(length - local)
-        if pull_s(e, local, page_bytes=page_bytes, link_bytes_per_s=link_bytes_per_s) < scaled_margin(
-                margin, backlog_s, mine) * mine:
+        if pull_s(e, local, page_bytes=page_bytes, link_bytes_per_s=link_bytes_per_s) < prefill_blocks_s(length - local):
             best = length
     return best
 
@@ -168,29 +172,31 @@ def scaled_margin(margin: float, backlog_s: float, mine_s: float) -> float:
 
 
 def incoming(nodes: Sequence[Any], me: str, local: int, *, block_tokens: int,
-             prefill_tokens_per_s: float, backlog_tokens: int = 0) -> Wait | None:
+             prefill_tokens_per_s: float, backlog_tokens: int = 0, margin: float = 1.0) -> Wait | None:
     """A copy on its way to this node (its own entry ``pending``, not ``computing``, deeper than
     ``local``): wait for it rather than pull the same pages a second time, at most as long as
-    computing them would take; not at all when the coordinator expects it later than that
-    (``ready_in_seconds``), since a wait that runs out is paid on top of the prefill."""
+    computing them would take (by the margin of a wait for a claim, :func:`scaled_margin`); not at
+    all when the coordinator expects it later than that (``ready_in_seconds``), since a wait that runs
+    out is paid on top of the prefill."""
     if prefill_tokens_per_s <= 0:
         return None
     return incoming_copy(nodes, me, local, lambda blocks: prefill_s(blocks * block_tokens, prefill_tokens_per_s),
-                         prefill_s(backlog_tokens, prefill_tokens_per_s))
+                         prefill_s(backlog_tokens, prefill_tokens_per_s), margin=margin)
 
 
 def incoming_copy(nodes: Sequence[Any], me: str, local: int, prefill_blocks_s: Callable[[int], float],
-                  backlog_s: float = 0.0, time_scale: float = 1.0) -> Wait | None:
+                  backlog_s: float = 0.0, time_scale: float = 1.0, margin: float = 1.0) -> Wait | None:
     """:func:`incoming` in any engine's cost model (see :func:`decide`; ``time_scale``: the engine's
-    seconds per daemon second)."""
+    seconds per daemon second; ``margin``: as a wait for a claim, :func:`scaled_margin`)."""
     for e in nodes:
         length = int(e.prefix_length)
         if e.node_id == me and e.pending and not e.computing and length > local:
-            budget = backlog_s + prefill_blocks_s(length - local)
+            mine = prefill_blocks_s(length - local)
+            budget = scaled_margin(margin, backlog_s, mine) * (backlog_s + mine)
             ready = float(e.ready_in_seconds) * time_scale
             if ready >= budget:
                 return None  # due after computing it would end: compute now
-            return Wait(node=me, length=length, ready_in_s=ready, budget_s=budget, computing=False)
+            return Wait(node=me, length=length, ready_in_s=ready, budget_s=budget, computing=False, prefill_s=mine)
     return None
 
 
@@ -201,13 +207,16 @@ def look_again_s(nodes: Sequence[Any], me: str, local: int, wait: Wait, *, page_
     awaited blocks over the link when they are computed on another node -- and never less than
     ``floor_s``. A fixed short interval makes every follower of a burst ask its node (and the node the
     coordinator) a hundred times a second while a copy of a long prefix crawls over a slow link; this
-    asks about eight times over whatever is left, so a landing is seen within an eighth of the wait."""
+    asks about eight times over whatever is left, so a landing is seen within an eighth of the wait --
+    and at least every eighth of this engine's own prefill of those blocks: the prefix can come sooner
+    than the awaited entry says (another request on this node computed it), and a wait should not cost
+    much more than an eighth of what computing would have."""
     ready = max([0.0, *(float(e.ready_in_seconds) * time_scale for e in nodes if e.pending
                         and (e.node_id == wait.node or (e.node_id == me and not e.computing)))])
     copy = 0.0
     if wait.computing and wait.node != me and link_bytes_per_s > 0:
         copy = max(0, wait.length - local) * page_bytes / link_bytes_per_s
-    return max(floor_s, (ready + copy) / 8)
+    return max(floor_s, min(ready + copy, wait.prefill_s) / 8)
 
 
 def landed(nodes: Sequence[Any], me: str, local: int, length: int, claimant: str = "") -> bool:

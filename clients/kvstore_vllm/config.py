@@ -34,7 +34,9 @@ class ConnectorConfig:
     """Deadline of a load (the deadline-aware Get): what has not arrived by
     then is reported as failed blocks, which vLLM recomputes."""
     record: bool = True
-    """Lookup with ``record=True``: the coordinator learns the access stream."""
+    """Lookup with ``record=True``: the coordinator learns the access stream,
+    and (with ``claims``) which nodes a claim was shown to: its copy tree goes
+    only to those (the ones that look again first)."""
     load: bool = True
     save: bool = True
     data_path: str = "auto"
@@ -74,8 +76,11 @@ class ConnectorConfig:
     to be faster. Above 1 it accepts a longer wait to spare the GPU for the
     requests queued behind this one: ``m`` grows from 1 with nothing queued to
     ``claim_margin`` once a prefill's worth is queued (the replay's rule; its
-    simulated sweep found 2.0 best under ``--replication predictive``, where
-    the waiters get a copy tree, and 1.0 under ``reactive``)."""
+    regime map measured 2.0 worse than 1.0 wherever they differed, with the
+    engine serving a burst's followers from its own prefix cache). The same margin
+    applies to a wait for a copy tree's copy on its way here; a pull of a
+    prefix another node holds takes none (it is read only where it beats
+    computing it)."""
     claim_max_wait_s: float = 10.0
     """The longest a request defers for a claim, whatever its own prefill
     estimate says; then it computes (a lost claim costs at most this)."""

@@ -215,9 +215,7 @@ class SchedulerCore:
             return held
         return claiming.worth_reading(reply.nodes, ctx[0], local, page_bytes=ctx[1],
                                       link_bytes_per_s=self.config.link_bytes_per_s,
-                                      prefill_blocks_s=lambda b: claiming.prefill_s(b * self.block_size, tps),
-                                      backlog_s=claiming.prefill_s(self.backlog_tokens(req), tps),
-                                      margin=self.config.claim_margin)
+                                      prefill_blocks_s=lambda b: claiming.prefill_s(b * self.block_size, tps))
 
     # ---- in-flight prefill claims ----------------------------------------------
     def backlog_tokens(self, but: _Request | None = None) -> int:
@@ -428,7 +426,8 @@ def claim_wait(config: ConnectorConfig, reply: pb.LookupResponse, me: str, *, bl
                              margin=config.claim_margin)
     if wait is None:
         wait = claiming.incoming(nodes, me, local, block_tokens=block_size,
-                                 prefill_tokens_per_s=config.prefill_tokens_per_s, backlog_tokens=backlog_tokens)
+                                 prefill_tokens_per_s=config.prefill_tokens_per_s, backlog_tokens=backlog_tokens,
+                                 margin=config.claim_margin)
     if wait is None or wait.length <= engine_blocks or min(wait.budget_s, config.claim_max_wait_s) <= 0:
         return None
     return wait

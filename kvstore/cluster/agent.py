@@ -61,6 +61,9 @@ class Placement(Protocol):
     def on_claims_landed(self, claims: Sequence[Claim]) -> None:
         """In-flight prefill claims whose Put reached the directory (with the nodes that waited)."""
 
+    def sending(self, node: str) -> int:
+        """Copies the coordinator has leaving ``node`` now (they share its egress with any pull)."""
+
 
 class NoPlacement:
     """The placement of a node without a coordinator role attached (tests, tools)."""
@@ -76,6 +79,9 @@ class NoPlacement:
 
     def on_claims_landed(self, claims: Sequence[Claim]) -> None:
         pass
+
+    def sending(self, node: str) -> int:
+        return 0
 
 
 class ClusterAgent:
@@ -363,9 +369,10 @@ class ClusterAgent:
         held = {n: length for n, length in self.directory.prefixes(namespace, keys).items()
                 if address_of(n) is not None}
         now = time.monotonic()
-        seen = self.claims.seen(namespace, keys, now, held, asker)
+        seen = self.claims.seen(namespace, keys, now, held, asker, record)
         out = answer.merge(held, self.placement.hints(namespace, keys), seen, address_of)
-        answer.pulls_ahead(out, self.pulls, namespace, keys, asker, claim_start, now, held, record)
+        answer.pulls_ahead(out, self.pulls, namespace, keys, asker, claim_start, now, held, record,
+                           self.placement.sending)
         pool = self.directory.pool_lengths(namespace, keys, held)
         for n in out:
             n.pool_length = n.prefix_length if n.pending else min(n.prefix_length, pool.get(n.node_id, 0))

@@ -50,11 +50,14 @@ def as_seen_by(nodes: Sequence[pb.NodePrefix], me: str, local: int, address: str
 
 
 def pulls_ahead(out: Sequence[pb.NodePrefix], pulls: Pulls, namespace: str, keys: Sequence[bytes], asker: str,
-                local: int, now: float, held: Mapping[str, int], record: bool) -> None:
+                local: int, now: float, held: Mapping[str, int], record: bool,
+                sending: Callable[[str], int] = lambda node: 0) -> None:
     """Set ``copies_ahead`` on the entries of the nodes that hold the deepest prefix of ``keys`` (not
     pending): the pulls of it in flight (:class:`~kvstore.cluster.claims.Pulls`; ``held``: the directory's
-    prefix length per node, which ends a pull that landed), spread over those holders. A recorded lookup
-    from ``asker``, which holds ``local`` blocks, then announces its own pull."""
+    prefix length per node, which ends a pull that landed), spread over those holders, plus the
+    coordinator's copies leaving each holder now (``sending``: a copy tree's, the planner's), which share
+    its egress as much. A recorded lookup from ``asker``, which holds ``local`` blocks, then announces its
+    own pull."""
     holders = [n for n in out if not n.pending and n.node_id != asker]
     depth = max((int(n.prefix_length) for n in holders), default=0)
     if depth <= local or not asker:
@@ -64,6 +67,6 @@ def pulls_ahead(out: Sequence[pb.NodePrefix], pulls: Pulls, namespace: str, keys
     ahead = pulls.ahead(namespace, key, now, asker, lambda node: held.get(node, 0) >= depth)
     share = -(-ahead // len(deepest))
     for n in deepest:
-        n.copies_ahead = share
+        n.copies_ahead = share + sending(n.node_id)
     if record:
         pulls.note(namespace, key, asker, now)

@@ -31,7 +31,12 @@ coordinator's restart loses nothing but the chance to share that prefill.
 
 Who waited on a claim is kept with it (``waiters``): the nodes that will pull
 the prefix once it lands, for the coordinator to copy to as a tree instead
-of k pulls on the claimant's egress.
+of k pulls on the claimant's egress. A node that was shown the claim
+(``asked``) waits only if its engine decided waiting beats computing; it
+shows that by looking again (a lookup that records no request: the
+follower's re-look). One that computes instead never re-looks, gets no copy
+of a prefix it is computing itself, and does not count as a copy ahead of
+the real waiters.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ class Claim:
     keys: list[bytes] = field(default_factory=list)   # the keys this claim won, in chain order
     chain: list[bytes] = field(default_factory=list)  # the claimant's chain up to its last won key
     needed: int = 0                                   # the longest prefix of it a waiter asked for
-    waiters: set[str] = field(default_factory=set)    # nodes whose lookups were answered with this claim
+    asked: set[str] = field(default_factory=set)      # nodes whose requests' lookups were answered with it
+    waiters: set[str] = field(default_factory=set)    # those of them that looked again: they wait for it
     seconds: float = 0.0                              # what the claimant said its queue and prefill take
 
 
@@ -124,11 +130,12 @@ class Claims:
         return c
 
     def seen(self, namespace: str, keys: Sequence[bytes], now: float, held: dict[str, int] | None = None,
-             asker: str = "") -> list[Seen]:
+             asker: str = "", record: bool = True) -> list[Seen]:
         """Per claimant of a key of ``keys``: how many leading keys of the chain it will hold once its Put
         lands -- the prefix the cluster holds already (``held``: the directory's prefix length per node;
         the claimant reads that part before it computes), then its own run of claimed keys. The asker (a
-        node id) is noted among each claim's waiters."""
+        node id) is noted as shown each claim (``record``: a request's first lookup), and among its waiters
+        when it looks again (not ``record``) having been shown it."""
         base = max(held.values(), default=0) if held else 0
         out: list[Seen] = []
         i = base
@@ -140,9 +147,14 @@ class Claims:
             while j < len(keys) and self._live((namespace, keys[j]), now) is c:
                 j += 1
             if asker and asker != c.node:
-                c.waiters.add(asker)
                 c.needed = max(c.needed, j)
-            others = len(c.waiters - {asker})
+                if record:
+                    c.asked.add(asker)
+                elif asker in c.asked:
+                    c.waiters.add(asker)
+            # every node shown it may wait (its re-look, which tells, comes later): the estimate errs
+            # towards contention, and so towards computing
+            others = len(c.asked - {asker})
             if self.tree_fanout <= 0:
                 ahead = others  # every waiter pulls from the claimant at once: its egress shared by all
             else:               # the tree's copy times, this asker's copy among them
@@ -236,29 +248,33 @@ class Pulls:
 
 def waiter_tree(claim: Claim, alive: Callable[[str], bool], fanout: int, ttl_s: float, page_bytes: int,
                 others: Sequence[str] = (), spread_at: int = SPREAD_AT_WAITERS,
-                parts: int = 1, bytes_per_s: float = 0.0) -> Decision | None:
+                parts: int = 1, bytes_per_s: float = 0.0, holders: Sequence[str] = ()) -> Decision | None:
     """The copy tree that brings a landed claim's shared prefix to the nodes that waited for it (the
     claimant first, then every landed copy serves more), instead of every waiter pulling from the
-    claimant at once. When at least ``spread_at`` nodes waited, a burst is on and a router that
-    spreads load will send its next followers anywhere: the tree then goes on to ``others`` (the live
-    nodes), after the waiters -- where a copy can pay: one copy of the shared prefix at ``bytes_per_s``
-    (the measured link rate; 0: not known) takes less than the claimant's own prefill of it took (its
-    claim's seconds), else a follower there computes it sooner than the copy lands and the copies only
-    load the links. Relayed in ``parts`` parts when > 1. None when nobody else waited, or when the tree
-    would land its last copy no sooner than its targets all pulling from the claimant at once (a few
-    targets copied store and forward, :func:`~kvstore.placement.copytree.copy_times`): its waves and
-    their round trips through the coordinator would only add to the pulls' time."""
-    waiters = sorted(n for n in claim.waiters if n != claim.node and alive(n))
+    claimant at once (nodes shown the claim that did not wait compute it themselves and get nothing).
+    ``holders``: the other nodes the directory shows holding that prefix already (in a
+    burst, followers that computed it themselves): they send too, and are no target. When at least
+    ``spread_at`` nodes waited, a burst is on and a router that spreads load will send its next
+    followers anywhere: the tree then goes on to ``others`` (the live nodes), after the waiters -- where
+    a copy can pay: one copy of the shared prefix at ``bytes_per_s`` (the measured link rate; 0: not
+    known) takes less than the claimant's own prefill of it took (its claim's seconds), else a follower
+    there computes it sooner than the copy lands and the copies only load the links. Relayed in
+    ``parts`` parts when > 1. None when nobody else waited, or when the tree would land its last copy no
+    sooner than its targets all pulling from the senders at once (a few targets copied store and
+    forward, :func:`~kvstore.placement.copytree.copy_times`): its waves and their round trips through
+    the coordinator would only add to the pulls' time."""
+    senders = [claim.node, *sorted(n for n in set(holders) if n != claim.node and alive(n))]
+    waiters = sorted(n for n in claim.waiters if n not in senders and alive(n))
     chain = claim.chain[:claim.needed]  # what the waiters share (the claimant's own suffix is its alone)
     if not waiters or not chain:
         return None
     copy_s = len(chain) * page_bytes / bytes_per_s if bytes_per_s > 0 else 0.0
     spread = len(waiters) >= spread_at and (copy_s < claim.seconds or not claim.seconds)
-    extra = [n for n in others if n != claim.node and n not in claim.waiters and alive(n)] if spread else []
+    extra = [n for n in others if n not in senders and n not in claim.asked and alive(n)] if spread else []
     targets = tuple(waiters + sorted(extra))
-    if copy_times(1, len(targets), fanout, parts) >= len(targets):
+    if copy_times(len(senders), len(targets), fanout, parts) >= math.ceil(len(targets) / len(senders)):
         return None  # the tree's last copy lands no sooner than every target pulling at once: they pull
-    edges, waves = copy_tree([claim.node], list(targets), fanout, parts)
+    edges, waves = copy_tree(senders, list(targets), fanout, parts)
     return Decision(namespace=claim.namespace, keys=tuple(chain), depth=len(chain), source=claim.node,
                     targets=targets, prob=1.0, ttl_s=ttl_s, reason="claim-waiters",
                     bytes=len(chain) * page_bytes * len(targets), tree=tuple(edges), waves=waves, parts=parts)

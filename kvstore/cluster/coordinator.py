@@ -101,6 +101,9 @@ class Coordinator:
         self.core.on_claims_landed(claims)
         self._export()
 
+    def sending(self, node: str) -> int:
+        return self.core.links.sending[node]
+
     def relay_parts(self, namespace: str, keys: int) -> int:
         return self.core.relay_parts(namespace, keys)
 

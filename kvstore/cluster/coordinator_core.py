@@ -36,7 +36,7 @@ from kvstore.cluster.membership import Membership
 from kvstore.cluster.tickplan import TickPlanner
 from kvstore.config import NodeConfig
 from kvstore.loops.slices import Steps
-from kvstore.placement.copytree import chunk_bounds, relay_parts
+from kvstore.placement.copytree import arrival_waves, chunk_bounds, relay_parts
 from kvstore.placement.links import LinkRates
 from kvstore.placement.planner_types import Decision, NodeState, PlannerConfig
 from kvstore.pool.pool import PageKind
@@ -166,7 +166,9 @@ class CoordinatorCore:
         # (namespace, deepest key) -> {node: expected ready time}: copies in flight
         self.pending: dict[tuple[str, bytes], dict[str, float]] = {}
         self._pending_chain: dict[tuple[str, bytes], tuple[bytes, ...]] = {}  # a pending prefix's keys
-        self.links = LinkRates(float(config.spec_bandwidth))  # per node and direction, refined by the copies
+        # per node and direction, refined by the copies; until the first is measured, the shaped link's rate
+        # where one is set (benchmarks, the replay), else the copy budget
+        self.links = LinkRates(float(config.link_rate or config.spec_bandwidth))
         self._in_flight_bytes = 0
         self._full_queue: deque[tuple[str, str, list[bytes]]] = deque(maxlen=100_000)
         self.decisions: Counter[str] = Counter()  # kvstore_planner_decisions_total, by kind
@@ -201,10 +203,13 @@ class CoordinatorCore:
         ``predictive`` (the copy-tree rule of the planner, fed by demand that is known, not forecast)."""
         if self.policy != "predictive":
             return None
+        shared = claim.chain[:claim.needed]
+        holders = [n for n, length in self.directory.prefixes(claim.namespace, shared).items()
+                   if shared and length >= len(shared)]
         return waiter_tree(claim, alive, self.plan_cfg.fanout, self.plan_cfg.ttl_s,
                            self._page_bytes(claim.namespace), others=self.membership.live_ids(),
                            parts=self.relay_parts(claim.namespace, min(claim.needed, len(claim.chain))),
-                           bytes_per_s=self.bandwidth)
+                           bytes_per_s=self.bandwidth, holders=holders)
 
     @property
     def bandwidth(self) -> float:
@@ -433,8 +438,10 @@ class CoordinatorCore:
         key = (d.namespace, d.keys[-1])
         at_once = {src: min(max(1, self.plan_cfg.fanout), len(dsts)) for src, dsts in children.items()}
         per_wave = max((self.links.copy_s(src, dst, nbytes, at_once[src]) for src, dst in d.tree), default=0.0)
+        # store and forward: each target is due after its own wave; relayed, after the chain's copy times
+        wave = arrival_waves(d.tree, self.plan_cfg.fanout) if d.parts <= 1 else {}
         for _, dst in d.tree:
-            self.note_pending(key, d.keys, dst, now + per_wave * d.waves)
+            self.note_pending(key, d.keys, dst, now + per_wave * wave.get(dst, d.waves))
         targets = set(d.targets)
         root_edges = [s for s, _ in d.tree if s not in targets]
         self.egress_saved_bytes += (len(d.targets) - len(root_edges)) * nbytes

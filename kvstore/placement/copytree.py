@@ -46,6 +46,21 @@ def copy_tree(sources: Sequence[str], targets: Sequence[str], fanout: int,
     return edges, max(waves, 1)
 
 
+def arrival_waves(edges: Sequence[tuple[str, str]], fanout: int) -> dict[str, int]:
+    """The wave in which each target of a store-and-forward tree (:func:`copy_tree`'s ``edges``, in wave
+    order) holds the copy: a sender sends ``fanout`` at a time, its next ``fanout`` once those landed,
+    from the wave after its own copy landed (its sources' wave 0). A target of the first wave is due
+    after one wave, not after the whole tree."""
+    fanout = max(1, fanout)
+    wave: dict[str, int] = {}
+    sent: dict[str, int] = {}
+    for src, dst in edges:
+        k = sent.get(src, 0)
+        sent[src] = k + 1
+        wave[dst] = wave.get(src, 0) + 1 + k // fanout
+    return wave
+
+
 def copy_times(sources: int, targets: int, fanout: int, chunks: int = 1) -> float:
     """Single-copy times until the last of ``targets`` holds a prefix that ``sources`` nodes hold, copied
     as :func:`copy_tree` shapes it: waves x fanout store and forward (each wave's copies share their

@@ -30,16 +30,17 @@ __all__ = ["POLL_S", "Wait", "choose", "claim_seconds", "held", "incoming", "lan
            "readable", "readable_after", "split_policy", "still_coming", "wait_end", "wait_for"]
 
 POLL_S = 0.010  # real seconds between the re-lookups of a waiting follower, at least (look_again)
-# --claim-margin auto: the margin each policy did best with on agent-fanout (simulated sweep over 1, 1.5,
-# 2, 4; docs/benchmarks.md): reactive's waiters all pull from the claimant's egress, so waiting pays only
-# when clearly faster; predictive's get a copy tree (and the copies its coordinator sends ahead)
-AUTO_MARGIN = {"reactive": 1.0, "predictive": 2.0}
+# --claim-margin auto: wait only where waiting is expected to be faster, under every policy. A margin of 2
+# (a wait up to twice this engine's queue and prefill, to spare its GPU) was measured worse than 1 in every
+# cell of the regime map that differed, once engines serve a burst's followers from their own prefix cache
+# (docs/regimes.md)
+AUTO_MARGIN = 1.0
 
 
-def margin_for(policy: str, setting: str) -> float:
-    """``--claim-margin``: a number, or ``auto`` (:data:`AUTO_MARGIN` by base policy, 1.0 otherwise)."""
+def margin_for(setting: str) -> float:
+    """``--claim-margin``: a number, or ``auto`` (:data:`AUTO_MARGIN`)."""
     if setting == "auto":
-        return AUTO_MARGIN.get(split_policy(policy)[0], 1.0)
+        return AUTO_MARGIN
     value = float(setting)
     if not value > 0:
         raise ValueError(f"--claim-margin must be > 0 or auto, got {setting}")
@@ -72,10 +73,10 @@ def wait_for(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostMode
 
 
 def incoming(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel,
-             backlog_s: float = 0.0, speedup: float = 1.0) -> Wait | None:
+             backlog_s: float = 0.0, speedup: float = 1.0, margin: float = 1.0) -> Wait | None:
     """A copy on its way to this node: :func:`kvstore_client.claims.incoming_copy` in trace seconds."""
     return incoming_copy(nodes, me, local, lambda blocks: cost.prefill_s(blocks * cost.block_tokens), backlog_s,
-                         time_scale=speedup)
+                         time_scale=speedup, margin=margin)
 
 
 def choose(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel, speedup: float,
@@ -83,7 +84,7 @@ def choose(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel,
     """What a request's first Lookup answer says to wait for: another's claim worth it
     (:func:`wait_for`), else a copy on its way here (:func:`incoming`); None: read and compute now."""
     return (wait_for(nodes, me, local, cost, speedup, link_bytes_s, backlog_s, margin)
-            or incoming(nodes, me, local, cost, backlog_s, speedup))
+            or incoming(nodes, me, local, cost, backlog_s, speedup, margin))
 
 
 def look_again(nodes: Sequence[pb.NodePrefix], me: str, local: int, wait: Wait, cost: CostModel, speedup: float,
@@ -102,13 +103,11 @@ def wait_end(came: bool, waited_s: float, wait: Wait) -> str:
     return "budget" if waited_s >= wait.budget_s else "gone"
 
 
-def readable(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel, link_bytes_s: float,
-             backlog_s: float = 0.0, margin: float = 1.0) -> int:
+def readable(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel, link_bytes_s: float) -> int:
     """Blocks to read before computing the rest: the connectors' load-or-recompute rule
     (:func:`kvstore_client.claims.worth_reading`) in the cost model's units."""
     return worth_reading(nodes, me, local, page_bytes=cost.page_bytes, link_bytes_per_s=link_bytes_s,
-                         prefill_blocks_s=lambda blocks: cost.prefill_s(blocks * cost.block_tokens),
-                         backlog_s=backlog_s, margin=margin)
+                         prefill_blocks_s=lambda blocks: cost.prefill_s(blocks * cost.block_tokens))
 
 
 def readable_after(wait: Wait, came: bool, nodes: Sequence[pb.NodePrefix], local: int, held_before: int,

@@ -94,10 +94,10 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--policies", help="comma list of " + ",".join(POLICIES) +
                    "; each but oracle may take +claims (engines claim their prefills and wait for each other's)")
     c.add_argument("--claim-margin",
-                   help="+claims: an engine waits for another's prefill when ready + copy < this x its own "
-                        "queue + prefill; every policy: it pulls a prefix another node holds when the pull < this "
-                        "x its own prefill of it (with prefill queued; 1 with none); auto: 1.0 under reactive, "
-                        "2.0 under predictive (each one's best)")
+                   help="+claims: an engine waits for another's prefill, or for a copy on its way to it, when "
+                        "the wait < this x its own queue + prefill (with prefill queued; 1 with none); auto: 1.0 "
+                        "(wait only where it is expected to be faster). Pulls take no margin: a prefix another "
+                        "node holds is pulled only where the pull beats computing it")
     c.add_argument("--router", choices=ROUTERS, help="the router (see --routers)")
     c.add_argument("--routers", help="comma list of routers; every policy runs under each "
                    "(the oracle routes itself). Default: --router")
@@ -211,7 +211,7 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
 
     spec, router = cluster_and_router(a, policy, router_cfg, cost)
     base, claims = split_policy(policy)
-    cfg = RunConfig(policy=base, claims=claims, claim_margin=margin_for(policy, a.claim_margin),
+    cfg = RunConfig(policy=base, claims=claims, claim_margin=margin_for(a.claim_margin),
                     link_bytes_s=link_of(a)[0],
                     router=router, cost=cost, namespace=a.preset, speedup=a.speedup,
                     concurrency=a.concurrency, oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl,

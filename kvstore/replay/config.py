@@ -172,7 +172,7 @@ class ReplayConfig:
         if bad or not self.policy_list():
             raise ValueError(f"unknown policies {bad}; choose from {','.join(POLICIES)} (each but oracle may take "
                              "+claims: engines claim their prefills and wait for each other's)")
-        margin_for("reactive", self.claim_margin)
+        margin_for(self.claim_margin)
         if self.nodes < 1 or self.speedup <= 0 or self.concurrency < 1 or self.repeats < 1 \
                 or self.data_connections < 1:
             raise ValueError("--nodes, --speedup, --concurrency, --repeats and --data-connections must be positive")

@@ -78,9 +78,11 @@ class Hardware:
     mfu: float = 0.5
     link_bytes_s: float = 50e9   # node-to-node link for modelled transfers
     pcie_bytes_s: float = 55e9   # host memory -> one GPU (PCIe Gen5 x16, achievable)
+    hbm_bytes: float = 80e9      # HBM per GPU (H100 SXM: 80 GB)
 
 
 H100 = Hardware("H100-SXM", flops=989e12, hbm_bytes_s=3.35e12)
+GPU_MEMORY_UTILIZATION = 0.9  # the share of HBM an engine takes (vLLM's --gpu-memory-utilization default)
 
 # --link presets: (bytes/s per node and direction, one-way latency s)
 LINKS: dict[str, tuple[float, float]] = {
@@ -131,7 +133,7 @@ class CostModel:
         model, gpus, hw = PRESETS[name]
         if mfu is not None or link_gbs is not None:
             hw = Hardware(hw.name, hw.flops, hw.hbm_bytes_s, hw.mfu if mfu is None else mfu,
-                          hw.link_bytes_s if link_gbs is None else link_gbs * 1e9, hw.pcie_bytes_s)
+                          hw.link_bytes_s if link_gbs is None else link_gbs * 1e9, hw.pcie_bytes_s, hw.hbm_bytes)
         return cls(model, gpus, hw, block_tokens, byte_scale, pool_medium)
 
     # ---- bytes -------------------------------------------------------------
@@ -139,6 +141,14 @@ class CostModel:
     def page_bytes(self) -> int:
         """Unscaled KV bytes of one block (the modelled size)."""
         return self.model.kv_bytes_per_token * self.block_tokens
+
+    @property
+    def engine_cache_blocks(self) -> int:
+        """Blocks the engine's own KV cache holds (its prefix cache): the HBM the engine takes
+        (:data:`GPU_MEMORY_UTILIZATION`) less the weights, over a block's KV. Llama-3-70B TP8 on H100:
+        (8 x 80 GB x 0.9 - 141 GB) / 160 MiB = 2,592 blocks (1.3M tokens)."""
+        free = self.gpus * self.hw.hbm_bytes * GPU_MEMORY_UTILIZATION - self.model.weight_bytes
+        return max(0, int(free // self.page_bytes))
 
     @property
     def scaled_page_bytes(self) -> int:

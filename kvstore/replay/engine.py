@@ -253,7 +253,7 @@ class Engine:
             t1 = time.perf_counter()
             async with self.prefill:
                 waited = (time.perf_counter() - t1) * S
-                await asyncio.sleep(op.seconds / S)
+                await asyncio.sleep(op.seconds() / S)
             return waited
         if isinstance(op, Put):
             t2 = time.perf_counter()

@@ -46,6 +46,7 @@ class RequestRecord:
     local: int = 0
     remote: int = 0
     miss: int = 0
+    engine_cached: int = 0    # of the missed blocks: in the engine's own prefix cache when its prefill began
     lag_s: float = 0.0        # measured, real: dispatch later than scheduled (harness overhead)
     route_s: float = 0.0      # measured, real
     queue_s: float = 0.0      # measured, rescaled to trace time
@@ -107,14 +108,17 @@ def aggregate(records: Iterable[RequestRecord], cluster: dict[str, float] | None
     recs = list(records)
     done = [r for r in recs if r.done and not r.error]
     blocks = sum(r.blocks for r in done)
-    local, remote, miss = (sum(getattr(r, f) for r in done) for f in ("local", "remote", "miss"))
+    local, remote, miss, engine = (sum(getattr(r, f) for r in done)
+                                   for f in ("local", "remote", "miss", "engine_cached"))
     out: dict[str, object] = {
         "requests": len(recs), "completed": len(done), "errors": sum(1 for r in recs if r.error),
         "unfinished": sum(1 for r in recs if not r.done and not r.error),
         "blocks": blocks, "local_blocks": local, "remote_blocks": remote, "miss_blocks": miss,
+        "engine_cached_blocks": engine,  # missed by the store, found by the engine's own prefix cache
         "local_hit_ratio": local / blocks if blocks else 0.0,
         "remote_hit_ratio": remote / blocks if blocks else 0.0,
         "miss_ratio": miss / blocks if blocks else 0.0,
+        "engine_cached_ratio": engine / blocks if blocks else 0.0,
         "reusable_ratio": sum(min(r.reusable, r.blocks) for r in done) / blocks if blocks else 0.0,
         "corrupt_pages": sum(r.corrupt for r in recs),
         "ttft_below_prefill": sum(1 for r in done if r.ttft_s < r.prefill_s),
@@ -173,8 +177,9 @@ def after_kill(records: Iterable[RequestRecord], node: str, t: float, span_s: fl
 def check(summary: dict[str, Any]) -> list[str]:
     """Sanity problems of one policy's summary (empty when sound)."""
     problems = []
-    if summary["local_blocks"] + summary["remote_blocks"] + summary["miss_blocks"] != summary["blocks"]:
-        problems.append("local + remote + miss != blocks")
+    if (summary["local_blocks"] + summary["remote_blocks"] + summary["miss_blocks"]
+            + summary.get("engine_cached_blocks", 0) != summary["blocks"]):
+        problems.append("local + remote + miss + engine-cached != blocks")
     for key in ("local_hit_ratio", "remote_hit_ratio", "miss_ratio"):
         if not 0.0 <= float(summary[key]) <= 1.0:
             problems.append(f"{key} outside [0, 1]")

@@ -198,7 +198,9 @@ What is measured and what is modelled:
   hit/miss block counts; bytes on the links by kind (scaled bytes that really moved; "unscaled" = x byte
   scale).
 - **modelled** (cost model, unscaled): prefill of the uncached tokens, decode, and the load of local pages
-  from the node's pool (host memory over PCIe, or HBM).
+  from the node's pool (host memory over PCIe, or HBM). Each engine has its own prefix cache, as vLLM
+  and SGLang do (the HBM its GPUs leave for KV, least recently used out): a request that queued behind an
+  earlier request on its engine computing the same prefix prefills only the rest ("engine-cached" blocks).
 - TTFT = route + queue + KV fetch (measured, links included) + local load (modelled) + prefill (modelled).
   `ttft_link_*` keeps the old fully modelled variant.
 - SLO = TTFT under `--slo-factor` x the request's own cold prefill; "cached-prefix" = requests whose prefix

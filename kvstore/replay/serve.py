@@ -9,7 +9,8 @@ resuming with the result:
 * :class:`Lookup`: the node's ``Lookup`` (recorded for the predictor, with a prefill claim) → (local prefix,
   every node's prefix);
 * :class:`Get`: the node's ``Get`` of a prefix (its reactive fetch included) → (pages found, corrupt pages);
-* :class:`Prefill`: the engine's serial prefill unit, held for this many trace seconds → trace seconds queued;
+* :class:`Prefill`: the engine's serial prefill unit, held for as many trace seconds as its ``seconds()`` says
+  once held → trace seconds queued;
 * :class:`Put`: store what the node lacked → (stored, real seconds it took).
 
 A failed ``Lookup`` or ``Get`` (the node is gone) comes back as :class:`StoreError` thrown into the
@@ -27,6 +28,7 @@ fetch + local load + prefill, as ``RequestRecord`` defines it.
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,7 +68,7 @@ class Get:
 
 @dataclass(frozen=True, slots=True)
 class Prefill:
-    seconds: float  # trace seconds on the prefill unit
+    seconds: Callable[[], float]  # trace seconds on the prefill unit, asked once the unit is held
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +102,47 @@ class EngineState:
     held: Any = None                 # oracle: which pages each node holds (``mark(node, keys)``), or None
     oracle: dict[str, Any] = field(default_factory=dict)  # the run's oracle counters (late_waits)
     backlog_s: float = 0.0           # trace s of prefill queued for or on the prefill unit
+    running_s: float = 0.0           # of it, the prefill on the unit now
+    running_end: float = 0.0         # when that one ends (trace s)
     own: set[bytes] = field(default_factory=set)          # keys this node got by its own Put or Get's fetch
     used_placed: set[bytes] = field(default_factory=set)  # local hits on pages it got by replication
     put_errors: int = 0
     on_hits: Callable[[RequestRecord], None] | None = None  # the request's hits are known (the simulator counts)
+    # the engine's own prefix cache (vLLM's automatic prefix caching, SGLang's radix cache): the blocks its
+    # requests computed or loaded, least recently used first, at most the cost model's engine_cache_blocks
+    cache: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    queued: Counter[bytes] = field(default_factory=Counter)  # blocks the requests in its prefill queue compute
+
+    def backlog(self, now: float) -> float:
+        """Trace seconds of prefill ahead of a request joining the queue at ``now``: what is queued, and
+        what is left of the prefill on the unit (not its whole length)."""
+        return self.backlog_s - self.running_s + max(0.0, self.running_end - now)
+
+    def cached_prefix(self, keys: Sequence[bytes]) -> int:
+        """Leading blocks of ``keys`` in the engine's own prefix cache."""
+        n = 0
+        for k in keys:
+            if k not in self.cache:
+                break
+            n += 1
+        return n
+
+    def prefix_ahead(self, keys: Sequence[bytes]) -> int:
+        """Leading blocks of ``keys`` the engine will hold before a request queued now reaches its prefill:
+        cached, or computed by a request ahead of it in the queue."""
+        n = 0
+        for k in keys:
+            if k not in self.cache and not self.queued[k]:
+                break
+            n += 1
+        return n
+
+    def remember(self, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            self.cache[k] = None
+            self.cache.move_to_end(k)
+        while len(self.cache) > self.rules.cost.engine_cache_blocks:
+            self.cache.popitem(last=False)
 
 
 def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step | None, slot_wait: float,
@@ -123,13 +162,19 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
     try:
         # the claim covers what the engine would compute knowing nothing cached (it learns its prefix from
         # this Lookup); the node claims from the cluster's prefix on (the agent)
-        claim = claiming.claim_seconds(cost, rec.input_tokens, 0, e.backlog_s, S) if rules.claims else 0.0
+        claim = claiming.claim_seconds(cost, rec.input_tokens, 0, e.backlog(now()), S) if rules.claims else 0.0
         local, nodes = yield Lookup(keys, record=True, claim_s=claim)
         cluster_max = claiming.held(nodes, local)
-        # pull only what beats computing (by the claim margin, with prefill queued here)
-        read = claiming.readable(nodes, e.node_id, local, cost, rules.link_bytes_s, e.backlog_s, rules.claim_margin)
-        wait = claiming.choose(nodes, e.node_id, local, cost, S, rules.link_bytes_s, e.backlog_s,
+        # pull only what beats computing, and nothing a request ahead of this one on the engine computes
+        # (its prefix cache serves it when this one's prefill starts)
+        ahead = e.prefix_ahead(keys)
+        read = claiming.readable(nodes, e.node_id, local, cost, rules.link_bytes_s)
+        if ahead >= read:
+            read = local
+        wait = claiming.choose(nodes, e.node_id, local, cost, S, rules.link_bytes_s, e.backlog(now()),
                                rules.claim_margin) if rules.claims else None
+        if wait is not None and ahead >= wait.length:
+            wait = None  # queued behind this engine's own prefill of it: no wait for another's
         if wait is not None:  # another request is computing this prefix: wait for it, then read it
             rec.claim_wait = True
             t_wait, held_before = now(), cluster_max
@@ -170,10 +215,35 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
     rec.decode_s = cost.decode_s(rec.input_tokens, rec.output_tokens)
     # -- prefill: one at a time per engine --
     e.backlog_s += rec.prefill_s
+    computes = keys[cached:]
+    e.queued.update(computes)
+
+    def prefill_now() -> float:
+        """Once the prefill unit is this request's: an earlier request on this engine may have computed
+        more of its prefix while it queued (a burst's followers behind their first), which the engine's
+        own prefix cache serves, as vLLM's and SGLang's do."""
+        hit = e.cached_prefix(keys)
+        if hit > cached:
+            rec.engine_cached = hit - cached
+            rec.miss = max(0, rec.miss - rec.engine_cached)
+            rec.recomputed_cached = max(0, rec.recomputed_cached - rec.engine_cached)
+            now_s = cost.prefill_s(cost.uncached_tokens(rec.input_tokens, hit))
+            e.backlog_s -= rec.prefill_s - now_s
+            rec.prefill_s = now_s
+        e.running_s, e.running_end = rec.prefill_s, now() + rec.prefill_s
+        return rec.prefill_s
+
     try:
-        prefill_wait = yield Prefill(rec.prefill_s)
+        prefill_wait = yield Prefill(prefill_now)
     finally:
         e.backlog_s -= rec.prefill_s
+        if e.running_end <= now() + 1e-9:
+            e.running_s = 0.0  # this one was on the unit (a request cancelled in the queue was not)
+        e.queued.subtract(computes)
+        for k in computes:
+            if e.queued[k] <= 0:
+                del e.queued[k]
+    e.remember(keys)
     rec.queue_s = slot_wait + prefill_wait
     rec.first_token_at = now()
     # -- store the KV this node lacked, then decode in the slot --

@@ -215,7 +215,7 @@ class SimDriver:
             t1 = sim.now
             yield eng.prefill.acquire()
             waited = sim.now - t1
-            yield sim.timeout(op.seconds)
+            yield sim.timeout(op.seconds())
             eng.prefill.release()
             return waited
         if isinstance(op, Put):
@@ -341,7 +341,7 @@ def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float]
     free = a.network == "none"
     base, claims = claiming.split_policy(policy)
     cfg = SimConfig(policy=base, claims=claims, router=router,
-                    claim_margin=claiming.margin_for(policy, a.claim_margin), cost=cost,
+                    claim_margin=claiming.margin_for(a.claim_margin), cost=cost,
                     namespace=a.preset, nodes=a.nodes, speedup=a.speedup,
                     concurrency=a.concurrency, daemon_args=spec.args("n0"), link_rate=1e18 if free else rate,
                     link_latency=0.0 if free else latency, capacity_bytes=parse_size(a.capacity),

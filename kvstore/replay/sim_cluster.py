@@ -279,10 +279,11 @@ class SimCluster:
         ns = self.p.namespace
         held = {n: length for n, length in self.directory.prefixes(ns, keys).items() if self.membership.alive(n)}
         now = self.dnow()
-        seen = self.claims.seen(ns, keys, now, held, asker)
+        seen = self.claims.seen(ns, keys, now, held, asker, record)
         hints = self.placement.hints(ns, keys) if self.placement is not None else []
         out = answer.merge(held, hints, seen, lambda n: "" if self.membership.alive(n) else None)
-        answer.pulls_ahead(out, self.pulls, ns, keys, asker, claim_start, now, held, record)
+        answer.pulls_ahead(out, self.pulls, ns, keys, asker, claim_start, now, held, record,
+                           self.placement.sending if self.placement is not None else lambda node: 0)
         if claim_seconds > 0 and claim_node:
             start = max([claim_start, *held.values()])
             if self.claims.claim(ns, keys, claim_node, claim_seconds, now, start=start) is not None:

@@ -62,6 +62,9 @@ class SimCoordinator:
     def on_claims_landed(self, claims: Sequence[Any]) -> None:
         self.core.on_claims_landed(claims)
 
+    def sending(self, node: str) -> int:
+        return self.core.links.sending[node]
+
     # ---- the tick ------------------------------------------------------------------
     def start(self) -> None:
         if self.policy in ("predictive", "full"):

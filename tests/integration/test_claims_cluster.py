@@ -88,7 +88,9 @@ def _metrics(node) -> str:  # type: ignore[no-untyped-def]
 def test_under_predictive_a_burst_of_waiters_gets_the_claim_as_a_copy_tree(daemon) -> None:  # type: ignore[no-untyped-def]
     """Three nodes wait for b's claim: with one copy at a time per node (``--copy-fanout 1``) the tree
     lands its last copy sooner than three pulls sharing b's egress, so the coordinator copies it to them
-    (and on to the rest of the live nodes: a wide burst), no Get needed."""
+    (and on to the rest of the live nodes: a wide burst), no Get needed. Each waiter does what an
+    engine's connector does: its request's recorded Lookup shows it the claim, and its re-look (a Lookup
+    that records nothing) says it waits."""
     nodes = _start(daemon, "predictive", "abcde", "--copy-fanout", "1")
     keys, pages = keys_for(8, b"tree"), random_pages(8, MiB)
     with KvClient(nodes["b"].address) as kb:
@@ -96,6 +98,7 @@ def test_under_predictive_a_burst_of_waiters_gets_the_claim_as_a_copy_tree(daemo
         waiters = {w: KvClient(nodes[w].address) for w in "cde"}
         try:
             for client in waiters.values():
+                assert any(n.node_id == "b" and n.computing for n in client.lookup_nodes("m", keys, record=True).nodes)
                 assert _entry(client, keys, "b").computing  # type: ignore[union-attr]
             kb.put("m", keys, pages)
             for w, client in waiters.items():

@@ -68,8 +68,9 @@ def test_replay_smoke_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-d
                     "remote_hit_ratio", "miss_ratio", "spec_bytes", "spec_wasted_bytes", "requests"):
             assert isinstance(s[key], (int, float)) and math.isfinite(s[key]), (policy, key)
         assert s["requests"] == n and s["completed"] == n
-        assert s["local_blocks"] + s["remote_blocks"] + s["miss_blocks"] == s["blocks"] == w["workload"]["blocks"]
-        ratios = [s["local_hit_ratio"], s["remote_hit_ratio"], s["miss_ratio"]]
+        assert (s["local_blocks"] + s["remote_blocks"] + s["miss_blocks"] + s["engine_cached_blocks"] == s["blocks"]
+                == w["workload"]["blocks"])
+        ratios = [s["local_hit_ratio"], s["remote_hit_ratio"], s["miss_ratio"], s["engine_cached_ratio"]]
         assert all(0.0 <= r <= 1.0 for r in ratios) and sum(ratios) == pytest.approx(1.0)
         assert s["ttft_p50_s"] <= s["ttft_p95_s"] <= s["ttft_p99_s"]
         assert s["corrupt_pages"] == 0
@@ -82,7 +83,7 @@ def test_replay_smoke_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-d
     assert len(rows) == n
     for r in rows:
         assert r["ttft_s"] >= r["prefill_s"] > 0
-        assert r["local"] + r["remote"] + r["miss"] == r["blocks"]
+        assert r["local"] + r["remote"] + r["miss"] + r["engine_cached"] == r["blocks"]
     report = (out / "report.md").read_text()
     assert "best baseline" in report and "| oracle | plan |" in report
     assert (out / f"{name}_ttft_cdf.png").stat().st_size > 0

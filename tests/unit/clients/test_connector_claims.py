@@ -47,7 +47,8 @@ def test_worth_waiting_and_claim_seconds() -> None:
 def test_wait_for_a_remote_claim_when_ready_plus_copy_beats_own_prefill() -> None:
     # 8 blocks: own prefill 0.256 s; ready in 0.1 s, the copy 8 ms
     wait = rule([entry("a", 8, computing=True, ready=0.1)])
-    assert wait == claims.Wait(node="a", length=8, ready_in_s=0.1, budget_s=pytest.approx(0.256))
+    assert wait == claims.Wait(node="a", length=8, ready_in_s=0.1, budget_s=pytest.approx(0.256),
+                               prefill_s=pytest.approx(0.256))
     assert rule([entry("a", 8, computing=True, ready=0.3)]) is None            # later than computing it
     # the copy waits behind 40 waves to other waiters: 8 ms x 41 > what is left
     assert rule([entry("a", 8, computing=True, ready=0.1, ahead=40)]) is None
@@ -81,13 +82,9 @@ def test_read_pulls_a_held_prefix_only_where_the_pull_beats_computing_it() -> No
     assert read([entry("a", 8, ahead=40), entry("c", 4)]) == 4
     assert read([entry("a", 8, pending=True)]) == 0                 # a copy in flight is not held yet
     assert read([entry("b", 8)]) == 0 and read([entry("a", 8)], link=0) == 0
-    # with a prefill's worth queued here, computing also delays the queue: a pull up to the claim margin
-    # times longer is taken (41 ms a block against 32 ms, margin 1.5), none with nothing queued
-    busy = [entry("a", 8, ahead=40)]
-    kw = dict(page_bytes=PAGE, link_bytes_per_s=LINK, prefill_blocks_s=lambda b: claims.prefill_s(b * BS, TPS))
-    assert claims.worth_reading(busy, "b", 0, backlog_s=0.3, margin=1.5, **kw) == 8
-    assert claims.worth_reading(busy, "b", 0, backlog_s=0.0, margin=1.5, **kw) == 0
-    assert claims.worth_reading(busy, "b", 0, backlog_s=0.3, margin=1.0, **kw) == 0
+    # a copy tree's copy on its way here that the engine did not wait for: a pull would race it, compute
+    assert read([entry("a", 8), entry("b", 8, pending=True)]) == 0
+    assert read([entry("a", 8), entry("b", 8, pending=True)], local=3) == 3
 
 
 def test_in_a_cell_where_recomputing_wins_nobody_pulls_or_waits_and_where_it_loses_all_do() -> None:
@@ -122,13 +119,20 @@ def test_same_node_claim_has_no_copy() -> None:
 def test_incoming_copy_and_landed() -> None:
     coming = [entry("a", 8), entry("b", 8, pending=True)]
     assert claims.incoming(coming, "b", 2, block_tokens=BS, prefill_tokens_per_s=TPS) == claims.Wait(
-        node="b", length=8, ready_in_s=0.0, budget_s=pytest.approx(6 * BS / TPS), computing=False)
+        node="b", length=8, ready_in_s=0.0, budget_s=pytest.approx(6 * BS / TPS), computing=False,
+        prefill_s=pytest.approx(6 * BS / TPS))
     assert claims.incoming(coming, "b", 8, block_tokens=BS, prefill_tokens_per_s=TPS) is None
     assert claims.incoming([entry("b", 8, computing=True)], "b", 0, block_tokens=BS, prefill_tokens_per_s=TPS) is None
     # the coordinator's expected landing: wait when it beats computing the 6 blocks (0.192 s), not when later
     soon, late = [entry("b", 8, pending=True, ready=0.1)], [entry("b", 8, pending=True, ready=0.2)]
     assert claims.incoming(soon, "b", 2, block_tokens=BS, prefill_tokens_per_s=TPS).ready_in_s == 0.1  # type: ignore[union-attr]
     assert claims.incoming(late, "b", 2, block_tokens=BS, prefill_tokens_per_s=TPS) is None
+    # with a prefill's worth queued, the claim margin applies as to a wait for a claim: 0.5 s against
+    # (0.192 + 0.192) x 2; with nothing queued, no margin
+    later = [entry("b", 8, pending=True, ready=0.5)]
+    kw = dict(block_tokens=BS, prefill_tokens_per_s=TPS, margin=2.0)
+    assert claims.incoming(later, "b", 2, backlog_tokens=6 * BS, **kw).budget_s == pytest.approx(4 * 6 * BS / TPS)  # type: ignore[union-attr,arg-type]
+    assert claims.incoming(later, "b", 2, backlog_tokens=0, **kw) is None  # type: ignore[arg-type]
     assert claims.incoming(late, "b", 2, block_tokens=BS, prefill_tokens_per_s=TPS, backlog_tokens=64) is not None
     # landed: held elsewhere (pull it) -- unless a copy is on its way here; own claim: only here counts
     assert claims.landed([entry("a", 8)], "b", 0, 8, "a")
@@ -165,6 +169,10 @@ def test_look_again_is_an_eighth_of_what_is_left() -> None:
     assert again([entry("b", 8, computing=True, ready=0.08)], own, floor=0.02) == 0.02
     # another node's pending entry is not the awaited one
     assert again([entry("c", 8, pending=True, ready=5.0)], own) == 0.001
+    # a copy due long after: still at least 8 looks over this engine's own prefill of the blocks (the
+    # prefix may come sooner: another request here computed it)
+    slow = claims.Wait(node="b", length=8, ready_in_s=6.0, budget_s=9.0, computing=False, prefill_s=0.8)
+    assert again([entry("b", 8, pending=True, ready=6.0)], slow) == pytest.approx(0.1)
 
 
 def test_read_after_a_spent_wait_pulls_what_landed_when_that_beats_computing_it() -> None:

@@ -31,10 +31,12 @@ def test_put_resolves_and_returns_the_claim_with_its_waiters() -> None:
     c.claim(NS, CHAIN, "a", 1.0, now=0.0)
     c.seen(NS, CHAIN[:4], now=0.1, asker="b")
     c.seen(NS, CHAIN[:4], now=0.2, asker="c")
+    c.seen(NS, CHAIN[:4], now=0.25, asker="c", record=False)  # c looks again: it waits; b computes
+    c.seen(NS, CHAIN[:4], now=0.25, asker="d", record=False)  # a re-look never shown the claim: no waiter
     assert c.resolve("b", NS, CHAIN) == []               # only the claimant's report resolves it
     assert c.resolve("a", NS, CHAIN[:3]) == []           # partly stored: still in flight
     [done] = c.resolve("a", NS, CHAIN[3:])
-    assert done.waiters == {"b", "c"} and done.needed == 4
+    assert done.asked == {"b", "c"} and done.waiters == {"c"} and done.needed == 4
     assert len(c) == 0 and c.seen(NS, CHAIN, now=0.3) == []
 
 
@@ -74,11 +76,32 @@ def test_waiter_tree_copies_the_shared_part_from_the_claimant_out() -> None:
     assert waiter_tree(claim, lambda n: True, 2, 30.0, 100) is None  # nobody waited
     for w in ("b", "c", "d", "e", "f", "dead"):
         c.seen(NS, CHAIN[:4], now=0.1, asker=w)
+    assert waiter_tree(claim, lambda n: True, 2, 30.0, 100) is None  # shown it, nobody looked again: they compute
+    for w in ("b", "c", "d", "e", "f", "dead"):
+        c.seen(NS, CHAIN[:4], now=0.2, asker=w, record=False)
     d = waiter_tree(claim, lambda n: n != "dead", 2, 30.0, 100)
     assert d is not None
     assert d.keys == tuple(CHAIN[:4]) and d.targets == ("b", "c", "d", "e", "f")
     assert d.tree[0][0] == "a" and {t for _, t in d.tree} == {"b", "c", "d", "e", "f"} and d.waves == 2
     assert d.bytes == 4 * 100 * 5
+    # followers that computed it meanwhile hold it and get nothing; with three senders for the three
+    # left, each pulls from its own: as fast as a tree, which is not started
+    assert waiter_tree(claim, lambda n: n != "dead", 2, 30.0, 100, holders=["b", "c", "a"]) is None
+
+
+def test_holders_of_the_prefix_send_in_the_waiter_tree_and_get_nothing() -> None:
+    c = Claims()
+    claim = c.claim(NS, CHAIN, "a", 1.0, now=0.0)
+    assert claim is not None
+    for w in ("b", "c", "d", "e", "f", "g", "h", "i", "j", "k"):
+        c.seen(NS, CHAIN[:4], now=0.1, asker=w)
+        c.seen(NS, CHAIN[:4], now=0.2, asker=w, record=False)
+    alone = waiter_tree(claim, lambda n: True, 2, 30.0, 100)
+    assert alone is not None and len(alone.targets) == 10 and alone.waves == 3
+    # b computed it itself: 9 targets from two senders land in 2 waves (4 copy times, 5 as pulls)
+    two = waiter_tree(claim, lambda n: True, 2, 30.0, 100, holders=["b"])
+    assert two is not None and "b" not in two.targets and len(two.targets) == 9 and two.waves == 2
+    assert {s for s, _ in two.tree[:4]} == {"a", "b"}
 
 
 def test_a_tree_no_faster_than_its_targets_pulling_at_once_is_not_started() -> None:
@@ -88,9 +111,11 @@ def test_a_tree_no_faster_than_its_targets_pulling_at_once_is_not_started() -> N
     claim = c.claim(NS, CHAIN, "a", 1.0, now=0.0)
     assert claim is not None
     c.seen(NS, CHAIN[:4], now=0.1, asker="b")
+    c.seen(NS, CHAIN[:4], now=0.2, asker="b", record=False)
     assert waiter_tree(claim, lambda n: True, 2, 30.0, 100) is None    # one waiter: one copy, or one pull
     for w in ("c", "d"):
         c.seen(NS, CHAIN[:4], now=0.1, asker=w)
+        c.seen(NS, CHAIN[:4], now=0.2, asker=w, record=False)
     assert waiter_tree(claim, lambda n: True, 2, 30.0, 100) is None
     relayed = waiter_tree(claim, lambda n: True, 2, 30.0, 100, parts=4)
     assert relayed is not None and relayed.targets == ("b", "c", "d") and relayed.parts == 4
@@ -103,6 +128,7 @@ def test_a_wide_burst_spreads_the_tree_to_every_live_node_after_the_waiters() ->
     nodes = ["a", "b", "c", "d", "e", "f", "g", "h"]
     for w in ("c", "e"):
         c.seen(NS, CHAIN, now=0.1, asker=w)
+        c.seen(NS, CHAIN, now=0.2, asker=w, record=False)
     wide = waiter_tree(claim, lambda n: n != "d", 2, 30.0, 1, others=nodes)
     assert wide is not None and wide.targets == ("c", "e", "b", "f", "g", "h")  # waiters first, then the live rest
     # the spread pays only where a copy of the shared prefix lands before a prefill of it would end
@@ -140,9 +166,12 @@ def test_the_answer_spreads_the_pulls_in_flight_over_the_prefix_holders() -> Non
     keys = [bytes([i]) for i in range(8)]
     pulls = Pulls()
 
+    sending = {"z": 2}  # the coordinator's copies leaving z now (a copy tree's)
+
     def ask(asker: str, local: int, holders: dict[str, int], record: bool = True) -> dict[str, int]:
         out = [pb.NodePrefix(node_id=n, prefix_length=length) for n, length in holders.items()]
-        answer.pulls_ahead(out, pulls, "ns", keys, asker, local, 0.0, holders, record)
+        answer.pulls_ahead(out, pulls, "ns", keys, asker, local, 0.0, holders, record,
+                           lambda node: sending.get(node, 0))
         return {n.node_id: n.copies_ahead for n in out}
 
     assert ask("b", 0, {"a": 8}) == {"a": 0}                  # the first puller shares with nobody
@@ -153,3 +182,5 @@ def test_the_answer_spreads_the_pulls_in_flight_over_the_prefix_holders() -> Non
     assert ask("h", 0, {"a": 8, "b": 8}) == {"a": 2, "b": 2}  # b's pull landed: c, d, e left
     assert ask("a", 0, {"a": 8}) == {"a": 0}                  # a holder asking pulls nothing
     assert ask("i", 8, {"a": 8}) == {"a": 0}                  # nor does a node that holds it
+    # a holder sending a copy tree's copies shares its egress with them as with pulls
+    assert ask("j", 0, {"a": 8, "b": 8, "z": 8}, record=False) == {"a": 2, "b": 2, "z": 4}  # c, d, e, h: 4 over 3

@@ -506,6 +506,19 @@ def test_copy_tree_waves_and_fanout() -> None:
     assert star == [("a", "c")] and one == 1
 
 
+def test_each_target_of_a_tree_is_due_after_its_own_wave() -> None:
+    """A first-wave target is not told it waits for the whole tree (its engine would compute instead)."""
+    from kvstore.placement.copytree import arrival_waves
+
+    edges, waves = copy_tree(["a"], list("bcdefgh"), fanout=2)
+    due = arrival_waves(edges, 2)
+    assert due["b"] == due["c"] == 1 and max(due.values()) == waves == 2
+    assert sorted(due) == list("bcdefgh")
+    # one at a time: a sends to b (wave 1); then a and b send to c and d (wave 2); then four more
+    one, waves1 = copy_tree(["a"], list("bcdefgh"), fanout=1)
+    assert arrival_waves(one, 1) == {"b": 1, "c": 2, "d": 2, "e": 3, "f": 3, "g": 3, "h": 3} and waves1 == 3
+
+
 def test_a_relayed_copy_tree_is_chains_and_lands_in_about_one_copy_time() -> None:
     """With the copy in parts each target forwards as they land, the tree is one chain per source (every
     node sends once: no egress shared), and L targets take 1 + (L - 1) / parts copy times."""

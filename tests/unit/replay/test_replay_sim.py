@@ -186,7 +186,7 @@ def test_sim_cli_writes_the_same_results_marked_simulated(tmp_path) -> None:  # 
     for runs in w["runs"].values():
         s = runs[0]
         assert s["simulated"] is True and s["completed"] == s["requests"] == w["workload"]["requests"]
-        assert s["local_blocks"] + s["remote_blocks"] + s["miss_blocks"] == s["blocks"]
+        assert s["local_blocks"] + s["remote_blocks"] + s["miss_blocks"] + s["engine_cached_blocks"] == s["blocks"]
         assert all(math.isfinite(float(s[k])) for k in ("ttft_p50_s", "ttft_p99_s", "spec_bytes", "link_bytes"))
     assert w["oracle_bound"] and all(v["at_or_below"] for v in w["oracle_bound"].values())
     report = (out / "report.md").read_text()
@@ -207,16 +207,17 @@ def test_every_run_keeps_its_request_rows(tmp_path) -> None:  # type: ignore[no-
     assert rows and all(r["done"] for r in rows)
 
 
-def test_claims_share_one_prefill_of_a_new_context_and_the_tree_spreads_its_copies(  # type: ignore[no-untyped-def]
-        tmp_path) -> None:
-    """agent-fanout (one seed, 8 nodes, 70B over 100 GbE), simulated: with +claims the followers of a new
-    context wait for its first prefill instead of recomputing it (fewer prefill GPU-seconds than
-    without), and under predictive the coordinator copies it to them as a tree (copies sent by nodes
-    other than the claimant)."""
+def test_claims_share_one_prefill_where_waiting_beats_computing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A burst of 128 requests a window on a new 64k-token context, 8 nodes, 70B over 400 Gb/s, simulated:
+    with +claims, a follower that arrives late in another node's prefill of the context waits for it and
+    its copy (sooner than computing it), so the cluster prefills less than without claims, and every
+    wait ends with the prefix landed. Early followers compute (waiting would be slower), and followers
+    queued behind their own engine's prefill of it are served by its prefix cache, not by a wait."""
     from kvstore.replay.cli import replay_main
 
     out = tmp_path / "claims"
-    args = ["--sim", "--trace", "agent-fanout", "--nodes", "8", "--preset", "llama3-70b-tp8", "--link", "eth-100g",
+    args = ["--sim", "--trace", "synth", "--synth-prefix-tokens", "65536", "--synth-requests", "128",
+            "--synth-window", "10", "--nodes", "8", "--preset", "llama3-70b-tp8", "--link", "rdma-400g",
             "--policies", "reactive,reactive+claims,predictive+claims", "--routers", "least-load", "--no-plots",
             "--out", str(out)]
     assert replay_main(args) == 0
@@ -224,21 +225,14 @@ def test_claims_share_one_prefill_of_a_new_context_and_the_tree_spreads_its_copi
     runs = {k: v[0] for k, v in w["runs"].items()}
     plain, claims, tree = (runs[f"{p}|least-load"] for p in ("reactive", "reactive+claims", "predictive+claims"))
     for s in (plain, claims, tree):
-        assert s["completed"] == s["requests"]
-    assert claims["prefill_gpu_s"] < 0.9 * plain["prefill_gpu_s"]
-    lines = (out / "requests" / "agent-fanout-predictive+claims.jsonl").read_text().splitlines()
-    waited = [json.loads(line) for line in lines]
-    assert sum(r["claim_wait"] for r in waited) > 10
-    senders = tree["sim"]["coordinator"]["pages_from"]
-    assert len(senders) > 3  # the waiters that landed first served the rest
-    assert tree["ttft_p50_s"] < claims["ttft_p50_s"]
-    # the tree's copies are counted as copied ahead under "predictive+claims" too, by their source: each
-    # burst's context is new, so they are claim trees, not forecast decisions
-    assert tree["planner_decisions"]["claim_tree"] >= 1
-    assert tree["spec_bytes"] > 0 and tree["link_bytes_speculative"] > 0
-    assert claims["spec_bytes"] == 0 and claims["planner_decisions"]["claim_tree"] == 0
-    assert "claim trees to waiters" in (out / "report.md").read_text()
-    assert tree["egress_saved_s"] > 0 and claims["egress_saved_s"] == 0  # the tree's relays spared the claimant
+        assert s["completed"] == s["requests"] and s["engine_cached_blocks"] > 0
+    assert claims["prefill_gpu_s"] < 0.97 * plain["prefill_gpu_s"]
+    assert tree["prefill_gpu_s"] < 0.97 * plain["prefill_gpu_s"]
+    for policy in ("reactive+claims", "predictive+claims"):
+        lines = (out / "requests" / f"synth-fanout-{policy}.jsonl").read_text().splitlines()
+        waited = [r for r in map(json.loads, lines) if r["claim_wait"]]
+        assert waited and all(r["wait_end"] == "came" for r in waited)
+        assert len(waited) < len(lines) // 10  # most followers compute or queue behind their engine's own
 
 
 def test_claim_margin_auto_and_the_copy_on_its_way() -> None:
@@ -246,11 +240,9 @@ def test_claim_margin_auto_and_the_copy_on_its_way() -> None:
     from kvstore.replay.costmodel import CostModel
     from kvstore.v1 import kvstore_pb2 as pb
 
-    assert claiming.margin_for("reactive+claims", "auto") == 1.0
-    assert claiming.margin_for("predictive+claims", "auto") == 2.0
-    assert claiming.margin_for("predictive+claims", "3") == 3.0
+    assert claiming.margin_for("auto") == 1.0 and claiming.margin_for("3") == 3.0
     with pytest.raises(ValueError):
-        claiming.margin_for("reactive", "0")
+        claiming.margin_for("0")
     cost = CostModel.preset("llama3-70b-tp8")
     tree_copy = pb.NodePrefix(node_id="me", prefix_length=10, pending=True)
     wait = claiming.incoming([tree_copy], "me", 2, cost)
