@@ -178,7 +178,7 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--regimes-jobs", type=int, default=0, help="cells run at once (0: one per core with --sim, "
                    "else 1)")
     r.add_argument("--regimes-near", type=float, default=0.1, help="a cell whose best predictive ratio is within "
-                   "this of 1.0 on one seed runs again with --regimes-seeds seeds")
+                   "this of 1.0, or over it, on one seed runs again with --regimes-seeds seeds")
     r.add_argument("--regimes-seeds", type=int, default=3)
     p.set_defaults(**ReplayConfig.flag_defaults())
 
