@@ -104,6 +104,7 @@ class EngineState:
     backlog_s: float = 0.0           # trace s of prefill queued for or on the prefill unit
     running_s: float = 0.0           # of it, the prefill on the unit now
     running_end: float = 0.0         # when that one ends (trace s)
+    running: Any = None              # the request whose prefill that is
     own: set[bytes] = field(default_factory=set)          # keys this node got by its own Put or Get's fetch
     used_placed: set[bytes] = field(default_factory=set)  # local hits on pages it got by replication
     put_errors: int = 0
@@ -116,7 +117,7 @@ class EngineState:
     def backlog(self, now: float) -> float:
         """Trace seconds of prefill ahead of a request joining the queue at ``now``: what is queued, and
         what is left of the prefill on the unit (not its whole length)."""
-        return self.backlog_s - self.running_s + max(0.0, self.running_end - now)
+        return max(0.0, self.backlog_s - self.running_s + max(0.0, self.running_end - now))
 
     def cached_prefix(self, keys: Sequence[bytes]) -> int:
         """Leading blocks of ``keys`` in the engine's own prefix cache."""
@@ -230,15 +231,15 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
             now_s = cost.prefill_s(cost.uncached_tokens(rec.input_tokens, hit))
             e.backlog_s -= rec.prefill_s - now_s
             rec.prefill_s = now_s
-        e.running_s, e.running_end = rec.prefill_s, now() + rec.prefill_s
+        e.running_s, e.running_end, e.running = rec.prefill_s, now() + rec.prefill_s, rec
         return rec.prefill_s
 
     try:
         prefill_wait = yield Prefill(prefill_now)
     finally:
         e.backlog_s -= rec.prefill_s
-        if e.running_end <= now() + 1e-9:
-            e.running_s = 0.0  # this one was on the unit (a request cancelled in the queue was not)
+        if e.running is rec:  # it was on the unit (a request cancelled in the queue was not)
+            e.running_s, e.running = 0.0, None
         e.queued.subtract(computes)
         for k in computes:
             if e.queued[k] <= 0:

@@ -43,3 +43,5 @@ def test_the_backlog_counts_what_is_left_of_the_prefill_on_the_unit() -> None:
     assert e.backlog(10.0) == pytest.approx(3.0)
     assert e.backlog(11.5) == pytest.approx(1.5)
     assert e.backlog(13.0) == pytest.approx(1.0)  # past its end (not yet removed): only the queue
+    e.backlog_s = 1.0                       # the books off by a rounding: never below nothing
+    assert e.backlog(13.0) == 0.0
