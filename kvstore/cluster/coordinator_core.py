@@ -205,7 +205,7 @@ class CoordinatorCore:
             return None
         shared = claim.chain[:claim.needed]
         holders = [n for n, length in self.directory.prefixes(claim.namespace, shared).items()
-                   if shared and length >= len(shared)]
+                   if length >= len(shared)]  # none for an empty chain: the directory answers {}
         return waiter_tree(claim, alive, self.plan_cfg.fanout, self.plan_cfg.ttl_s,
                            self._page_bytes(claim.namespace), others=self.membership.live_ids(),
                            parts=self.relay_parts(claim.namespace, min(claim.needed, len(claim.chain))),

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Generator, Sequence
+from itertools import takewhile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,9 +103,8 @@ class EngineState:
     held: Any = None                 # oracle: which pages each node holds (``mark(node, keys)``), or None
     oracle: dict[str, Any] = field(default_factory=dict)  # the run's oracle counters (late_waits)
     backlog_s: float = 0.0           # trace s of prefill queued for or on the prefill unit
-    running_s: float = 0.0           # of it, the prefill on the unit now
+    running: RequestRecord | None = None  # the request whose prefill is on the unit now
     running_end: float = 0.0         # when that one ends (trace s)
-    running: Any = None              # the request whose prefill that is
     own: set[bytes] = field(default_factory=set)          # keys this node got by its own Put or Get's fetch
     used_placed: set[bytes] = field(default_factory=set)  # local hits on pages it got by replication
     put_errors: int = 0
@@ -117,26 +117,17 @@ class EngineState:
     def backlog(self, now: float) -> float:
         """Trace seconds of prefill ahead of a request joining the queue at ``now``: what is queued, and
         what is left of the prefill on the unit (not its whole length)."""
-        return max(0.0, self.backlog_s - self.running_s + max(0.0, self.running_end - now))
+        running_s = self.running.prefill_s if self.running is not None else 0.0
+        return max(0.0, self.backlog_s - running_s + max(0.0, self.running_end - now))
 
     def cached_prefix(self, keys: Sequence[bytes]) -> int:
         """Leading blocks of ``keys`` in the engine's own prefix cache."""
-        n = 0
-        for k in keys:
-            if k not in self.cache:
-                break
-            n += 1
-        return n
+        return sum(1 for _ in takewhile(self.cache.__contains__, keys))
 
     def prefix_ahead(self, keys: Sequence[bytes]) -> int:
         """Leading blocks of ``keys`` the engine will hold before a request queued now reaches its prefill:
         cached, or computed by a request ahead of it in the queue."""
-        n = 0
-        for k in keys:
-            if k not in self.cache and not self.queued[k]:
-                break
-            n += 1
-        return n
+        return sum(1 for _ in takewhile(lambda k: k in self.cache or self.queued[k] > 0, keys))
 
     def remember(self, keys: Sequence[bytes]) -> None:
         for k in keys:
@@ -231,7 +222,7 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
             now_s = cost.prefill_s(cost.uncached_tokens(rec.input_tokens, hit))
             e.backlog_s -= rec.prefill_s - now_s
             rec.prefill_s = now_s
-        e.running_s, e.running_end, e.running = rec.prefill_s, now() + rec.prefill_s, rec
+        e.running, e.running_end = rec, now() + rec.prefill_s
         return rec.prefill_s
 
     try:
@@ -239,7 +230,7 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
     finally:
         e.backlog_s -= rec.prefill_s
         if e.running is rec:  # it was on the unit (a request cancelled in the queue was not)
-            e.running_s, e.running = 0.0, None
+            e.running = None
         e.queued.subtract(computes)
         for k in computes:
             if e.queued[k] <= 0:

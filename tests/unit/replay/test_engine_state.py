@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from kvstore.replay.costmodel import CostModel
+from kvstore.replay.metrics import RequestRecord
 from kvstore.replay.serve import EngineState, Rules
 
 
@@ -39,7 +40,7 @@ def test_a_request_queued_behind_its_engines_own_prefill_of_a_prefix_will_find_i
 def test_the_backlog_counts_what_is_left_of_the_prefill_on_the_unit() -> None:
     e = engine()
     e.backlog_s = 3.0                       # 1 s queued, 2 s on the unit since t = 10
-    e.running_s, e.running_end = 2.0, 12.0
+    e.running, e.running_end = RequestRecord(idx=0, t=10.0, prefill_s=2.0), 12.0
     assert e.backlog(10.0) == pytest.approx(3.0)
     assert e.backlog(11.5) == pytest.approx(1.5)
     assert e.backlog(13.0) == pytest.approx(1.0)  # past its end (not yet removed): only the queue
