@@ -105,8 +105,8 @@ run-sweep: $(STAMP)
 	$(BIN)/kvctl replay --device cpu $(SWEEP_ARGS) $(ARGS)
 
 # The regime map (docs/regimes.md): the synthetic fan-out over shared context x link x nodes x burst
-# size x burst window, simulated, every policy with and without claims under three routers, 3 seeds
-# where a ratio is within 0.1 of 1.0 or over it (about 55 minutes on 2 cores; resumes what its folder holds).
+# size x burst window, simulated, every policy with and without claims under three routers, every cell on
+# 3 seeds (about an hour on 2 cores; resumes what its folder holds).
 REGIMES_ARGS ?= --sim --regimes --preset llama3-70b-tp8 \
   --policies none,reactive,reactive+claims,predictive,predictive+claims,oracle \
   --routers round-robin,least-load,cache-aware --out kvstore-out/regimes

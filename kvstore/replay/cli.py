@@ -177,9 +177,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                    help="replace an axis's values (context, link, nodes, burst, window); repeatable")
     r.add_argument("--regimes-jobs", type=int, default=0, help="cells run at once (0: one per core with --sim, "
                    "else 1)")
-    r.add_argument("--regimes-near", type=float, default=0.1, help="a cell whose best predictive ratio is within "
-                   "this of 1.0, or over it, on one seed runs again with --regimes-seeds seeds")
-    r.add_argument("--regimes-seeds", type=int, default=3)
+    r.add_argument("--regimes-seeds", type=int, default=3, help="seeds each cell runs (a cell is judged on their "
+                   "median)")
     p.set_defaults(**ReplayConfig.flag_defaults())
 
 
@@ -267,7 +266,7 @@ def run_replay(args: argparse.Namespace) -> int:
     if getattr(args, "regimes", False):
         from kvstore.replay import regimes
 
-        return regimes.main(_replay, a, args.regimes_axis, args.regimes_jobs, args.regimes_near,
+        return regimes.main(_replay, a, args.regimes_axis, args.regimes_jobs,
                             args.regimes_seeds, sys.argv[1:])
     if threading.current_thread() is not threading.main_thread():
         return _replay(a)

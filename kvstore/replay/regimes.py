@@ -12,10 +12,9 @@ a fresh shared context) over a grid of five axes, each cell one ordinary replay 
 
 ``--regimes-axis NAME=V1,V2`` replaces an axis's values (thinning the grid, or one cell). Each cell is
 written to ``DIR/cells/<id>/`` as soon as it ends, and a cell already there is not run again, so an
-interrupted map resumes where it stopped. A cell whose best predictive configuration lands within
-``--regimes-near`` of the best baseline on its first seed, or above it, is run again with
-``--regimes-seeds`` seeds (one seed does not say which side of 1.0 it is on, and a miss is judged on the
-median of its seeds). The map is ``DIR/regimes.json``, ``DIR/regimes.md``
+interrupted map resumes where it stopped. Every cell runs ``--regimes-seeds`` seeds (3): one seed says
+neither which side of 1.0 a cell is on nor how far (a cell at 0.69x on one seed was 0.92x over three), and
+a cell is judged on the median of its seeds. The map is ``DIR/regimes.json``, ``DIR/regimes.md``
 (a table per link) and ``DIR/regimes.png`` (per link, two heatmaps: best predictive / best baseline and
 oracle / best baseline).
 
@@ -56,7 +55,6 @@ AXES: dict[str, tuple[str, tuple[Any, ...]]] = {
 ORDER = ("link", "nodes", "burst", "window", "context")  # cell ids and table rows; context: the columns
 POLICIES = "none,reactive,reactive+claims,predictive,predictive+claims,oracle"
 ROUTERS = "round-robin,least-load,cache-aware"
-NEAR = 0.1          # a first-seed ratio within this of 1.0 is run again with more seeds
 SEEDS = 3
 ORACLE_PAYS = 0.5   # where the oracle is at or under this ratio, best predictive must be at or under ...
 PREDICTIVE_MUST = 0.6
@@ -136,12 +134,6 @@ def cell_summary(workload: dict[str, Any]) -> dict[str, Any]:
         _, k, ratio = best_pred
         out["predictive"] = {"config": k, "ratio": ratio["median"], "min": ratio["min"], "max": ratio["max"]}
     return out
-
-
-def needs_seeds(summary: dict[str, Any], near: float = NEAR) -> bool:
-    """A one-seed cell whose best predictive ratio is within ``near`` of 1.0 or over it (a miss)."""
-    pred = summary.get("predictive")
-    return summary.get("seeds", 0) < 2 and pred is not None and pred["ratio"] >= 1.0 - near
 
 
 def misses(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -237,12 +229,12 @@ def _done(folder: Path, seeds: int) -> dict[str, Any] | None:
     return got if got.get("seeds", 0) >= seeds and "error" not in got else None
 
 
-def run_map(replay: Replay, base: Any, grid: dict[str, Sequence[Any]], out: Path, jobs: int, near: float = NEAR,
-            seeds: int = SEEDS, progress: Callable[..., Any] | None = None) -> list[dict[str, Any]]:
+def run_map(replay: Replay, base: Any, grid: dict[str, Sequence[Any]], out: Path, jobs: int, seeds: int = SEEDS,
+            progress: Callable[..., Any] | None = None) -> list[dict[str, Any]]:
     """Run every cell of ``grid`` (``base``: the ReplayConfig of every cell but its axes; ``replay``: a
     module-level function, so that worker processes can be handed it) that ``out`` does not hold yet,
-    ``jobs`` at a time, then again with ``seeds`` seeds each cell :func:`needs_seeds`; returns one row per
-    cell (its axes, id and :func:`cell_summary`)."""
+    ``jobs`` at a time, each with ``seeds`` seeds; returns one row per cell (its axes, id and
+    :func:`cell_summary`)."""
     todo = cells(grid)
     rows: dict[str, dict[str, Any]] = {}
 
@@ -280,10 +272,7 @@ def run_map(replay: Replay, base: Any, grid: dict[str, Sequence[Any]], out: Path
         if bar is not None:
             bar.close()
 
-    run([(c, 1) for c in todo], "regimes")
-    again = [c for c in todo if needs_seeds(rows.get(cell_id(c), {}), near)]
-    if again and seeds > 1:
-        run([(c, seeds) for c in again], f"regimes, {seeds} seeds at or over {1.0 - near:g}")
+    run([(c, seeds) for c in todo], f"regimes, {seeds} seeds")
     return [rows[cell_id(c)] for c in todo if cell_id(c) in rows]
 
 
@@ -348,7 +337,7 @@ def plot(rows: Sequence[dict[str, Any]], grid: dict[str, Sequence[Any]], path: P
     plt.close(fig)
 
 
-def main(replay: Replay, config: Any, axes: Sequence[str], jobs: int, near: float, seeds: int,
+def main(replay: Replay, config: Any, axes: Sequence[str], jobs: int, seeds: int,
          argv: Sequence[str]) -> int:
     """``kvctl replay --regimes``: run the map (resuming what ``config.out`` holds) with ``replay`` running
     each cell, and write it."""
@@ -360,7 +349,7 @@ def main(replay: Replay, config: Any, axes: Sequence[str], jobs: int, near: floa
         print(f"kvctl replay: {exc}", file=sys.stderr)
         return 2
     jobs = jobs or (os.cpu_count() or 1 if config.sim else 1)
-    rows = run_map(replay, config, grid, config.out, jobs, near, seeds, progress=tqdm)
+    rows = run_map(replay, config, grid, config.out, jobs, seeds, progress=tqdm)
     write_map(rows, grid, config.to_json(), config.out, "kvctl " + " ".join(argv))
     print("\n".join(summary_lines(rows)))
     print(f"wrote {config.out / 'regimes.md'}, regimes.json and regimes.png")
