@@ -284,6 +284,12 @@ class NodeConfig(BaseModel):
         "auto", "disk tier I/O: direct (O_DIRECT, aligned buffers), buffered (page cache, posix_fadvise) or auto "
         "(probes O_DIRECT once per folder and logs its choice)", "MODE")
     tier_threads: int = tiers_(4, "I/O threads per tier (reads of one batch run in parallel)", "N", ge=1, le=64)
+    tier_read_rate: float = tiers_(
+        0.0, "cap each disk tier's reads at this many bytes/s (0: as fast as the drive serves them): leaves the "
+        "rest of a shared drive to other work; the replay shapes its modelled NVMe with it", "BYTES_PER_S", ge=0)
+    tier_write_rate: float = tiers_(
+        0.0, "cap each disk tier's writes at this many bytes/s (0: as fast as the drive takes them); evictions "
+        "that outrun it wait in staging memory (--tier-staging), then are dropped (counted)", "BYTES_PER_S", ge=0)
 
     # -- cluster
     peers: Peers = cluster((), "other nodes, HOST:PORT,HOST:PORT,... (used by the cluster layer)", "LIST")

@@ -110,9 +110,34 @@ class LevelCounters:
     read_seconds_per_page: float = 0.0  # moving average of measured reads (0: none measured yet)
 
 
+class Pace:
+    """A byte rate shared by threads: :meth:`take` blocks the calling worker until its bytes fit the rate
+    (each caller is given the next ``nbytes / rate`` seconds of the device after those already given
+    out). A rate of 0 takes nothing."""
+
+    def __init__(self, rate: float = 0.0) -> None:
+        self.rate = float(rate)
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+
+    def delay(self, nbytes: int, now: float) -> float:
+        """Reserve ``nbytes`` at ``now``: the seconds until they have passed (pure: the caller sleeps)."""
+        if self.rate <= 0:
+            return 0.0
+        with self._lock:
+            self._free_at = max(now, self._free_at) + nbytes / self.rate
+            return self._free_at - now
+
+    def take(self, nbytes: int) -> None:
+        wait = self.delay(nbytes, time.monotonic())
+        if wait > 0:
+            time.sleep(wait)
+
+
 @dataclass(slots=True)
 class Level:
-    """One tier spec of the node: its worker threads and counters, shared by the namespaces."""
+    """One tier spec of the node: its worker threads and counters, shared by the namespaces, and its
+    disk's paces (``--tier-read-rate``, ``--tier-write-rate``; a host tier is not paced)."""
 
     name: str
     spec: TierSpec
@@ -120,6 +145,8 @@ class Level:
     writers: ThreadPoolExecutor
     counters: LevelCounters = field(default_factory=LevelCounters)
     lock: threading.Lock = field(default_factory=threading.Lock)  # counters written from worker threads
+    read_pace: Pace = field(default_factory=Pace)
+    write_pace: Pace = field(default_factory=Pace)
 
     def observe_read(self, seconds: float) -> None:
         with self.lock:
@@ -222,9 +249,12 @@ class TierStack:
             disks += spec.kind == "disk"
             # one writer per tier: the only thread that puts into it (and cascades from it), so what a put
             # stored is known right after it, without racing another put's evictions
+            disk = spec.kind == "disk"
             self.levels.append(Level(name, spec,
                                      ThreadPoolExecutor(config.tier_threads, thread_name_prefix=f"tier-{name}-r"),
-                                     ThreadPoolExecutor(1, thread_name_prefix=f"tier-{name}-w")))
+                                     ThreadPoolExecutor(1, thread_name_prefix=f"tier-{name}-w"),
+                                     read_pace=Pace(config.tier_read_rate if disk else 0.0),
+                                     write_pace=Pace(config.tier_write_rate if disk else 0.0)))
         self.namespaces: dict[str, NamespaceTiers] = {}
 
     def __bool__(self) -> bool:
@@ -436,6 +466,7 @@ class NamespaceTiers:
             def spill(page: PageId, kind: int, checksum: int, data: memoryview) -> None:
                 self._put(i + 1, page[1], kind, checksum, data)
         start = time.perf_counter()
+        level.write_pace.take(data.nbytes)
         if spill is not None:
             self._cascading += 1  # its victims move to the next tier, in neither for a moment (_read_any)
         try:
@@ -560,6 +591,7 @@ class NamespaceTiers:
     def _read(self, i: int, key: bytes, out: memoryview) -> Stored | None:
         """(worker) One page from tier ``i``, timed."""
         start = time.perf_counter()
+        self.levels[i].read_pace.take(out.nbytes)
         stored = self.tiers[i].get_into(self.name, key, out)
         if stored is not None:
             self.levels[i].observe_read(time.perf_counter() - start)

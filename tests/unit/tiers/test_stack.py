@@ -286,3 +286,33 @@ def test_slab_files_are_named_by_digest_not_by_the_client_namespace(tmp_path: Pa
         assert all(c.isalnum() or c in "-._" for n in names for c in n)
     finally:
         node.close()
+
+
+def test_a_pace_gives_out_the_device_in_turn_at_its_rate() -> None:
+    from kvstore.tiers.stack import Pace
+
+    pace = Pace(1000.0)  # bytes/s
+    assert pace.delay(500, now=10.0) == pytest.approx(0.5)     # the device is free: its own bytes only
+    assert pace.delay(500, now=10.0) == pytest.approx(1.0)     # a second reader at once queues behind it
+    assert pace.delay(100, now=12.0) == pytest.approx(0.1)     # idle since: no debt carried over
+    assert Pace(0.0).delay(1 << 30, now=0.0) == 0.0            # no rate: unpaced
+
+
+def test_a_paced_disk_tier_reads_no_faster_than_its_rate(tmp_path: Path) -> None:
+    """--tier-read-rate: reading 4 pages back from disk at 8 pages/s takes at least half a second (a lower
+    bound the pacing sleeps guarantee, however loaded the machine)."""
+    node = make_node(STACKS["host-pool+disk"], tier=[f"disk:{tmp_path}/d0:{64 * 8 * 1024 + 4096}"],
+                     tier_read_rate=8.0 * PB)
+
+    async def main() -> None:
+        keys = [key(i) for i in range(8)]
+        for i in range(8):
+            put(node, [keys[i]], [page(i)])
+        assert await below(node).settle()
+        start = asyncio.get_running_loop().time()
+        assert await get(node, keys[:POOL_PAGES]) == [page(i) for i in range(POOL_PAGES)]
+        assert asyncio.get_running_loop().time() - start >= POOL_PAGES / 8.0 - 0.01
+    try:
+        run(main)
+    finally:
+        node.close()
