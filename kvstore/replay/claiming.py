@@ -103,6 +103,13 @@ def wait_end(came: bool, waited_s: float, wait: Wait) -> str:
     return "budget" if waited_s >= wait.budget_s else "gone"
 
 
+def pooled(nodes: Sequence[pb.NodePrefix], me: str, local: int) -> int:
+    """Of this node's ``local`` blocks, the leading ones in its pool (the rest are in its tiers below): its
+    own entry's ``pool_length`` (all of them where the answer does not say)."""
+    mine = next((n for n in nodes if n.node_id == me and not n.pending), None)
+    return local if mine is None else min(local, int(mine.pool_length))
+
+
 def readable(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel, link_bytes_s: float) -> int:
     """Blocks to read before computing the rest: the connectors' load-or-recompute rule
     (:func:`kvstore_client.claims.worth_reading`) in the cost model's units."""

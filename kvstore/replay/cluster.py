@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,10 +57,18 @@ class ClusterSpec:
     network: str = "none"              # none | shaped (--link-rate in the daemons) | netns (tc on veths)
     link_rate: float = 0.0             # real bytes/s per node and direction (already scaled)
     link_latency: float = 0.0          # real seconds, one way
+    disk_tier: int = 0                 # bytes of a disk tier below each pool (already scaled; 0: none)
+    disk_read_rate: float = 0.0        # its reads and writes, real bytes/s (already scaled; 0: unpaced)
+    disk_write_rate: float = 0.0
+    tier_root: str = ""                # where the nodes' disk tiers live (LocalCluster: under its log folder)
 
     def args(self, node_id: str, host: str = "127.0.0.1") -> list[str]:
         shaped = ["--link-rate", repr(self.link_rate), "--link-latency", repr(self.link_latency)] \
             if self.network == "shaped" else []
+        if self.disk_tier:
+            root = self.tier_root or "/nonexistent/kvstore-replay-tiers"  # the simulator only parses it
+            shaped += ["--tier", f"disk:{root}/{node_id}:{self.disk_tier}",
+                       "--tier-read-rate", repr(self.disk_read_rate), "--tier-write-rate", repr(self.disk_write_rate)]
         # a netns node listens on its veth address inside namespaces this benchmark made and removes,
         # reachable from nothing else: development mode without the loopback check
         private = ["--insecure", "true"] if host != "127.0.0.1" else []
@@ -142,6 +151,9 @@ class LocalCluster:
 
     def start(self) -> None:
         deadline = time.monotonic() + self.start_timeout
+        if self.spec.disk_tier:  # a fresh disk for every run: a disk tier keeps its pages over a restart
+            self.spec.tier_root = str((self.log_dir / "tiers").resolve())
+            shutil.rmtree(self.spec.tier_root, ignore_errors=True)
         if self.spec.network == "netns":
             self.links = NetnsLinks(self.spec.nodes, self.spec.link_rate, self.spec.link_latency).__enter__()
         first = self._spawn("n0", None)
@@ -213,6 +225,8 @@ class LocalCluster:
                 node.proc.kill()
                 node.proc.wait(10)
         self.nodes = []
+        if self.spec.tier_root:  # the modelled NVMe's slab files: hundreds of MB a run
+            shutil.rmtree(self.spec.tier_root, ignore_errors=True)
         if self.links is not None:  # after the daemons: no process holds a namespace any more
             self.links.close()
             self.links = None

@@ -30,6 +30,7 @@ from kvstore.replay.workload import DEFAULT_TRACE, SynthSpec
 from kvstore.units import parse_size
 
 POLICIES = ("none", "reactive", "full", "predictive", "oracle")
+TIERS = ("none", "preset")  # --tiers: no tier below the pools, or the preset's NVMe (costmodel)
 
 
 # The replay's deliberate departures from kvstored's defaults, each a replay flag that carries the
@@ -101,6 +102,7 @@ class ReplayConfig:
     predictor_depths: str = _OVERRIDE_DEFAULT["predictor_depths"]
     device: str = _OVERRIDE_DEFAULT["device"]
     capacity: str = "auto"
+    tiers: str = "none"
     transport: str = _OVERRIDE_DEFAULT["transport"]
     network: str = "shaped"
     link: str = "rdma-400g"
@@ -161,8 +163,13 @@ class ReplayConfig:
             scale = int(scale)
         except ValueError:
             raise ValueError(f"--byte-scale {cfg.byte_scale!r}: expected an integer or auto") from None
-        capacity = cfg.capacity if cfg.capacity != "auto" else str(MODELLED_CAPACITY // scale)
-        parse_size(capacity)
+        capacity = {"auto": str(MODELLED_CAPACITY // scale),
+                    "preset": str(CostModel.preset(cfg.preset, scale).host_kv_bytes // scale)}.get(cfg.capacity,
+                                                                                                   cfg.capacity)
+        try:
+            parse_size(capacity)
+        except ValueError:
+            raise ValueError(f"--capacity {cfg.capacity!r}: expected auto, preset or a size, e.g. 4GiB") from None
         return cls(**{**values, "byte_scale": scale, "capacity": capacity,
                       "kills": tuple(parse_kills(list(cfg.kill), cfg.nodes))})
 
@@ -173,6 +180,8 @@ class ReplayConfig:
             raise ValueError(f"unknown policies {bad}; choose from {','.join(POLICIES)} (each but oracle may take "
                              "+claims: engines claim their prefills and wait for each other's)")
         margin_for(self.claim_margin)
+        if self.tiers not in TIERS:
+            raise ValueError(f"--tiers {self.tiers!r}: choose from {', '.join(TIERS)}")
         if self.nodes < 1 or self.speedup <= 0 or self.concurrency < 1 or self.repeats < 1 \
                 or self.data_connections < 1:
             raise ValueError("--nodes, --speedup, --concurrency, --repeats and --data-connections must be positive")
@@ -260,11 +269,16 @@ def cluster_and_router(cfg: ReplayConfig, policy: str, router_cfg: tuple[str, st
     """The daemons' settings and the router of one configuration (the real and the simulated replay)."""
     rate, latency = link_of(cfg)
     base, _ = split_policy(policy)
+    disk = cfg.tiers == "preset"
     spec = ClusterSpec(nodes=cfg.nodes, policy="reactive" if base == "oracle" else base, namespace=cfg.preset,
                        page_bytes=cost.scaled_page_bytes, capacity=cfg.capacity, settings=daemon_settings(cfg),
                        extra=list(cfg.kvstored_arg),
                        network=cfg.network, link_rate=rate * cfg.speedup / cost.byte_scale,
-                       link_latency=latency / cfg.speedup)
+                       link_latency=latency / cfg.speedup,
+                       # the modelled NVMe: its bytes scaled, its rates scaled and on the daemons' clock
+                       disk_tier=cost.nvme_bytes // cost.byte_scale if disk else 0,
+                       disk_read_rate=cost.nvme_read_bytes_s * cfg.speedup / cost.byte_scale if disk else 0.0,
+                       disk_write_rate=cost.nvme_write_bytes_s * cfg.speedup / cost.byte_scale if disk else 0.0)
     _, router_name, balance_abs = router_cfg
     pull = None if base == "none" else cost.link_s  # under none a node recomputes what it lacks
     router = make_router(router_name, balance_abs, cfg.balance_rel, not cfg.no_hints, cfg.match_threshold,

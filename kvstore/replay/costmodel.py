@@ -15,7 +15,19 @@ Nothing here is measured; every number is a model input or follows from one.
 * **Link** (the stated network for modelled transfers): ``unscaled bytes /
   link bytes/s``, 50 GB/s by default (one 400 Gb/s RDMA NIC).
 * **Local load** of a cached page into the engine: ``unscaled bytes / HBM
-  bytes/s`` (a pool on the same GPU).
+  bytes/s`` (a pool on the same GPU), or over each GPU's PCIe link (a host
+  pool, the replay's default).
+* **Disk load** of a page the node's disk tier holds: ``unscaled bytes / the
+  node's NVMe read bytes/s``, then the local load.
+
+A node's storage (``--capacity preset``, ``--tiers preset``) is a DGX H100's
+share per GPU (NVIDIA's DGX H100/H200 specifications: 8 GPUs, 2 TB DDR5,
+eight 3.84 TB U.2 NVMe drives for data and cache): host memory for KV is half
+of each GPU's 250 GB (the rest is the OS's, the engine processes' and pinned
+staging), 125 GB; one 3.84 TB drive a GPU, at a PCIe Gen4 U.2 data-center
+drive's rated sequential 6.4 GB/s read and 3.8 GB/s write, 1 drive write per
+day (Samsung PM1733 U.2). ``llama3-70b-tp8``: 1 TB host, 30.7 TB NVMe at
+51.2 / 30.4 GB/s.
 
 Presets (H100 SXM class: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, MFU 0.5):
 
@@ -28,7 +40,7 @@ Presets (H100 SXM class: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, MFU 0.5):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 BLOCK_TOKENS = 512  # Mooncake traces hash 512-token blocks
 MIN_PAGE_BYTES = 4096
@@ -79,6 +91,12 @@ class Hardware:
     link_bytes_s: float = 50e9   # node-to-node link for modelled transfers
     pcie_bytes_s: float = 55e9   # host memory -> one GPU (PCIe Gen5 x16, achievable)
     hbm_bytes: float = 80e9      # HBM per GPU (H100 SXM: 80 GB)
+    # a DGX H100's storage per GPU (module doc): host memory for KV, one U.2 NVMe drive
+    host_kv_bytes: float = 125e9
+    nvme_bytes: float = 3.84e12
+    nvme_read_bytes_s: float = 6.4e9
+    nvme_write_bytes_s: float = 3.8e9
+    nvme_dwpd: float = 1.0       # rated drive writes per day (endurance)
 
 
 H100 = Hardware("H100-SXM", flops=989e12, hbm_bytes_s=3.35e12)
@@ -131,9 +149,10 @@ class CostModel:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
         model, gpus, hw = PRESETS[name]
-        if mfu is not None or link_gbs is not None:
-            hw = Hardware(hw.name, hw.flops, hw.hbm_bytes_s, hw.mfu if mfu is None else mfu,
-                          hw.link_bytes_s if link_gbs is None else link_gbs * 1e9, hw.pcie_bytes_s, hw.hbm_bytes)
+        if mfu is not None:
+            hw = replace(hw, mfu=mfu)
+        if link_gbs is not None:
+            hw = replace(hw, link_bytes_s=link_gbs * 1e9)
         return cls(model, gpus, hw, block_tokens, byte_scale, pool_medium)
 
     # ---- bytes -------------------------------------------------------------
@@ -149,6 +168,29 @@ class CostModel:
         (8 x 80 GB x 0.9 - 141 GB) / 160 MiB = 2,592 blocks (1.3M tokens)."""
         free = self.gpus * self.hw.hbm_bytes * GPU_MEMORY_UTILIZATION - self.model.weight_bytes
         return max(0, int(free // self.page_bytes))
+
+    @property
+    def host_kv_bytes(self) -> int:
+        """Host memory a node gives KV (``--capacity preset``: the store's pool), unscaled."""
+        return int(self.gpus * self.hw.host_kv_bytes)
+
+    @property
+    def nvme_bytes(self) -> int:
+        """The node's NVMe for KV (``--tiers preset``: the disk tier below the pool), unscaled."""
+        return int(self.gpus * self.hw.nvme_bytes)
+
+    @property
+    def nvme_read_bytes_s(self) -> float:
+        return self.gpus * self.hw.nvme_read_bytes_s
+
+    @property
+    def nvme_write_bytes_s(self) -> float:
+        return self.gpus * self.hw.nvme_write_bytes_s
+
+    @property
+    def disk_write_budget_bytes_s(self) -> float:
+        """The node's rated endurance as a mean write rate: drive writes per day x capacity / a day."""
+        return self.hw.nvme_dwpd * self.nvme_bytes / 86400.0
 
     @property
     def scaled_page_bytes(self) -> int:
@@ -185,6 +227,11 @@ class CostModel:
         per_gpu = self.hw.hbm_bytes_s if self.pool_medium == "hbm" else self.hw.pcie_bytes_s
         return blocks * self.page_bytes / (self.gpus * per_gpu)
 
+    def disk_load_s(self, blocks: int) -> float:
+        """Modelled read of ``blocks`` pages from the node's disk tier into its pool (the node's drives in
+        parallel); the load into the engine (:meth:`local_load_s`) comes on top."""
+        return blocks * self.page_bytes / self.nvme_read_bytes_s
+
     def describe(self) -> dict[str, object]:
         """The model inputs and derived sizes, for results.json."""
         return {"model": asdict(self.model), "gpus": self.gpus, "hardware": asdict(self.hw),
@@ -192,4 +239,6 @@ class CostModel:
                 "page_bytes_unscaled": self.page_bytes, "page_bytes_scaled": self.scaled_page_bytes,
                 "kv_bytes_per_token": self.model.kv_bytes_per_token,
                 "prefill_s_per_block": self.prefill_s(self.block_tokens),
-                "link_s_per_block": self.link_s(1)}
+                "link_s_per_block": self.link_s(1), "disk_load_s_per_block": self.disk_load_s(1),
+                "host_kv_bytes": self.host_kv_bytes, "nvme_bytes": self.nvme_bytes,
+                "disk_write_budget_bytes_s": self.disk_write_budget_bytes_s}

@@ -44,6 +44,7 @@ class RequestRecord:
     output_tokens: int = 0
     reusable: int = 0         # leading blocks an earlier request had (the ceiling)
     local: int = 0
+    disk: int = 0             # of the local blocks, those only its node's disk tier held (read up first)
     remote: int = 0
     miss: int = 0
     engine_cached: int = 0    # of the missed blocks: in the engine's own prefix cache when its prefill began
@@ -108,13 +109,16 @@ def aggregate(records: Iterable[RequestRecord], cluster: dict[str, float] | None
     recs = list(records)
     done = [r for r in recs if r.done and not r.error]
     blocks = sum(r.blocks for r in done)
-    local, remote, miss, engine = (sum(getattr(r, f) for r in done)
-                                   for f in ("local", "remote", "miss", "engine_cached"))
+    local, disk, remote, miss, engine = (sum(getattr(r, f) for r in done)
+                                         for f in ("local", "disk", "remote", "miss", "engine_cached"))
     out: dict[str, object] = {
         "requests": len(recs), "completed": len(done), "errors": sum(1 for r in recs if r.error),
         "unfinished": sum(1 for r in recs if not r.done and not r.error),
         "blocks": blocks, "local_blocks": local, "remote_blocks": remote, "miss_blocks": miss,
         "engine_cached_blocks": engine,  # missed by the store, found by the engine's own prefix cache
+        "disk_blocks": disk,  # of local_blocks: read up from the node's disk tier first
+        "pool_hit_ratio": (local - disk) / blocks if blocks else 0.0,
+        "disk_hit_ratio": disk / blocks if blocks else 0.0,
         "local_hit_ratio": local / blocks if blocks else 0.0,
         "remote_hit_ratio": remote / blocks if blocks else 0.0,
         "miss_ratio": miss / blocks if blocks else 0.0,
@@ -242,6 +246,8 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
       pages that no request on the receiving node read (harness accounting).
     """
     ns = [s.namespaces[0] for s in node_stats if getattr(s, "namespaces", None)]  # type: ignore[attr-defined]
+    tiers = [t for s in node_stats for t in getattr(s, "tiers", ()) if t.tier.startswith("disk")]
+    written = sum(int(t.demotions) for t in tiers)
     expired_unread = sum(int(n.speculative_wasted_bytes) for n in ns)
     unread_end = sum(int(n.speculative_slots) for n in ns) * page_bytes
     if policy == "predictive":
@@ -275,6 +281,11 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
         "placed_pages_used": placed_used_pages,
         "remote_fetch_bytes": sum(int(n.remote_hits) for n in ns) * page_bytes,
         "evictions": sum(sum(int(v) for v in n.evictions.values()) for n in ns),
+        # the nodes' disk tiers (--tiers preset): pages written down (each a write of a page's bytes: the
+        # drive's wear, in scaled and modelled bytes) and read back up
+        "disk_write_pages": written,
+        "disk_write_bytes": written * page_bytes, "disk_write_bytes_unscaled": written * page_bytes * byte_scale,
+        "disk_read_pages": sum(int(t.promotions) for t in tiers),
         "stored_bytes": sum(int(n.used_bytes) for n in ns),
         "planner_decisions": {k: int(metric_sum(coordinator_metrics, "kvstore_planner_decisions_total",
                                                 {"kind": k}))

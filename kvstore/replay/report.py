@@ -97,10 +97,37 @@ def sweep_table(w: dict[str, Any]) -> str:
     sources = decision_lines(w)
     if sources:
         lines += ["", sources]
+    tiers = tier_table(w)
+    if tiers:
+        lines += ["", tiers]
     fail = failover_table(w)
     if fail:
         lines += ["", fail]
     return "\n".join(lines)
+
+
+def tier_table(w: dict[str, Any]) -> str:
+    """Where each configuration's blocks came from, by tier, and its disks' traffic (medians over seeds);
+    empty when no run had a disk tier (``--tiers none``)."""
+    runs_of = w.get("runs", {})
+    if not any(r.get("disk_write_pages", 0) or r.get("disk_blocks", 0) for runs in runs_of.values() for r in runs):
+        return ""
+    order = {p: i for i, p in enumerate(POLICIES)}
+    rows = ["Blocks by where they were found (% of all blocks) and the disk tiers' traffic (modelled bytes):", "",
+            "| policy | router | pool % | disk % | other nodes % | engine cache % | computed % | "
+            "disk written GiB | disk read GiB | disk written / disk hit |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for label in sorted(runs_of, key=lambda k: (order.get(k.split("|")[0], 9), k)):
+        runs = runs_of[label]
+        policy, router = label.split("|")
+        page = runs[0].get("disk_write_bytes_unscaled", 0) / max(1, runs[0].get("disk_write_pages", 0)) \
+            if runs[0].get("disk_write_pages") else 0.0
+        written, read, hits = (_med(runs, k) for k in ("disk_write_pages", "disk_read_pages", "disk_blocks"))
+        rows.append(f"| {policy} | {router} | {100 * _med(runs, 'pool_hit_ratio'):.1f} | "
+                    f"{100 * _med(runs, 'disk_hit_ratio'):.1f} | {100 * _med(runs, 'remote_hit_ratio'):.1f} | "
+                    f"{100 * _med(runs, 'engine_cached_ratio'):.1f} | {100 * _med(runs, 'miss_ratio'):.1f} | "
+                    f"{written * page / (1 << 30):.0f} | {read * page / (1 << 30):.0f} | "
+                    f"{written / hits if hits else float('inf'):.1f} |")
+    return "\n".join(rows)
 
 
 def decision_lines(w: dict[str, Any]) -> str:

@@ -150,12 +150,13 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
         late = step.kv_at - now()
         if not (yield WaitHeld(keys[:step.depth], max(0.0, late) + cost.prefill_s(step.depth * cost.block_tokens))):
             e.oracle["late_waits"] = e.oracle.get("late_waits", 0) + 1  # the prefix never came: compute it
-    local = cluster_max = cached = 0
+    local = cluster_max = cached = pool = 0
     try:
         # the claim covers what the engine would compute knowing nothing cached (it learns its prefix from
         # this Lookup); the node claims from the cluster's prefix on (the agent)
         claim = claiming.claim_seconds(cost, rec.input_tokens, 0, e.backlog(now()), S) if rules.claims else 0.0
         local, nodes = yield Lookup(keys, record=True, claim_s=claim)
+        pool = claiming.pooled(nodes, e.node_id, local)
         cluster_max = claiming.held(nodes, local)
         # pull only what beats computing, and nothing a request ahead of this one on the engine computes
         # (its prefix cache serves it when this one's prefill starts)
@@ -173,6 +174,7 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
             while True:  # re-look about 8 times over what is left
                 yield Sleep(claiming.look_again(nodes, e.node_id, local, wait, cost, S, rules.link_bytes_s))
                 local, nodes = yield Lookup(keys)
+                pool = claiming.pooled(nodes, e.node_id, local)
                 came = claiming.landed(nodes, e.node_id, local, wait.length, wait.node)
                 if (came or now() - t_wait >= wait.budget_s
                         or not claiming.still_coming(nodes, e.node_id, wait.length, wait.node)):
@@ -193,6 +195,7 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
     rec.fetch_real_s = (now() - t0) / S
     rec.fetch_s = now() - t0
     local = record_hits(rec, local, cached, cluster_max, cost)
+    rec.disk = max(0, local - pool)  # of its local blocks, those its node's tiers held (read up first)
     if e.on_hits is not None:
         e.on_hits(rec)
     for k in keys[:local]:

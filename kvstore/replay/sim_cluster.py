@@ -17,6 +17,13 @@ Modelled, kept simple:
   evicted first (FIFO), then the rest least recently used; a speculative
   replica read becomes a plain replica (a speculative hit); the node drops
   expired speculative replicas at its heartbeat (wasted bytes);
+* a disk tier below it (the daemons' ``--tier disk:...``, as ``--tiers
+  preset`` sets it): what the pool evicts for room goes down (speculative
+  replicas do not), written once (a page read back up keeps its copy below),
+  least recently used out of the tier and gone; a Get reads the pages only
+  the tier holds at ``--tier-read-rate``, one node's reads in turn, and
+  brings them into the pool; a page on disk counts as held (Lookup, the
+  directory), with the pool's leading part as ``pool_length``;
 * a pull (a Get's reactive fetch, a Replicate): the keys the node lacks that
   no other pull is bringing (single flight per node and key: later readers
   wait on the pull in flight), grouped by source as the replicator does, one
@@ -48,6 +55,7 @@ class _Page(NamedTuple):  # what an Outbox reads of an added page
     key: bytes
     kind: int
     expires_at: float
+    tier: int = 0             # 0: the pool; 1: the disk tier below it
 
 
 @dataclass(slots=True)
@@ -65,24 +73,34 @@ class ClusterParams:
     link_rate: float              # unscaled bytes per trace second, per node and direction
     link_latency: float           # trace seconds, one way
     depth_cap: int = 16           # the deepest predictor depth (the access log keeps this many keys)
+    disk_pages: int = 0           # a disk tier's pages below each pool (0: none)
+    disk_read_rate: float = 0.0   # its reads, unscaled bytes per trace second (0: free)
 
 
 class SimPool:
     """One node's pages of the namespace (see the module doc)."""
 
-    def __init__(self, capacity_pages: int, namespace: str = "ns") -> None:
+    def __init__(self, capacity_pages: int, namespace: str = "ns", disk_pages: int = 0) -> None:
         self.capacity, self.ns = max(1, capacity_pages), namespace
         self.spec: OrderedDict[bytes, float] = OrderedDict()   # key -> expires_at (daemon s)
         self.lru: OrderedDict[bytes, int] = OrderedDict()      # key -> kind
+        self.disk: OrderedDict[bytes, int] = OrderedDict()     # the tier below: key -> kind, LRU first
+        self.disk_capacity = max(0, disk_pages)
         self.outbox = Outbox()
         self.hits = self.misses = self.remote_hits = self.spec_hits = self.puts = 0
         self.spec_wasted_pages = 0
+        self.disk_writes = self.disk_reads = self.disk_evictions = 0  # pages
         self.evictions: Counter[str] = Counter()
 
     def __contains__(self, key: bytes) -> bool:
+        """Held by the node: in its pool or on its disk."""
+        return key in self.lru or key in self.spec or key in self.disk
+
+    def in_pool(self, key: bytes) -> bool:
         return key in self.lru or key in self.spec
 
     def __len__(self) -> int:
+        """Pages in the pool (what its capacity bounds)."""
         return len(self.lru) + len(self.spec)
 
     def prefix(self, keys: Sequence[bytes]) -> int:
@@ -91,37 +109,69 @@ class SimPool:
             n += 1
         return n
 
+    def pool_prefix(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(keys) and self.in_pool(keys[n]):
+            n += 1
+        return n
+
     def store(self, keys: Sequence[bytes], kind: int, expires_at: float = 0.0) -> list[bytes]:
-        """Store the keys not held (evicting as needed); returns the keys stored."""
-        added, removed = [], []
+        """Store the keys not in the pool (evicting as needed); returns the keys stored."""
+        changes: dict[bytes, _Page | None] = {}  # what the directory hears, the last change of each key
+        stored = []
         for k in dict.fromkeys(keys):
-            if k in self:
+            if self.in_pool(k):
                 if kind == PRIMARY and k in self.lru:
                     self.lru.move_to_end(k)
                 continue
             while len(self) >= self.capacity:
-                removed.append(self._evict())
+                self._evict(changes)
             if kind == SPECULATIVE:
                 self.spec[k] = expires_at
             else:
                 self.lru[k] = kind
-            added.append(_Page(k, kind, expires_at if kind == SPECULATIVE else 0.0))
-        self.outbox.record(self.ns, added, removed)
-        return [p.key for p in added]
+            changes[k] = _Page(k, kind, expires_at if kind == SPECULATIVE else 0.0)
+            stored.append(k)
+        self.outbox.record(self.ns, [p for p in changes.values() if p is not None],
+                           [k for k, p in changes.items() if p is None])
+        return [k for k in stored if self.in_pool(k)]
 
-    def _evict(self) -> bytes:
+    def _evict(self, changes: dict[bytes, _Page | None]) -> None:
+        """Make room for one page: a speculative replica is dropped; a page is demoted to the disk (written
+        once) or, without one, dropped."""
         if self.spec:
             key, _ = self.spec.popitem(last=False)
             self.spec_wasted_pages += 1
             self.evictions["speculative"] += 1
+            changes[key] = _Page(key, self.disk[key], 0.0, 1) if key in self.disk else None
+            return
+        key, kind = self.lru.popitem(last=False)
+        self.evictions["lru"] += 1
+        if not self.disk_capacity:
+            changes[key] = None
+            return
+        if key in self.disk:
+            self.disk.move_to_end(key)
         else:
-            key, _ = self.lru.popitem(last=False)
-            self.evictions["lru"] += 1
-        return key
+            self.disk_writes += 1
+            self.disk[key] = kind
+            while len(self.disk) > self.disk_capacity:
+                gone, _ = self.disk.popitem(last=False)
+                self.disk_evictions += 1
+                if not self.in_pool(gone):
+                    changes[gone] = None
+        if key in self.disk:
+            changes[key] = _Page(key, kind, 0.0, 1)
+
+    def below(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` (held) only the disk holds: what a read brings up first."""
+        return sum(1 for k in keys if not self.in_pool(k) and k in self.disk)
 
     def read(self, keys: Sequence[bytes]) -> None:
-        """A Get read these (held) pages: LRU touch; a speculative replica read becomes a replica."""
-        promoted = []
+        """A Get read these (held) pages: LRU touch; a speculative replica read becomes a replica; a page
+        only on disk comes up into the pool (its copy below stays)."""
+        promoted: list[_Page] = []
+        up = [k for k in keys if not self.in_pool(k) and k in self.disk]
         for k in keys:
             if k in self.spec:
                 self.spec.pop(k)
@@ -132,6 +182,11 @@ class SimPool:
                 self.lru.move_to_end(k)
         if promoted:
             self.outbox.record(self.ns, promoted)
+        for k in up:
+            if k in self.disk:  # (an earlier promotion of this read may have evicted it)
+                self.disk.move_to_end(k)
+                self.disk_reads += 1
+                self.store([k], self.disk[k])
 
     def renew(self, keys: Sequence[bytes], expires_at: float) -> None:
         renewed = [_Page(k, SPECULATIVE, expires_at) for k in keys if k in self.spec]
@@ -153,10 +208,12 @@ class SimPool:
     def clear(self) -> None:
         self.spec.clear()
         self.lru.clear()
+        self.disk.clear()
 
     def snapshot(self) -> list[_Page]:
         return [_Page(k, v, 0.0) for k, v in self.lru.items()] + \
-               [_Page(k, SPECULATIVE, e) for k, e in self.spec.items()]
+               [_Page(k, SPECULATIVE, e) for k, e in self.spec.items()] + \
+               [_Page(k, v, 0.0, 1) for k, v in self.disk.items() if not self.in_pool(k)]
 
 
 class Membership:
@@ -187,7 +244,9 @@ class SimCluster:
         self.sim, self.p = sim, p
         self.ids = [f"n{i}" for i in range(p.nodes)]
         self.index = {n: i for i, n in enumerate(self.ids)}
-        self.pools = [SimPool(p.capacity_bytes // max(1, p.scaled_page_bytes), p.namespace) for _ in self.ids]
+        self.pools = [SimPool(p.capacity_bytes // max(1, p.scaled_page_bytes), p.namespace, p.disk_pages)
+                      for _ in self.ids]
+        self.disk_free_at = [0.0] * p.nodes  # trace s each node's disk has read what it was given
         self.net = Network(sim, p.nodes, p.link_rate, p.link_latency)
         self.directory = Directory()
         self.claims = Claims()              # in-flight prefill claims (the coordinator's, as in the daemons)
@@ -304,7 +363,7 @@ class SimCluster:
         me = self.ids[i]
         reply = self.prefixes(keys, asker=me, claim_node=me, claim_seconds=claim_seconds, claim_start=local,
                               record=record)
-        nodes = answer.as_seen_by(reply, me, local)
+        nodes = answer.as_seen_by(reply, me, local, local_pool=self.pools[i].pool_prefix(keys[:local]))
         if record and keys:
             depth = min(len(keys), self.p.depth_cap)
             remote = any(n.prefix_length >= depth and not n.pending for n in nodes if n.node_id != me)
@@ -313,6 +372,16 @@ class SimCluster:
                 outcome=0 if local >= depth else 1 if remote else 2, total_blocks=len(keys), local_blocks=local))
             self._access_t[i].append(self.dnow())
         return local, nodes
+
+    def disk_read(self, i: int, pages: int) -> Event:
+        """Node ``i`` reads ``pages`` from its disk tier: after the reads it was given before (fires when
+        they are in)."""
+        rate = self.p.disk_read_rate
+        if pages <= 0 or rate <= 0:
+            return self.sim.event().succeed()
+        now = self.sim.now
+        self.disk_free_at[i] = max(now, self.disk_free_at[i]) + pages * self.p.page_bytes / rate
+        return self.sim.timeout(self.disk_free_at[i] - now)
 
     # ---- pulls ---------------------------------------------------------------
     def fetch_missing(self, i: int, keys: Sequence[bytes]) -> Event:
@@ -370,5 +439,10 @@ class SimCluster:
                 speculative_wasted_bytes=pool.spec_wasted_pages * self.p.scaled_page_bytes)
             for reason, n in pool.evictions.items():
                 ns.evictions[reason] = n
-            out.append(pb.StatsResponse(node_id=self.ids[i], namespaces=[ns]))
+            tiers = [pb.TierStats(
+                tier="disk0", capacity_bytes=pool.disk_capacity * self.p.scaled_page_bytes,
+                used_bytes=len(pool.disk) * self.p.scaled_page_bytes, pages=len(pool.disk), hits=pool.disk_reads,
+                demotions=pool.disk_writes, promotions=pool.disk_reads, evictions=pool.disk_evictions,
+                bytes_written=pool.disk_writes * self.p.scaled_page_bytes)] if pool.disk_capacity else []
+            out.append(pb.StatsResponse(node_id=self.ids[i], namespaces=[ns], tiers=tiers))
         return out

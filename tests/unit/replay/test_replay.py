@@ -60,6 +60,36 @@ def test_auto_byte_scale_stores_4_kib_pages_and_auto_capacity_keeps_a_modelled_t
     assert config["byte_scale"] == 40960 and int(config["capacity"]) * 40960 == MODELLED_CAPACITY - MODELLED_CAPACITY % 40960
 
 
+def test_preset_capacities_and_tiers_reach_the_daemons_and_the_simulator_alike() -> None:
+    """--capacity preset is the host memory a DGX H100 gives KV (half its 2 TB, per GPU of the preset), and
+    --tiers preset a disk tier of its NVMe (one 3.84 TB drive a GPU) paced at the drives' rated rates: all
+    scaled by --byte-scale, the rates on the daemons' clock (x --speedup); the simulator reads the same
+    daemon arguments back into pages and trace-second rates."""
+    from kvstore.replay.cli import replay_parser
+    from kvstore.replay.config import ReplayConfig, cluster_and_router
+    from kvstore.replay.sim_coord import node_config
+
+    cfg = ReplayConfig.from_args(replay_parser().parse_args(
+        ["--preset", "llama3-70b-tp8", "--capacity", "preset", "--tiers", "preset", "--speedup", "4"]))
+    cost = cfg.cost()
+    assert cost.host_kv_bytes == 1e12 and cost.nvme_bytes == 30.72e12
+    assert cost.nvme_read_bytes_s == pytest.approx(51.2e9) and cost.nvme_write_bytes_s == pytest.approx(30.4e9)
+    assert cost.disk_write_budget_bytes_s == pytest.approx(30.72e12 / 86400)  # one drive write a day
+    assert int(cfg.capacity) == int(1e12) // 40960
+    spec, _ = cluster_and_router(cfg, "reactive", ("cache-aware", "cache-aware", 32.0), cost)
+    daemon = node_config(spec.args("n0"))
+    (disk,) = daemon.tier
+    assert disk.kind == "disk" and disk.capacity == int(30.72e12) // 40960
+    assert daemon.tier_read_rate == pytest.approx(51.2e9 * 4 / 40960)
+    # a disk page read takes its modelled time: 160 MiB at 51.2 GB/s, well under its prefill
+    assert cost.disk_load_s(1) == pytest.approx(160 * MiB / 51.2e9) and cost.disk_load_s(1) < cost.prefill_s(512) / 5
+    none = ReplayConfig.from_args(replay_parser().parse_args(["--preset", "llama3-70b-tp8"]))
+    assert not node_config(cluster_and_router(none, "reactive", ("cache-aware", "cache-aware", 32.0),
+                                              none.cost())[0].args("n0")).tier
+    with pytest.raises(ValueError, match="--capacity"):
+        ReplayConfig.from_args(replay_parser().parse_args(["--capacity", "lots"]))
+
+
 def test_prefill_decode_link_arithmetic() -> None:
     c = CostModel.preset("llama3-8b")
     # 2 x params x tokens / (FLOP/s x MFU)

@@ -118,6 +118,31 @@ def test_pool_evicts_speculative_first_then_lru_and_a_read_promotes() -> None:
     assert pool.spec_hits == 1 and b"s2" in pool.lru
 
 
+def test_a_pool_with_a_disk_below_demotes_once_and_reads_back_up() -> None:
+    """--tiers preset in the simulator: what the pool evicts goes down (written once: a page read back up
+    keeps its copy below), still held and reported as below; the disk's own LRU drops pages for good;
+    speculative replicas are not written down."""
+    pool = SimPool(2, disk_pages=3)
+    pool.store([b"a", b"b"], PRIMARY)
+    pool.store([b"c"], PRIMARY)                       # a goes down
+    assert b"a" in pool and not pool.in_pool(b"a") and pool.disk_writes == 1
+    assert pool.prefix([b"a", b"b", b"c"]) == 3 and pool.pool_prefix([b"b", b"c", b"a"]) == 2
+    assert pool.below([b"a", b"b"]) == 1
+    _, batches = pool.outbox.take_full({pool.ns: pool.snapshot()}, 0.0)
+    assert list(batches[0].below) == [b"a"]           # the directory hears it is below the pool
+    pool.read([b"a"])                                 # up again; b goes down
+    assert pool.in_pool(b"a") and pool.disk_reads == 1 and not pool.in_pool(b"b") and pool.disk_writes == 2
+    pool.store([b"d"], PRIMARY)                       # c goes down; a's copy below is still there
+    pool.store([b"e"], PRIMARY)                       # a goes down again: no second write
+    assert pool.disk_writes == 3 and set(pool.disk) == {b"a", b"b", b"c"}
+    pool.store([b"f"], PRIMARY)                       # d down: the disk's least recently used (b) is gone
+    assert b"b" not in pool and pool.disk_evictions == 1
+    pool.store([b"s"], 3, expires_at=10.0)            # e goes down
+    assert pool.disk_writes == 5
+    pool.store([b"g"], PRIMARY)                       # the speculative replica is dropped, not written down
+    assert b"s" not in pool and pool.disk_writes == 5
+
+
 def test_a_copy_tree_finishes_in_log_waves() -> None:
     """The coordinator's copy tree (the planner's copy_tree edges, carried out by the simulated
     coordinator) over 1 + 7 nodes with fanout 1: 3 waves of one copy time, where a star from the
