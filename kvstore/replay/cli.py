@@ -88,6 +88,9 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--speedup", "--time-scale", dest="speedup", type=float,
                    help="compress arrivals AND the engines' modelled sleeps by this factor (one factor for both, "
                         "so the load the trace implies is kept); reported times are rescaled to the trace")
+    w.add_argument("--quiet", type=float, metavar="SECONDS", help="--trace recurring: its bursts this far apart "
+                   "over a heavy background of long unique prompts (kvstore/workloads/shapes.py), so other traffic "
+                   "pushes a prefix out of the pools between its bursts; 0: the compact default")
     _synth_args(w, "synth-")
     c = p.add_argument_group("cluster and policies")
     c.add_argument("--nodes", type=int)
@@ -194,7 +197,7 @@ def build_workloads(a: ReplayConfig, seed: int | None = None) -> list[Workload]:
             spec = _synth_spec(a, "synth-")
             out.append(synth_workload(SynthSpec(**{**asdict(spec), "seed": seed})))
         elif t in SHAPES:
-            out.append(shape_workload(t, seed))
+            out.append(shape_workload(t, seed, **({"quiet_s": a.quiet} if t == "recurring" and a.quiet else {})))
         else:
             wl = mooncake_workload(t, a.start, a.window, a.max_requests)
             if wl.name.startswith("mooncake_"):

@@ -88,6 +88,7 @@ class ReplayConfig:
     synth_duration: float = _SYNTH.duration_s
     synth_suffix_tokens: int = _SYNTH.suffix_tokens
     synth_output_tokens: int = _SYNTH.output_tokens
+    quiet: float = 0.0
     # cluster and policies
     nodes: int = 4
     policies: str = ",".join(POLICIES)
@@ -180,6 +181,8 @@ class ReplayConfig:
             raise ValueError(f"unknown policies {bad}; choose from {','.join(POLICIES)} (each but oracle may take "
                              "+claims: engines claim their prefills and wait for each other's)")
         margin_for(self.claim_margin)
+        if self.quiet < 0:
+            raise ValueError("--quiet must be >= 0 seconds")
         if self.tiers not in TIERS:
             raise ValueError(f"--tiers {self.tiers!r}: choose from {', '.join(TIERS)}")
         if self.nodes < 1 or self.speedup <= 0 or self.concurrency < 1 or self.repeats < 1 \

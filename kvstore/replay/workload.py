@@ -168,6 +168,8 @@ def shape_requests(name: str, seed: int = 0, base: Sequence[Request] | None = No
         return shapes.recurring(**kw)  # type: ignore[arg-type]
     if name == "ramp":
         return shapes.ramp(**kw)  # type: ignore[arg-type]
+    if name == "tenants":
+        return shapes.tenants(**kw)  # type: ignore[arg-type]
     if name == "mixed":
         if base is None:
             base = cut_window(load_mooncake(resolve_path(DEFAULT_TRACE)), 0.0, 120.0)

@@ -10,7 +10,14 @@ chain: equal leading ids = shared prefix); 512 tokens a block.
   calls or samples over one long context), plus unique background requests;
 * ``recurring``: a few prefixes whose bursts return every 60-120 s with
   jitter (a scheduled job, a popular system prompt after a cache flush):
-  forecastable before every burst after the first;
+  forecastable before every burst after the first; with ``quiet_s`` the
+  bursts come that far apart over a heavy background of long unique
+  prompts, so between two bursts other traffic pushes a prefix out of a
+  node's pool (into its tiers, or away);
+* ``tenants``: many system prompts with Zipf popularity under a periodic
+  rate (a day compressed): each request one tenant's prompt and its own
+  question; the popular prompts stay hot, the tail's recur after other
+  traffic evicted them, and the load rises and falls with the period;
 * ``ramp``: one prefix whose request rate grows linearly over the window
   (a feature being rolled out), over a steady background;
 * ``mixed``: a trace (the Mooncake conversation window) with fan-out bursts
@@ -20,13 +27,14 @@ chain: equal leading ids = shared prefix); 512 tokens a block.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from kvstore.workloads.traces import BLOCK_TOKENS, Request
 
-SHAPES = ("agent-fanout", "recurring", "ramp", "mixed")
+SHAPES = ("agent-fanout", "recurring", "ramp", "mixed", "tenants")
 
 
 def _ids(start: int = 1 << 40) -> Iterator[int]:
@@ -40,6 +48,7 @@ def _req(t: float, prefix: Sequence[int], ids: Iterator[int], suffix_blocks: int
 
 def _background(rng: random.Random, ids: Iterator[int], rate: float, duration_s: float, blocks: tuple[int, int],
                 output: int) -> list[Request]:
+    """Unique requests (no shared prefix) at Poisson ``rate`` per second, each of ``blocks`` blocks."""
     out, t = [], 0.0
     while rate > 0:
         t += rng.expovariate(rate)
@@ -69,10 +78,22 @@ def agent_fanout(bursts: int = 4, duration_s: float = 60.0, requests: tuple[int,
 def recurring(prefixes: int = 2, duration_s: float = 360.0, period_s: tuple[float, float] = (60.0, 120.0),
               jitter_s: float = 5.0, requests: tuple[int, int] = (16, 48), context_tokens: int = 16384,
               window_s: float = 4.0, suffix_blocks: int = 1, output_tokens: int = 256, background: float = 0.5,
-              seed: int = 0) -> list[Request]:
-    """Each prefix bursts at a random phase, then every ``period`` (fixed per prefix) +- ``jitter_s``."""
+              quiet_s: float = 0.0, quiet_bursts: int = 5, quiet_background: float = 1.0,
+              quiet_blocks: tuple[int, int] = (32, 96), seed: int = 0) -> list[Request]:
+    """Each prefix bursts at a random phase, then every ``period`` (fixed per prefix) +- ``jitter_s``.
+
+    ``quiet_s`` > 0: the periods are ``quiet_s`` to 1.2 x ``quiet_s``, the run lasts ``quiet_bursts``
+    of them, and the background is ``quiet_background`` unique requests per second of ``quiet_blocks``
+    blocks (16k-48k tokens): at the defaults 64 new blocks a second over the cluster, so 600 s of quiet
+    write 38k blocks, more than eight ``llama3-70b-tp8`` pools hold at ``--capacity preset``
+    (5,960 blocks each) after the engines' own caches (2,591 each)."""
     rng, ids = random.Random(seed), _ids()
-    out = _background(rng, ids, background, duration_s, (2, 8), output_tokens)
+    blocks = (2, 8)
+    if quiet_s > 0:
+        period_s = (quiet_s, 1.2 * quiet_s)
+        duration_s = quiet_bursts * 1.1 * quiet_s
+        background, blocks = quiet_background, quiet_blocks
+    out = _background(rng, ids, background, duration_s, blocks, output_tokens)
     for _ in range(prefixes):
         prefix = [next(ids) for _ in range(max(1, context_tokens // BLOCK_TOKENS))]
         period = rng.uniform(*period_s)
@@ -98,6 +119,30 @@ def ramp(duration_s: float = 180.0, start_rate: float = 0.2, end_rate: float = 6
         if rng.random() < (start_rate + (end_rate - start_rate) * t / duration_s) / peak:
             out.append(_req(t, prefix, ids, suffix_blocks, output_tokens))
     return sorted(out, key=lambda r: r.t)
+
+
+def tenants(count: int = 2000, zipf: float = 1.1, rate: float = 8.0, period_s: float = 600.0,
+            amplitude: float = 0.8, duration_s: float = 1800.0, prompt_tokens: tuple[int, int] = (8192, 32768),
+            question_blocks: tuple[int, int] = (1, 8), output_tokens: int = 256, seed: int = 0) -> list[Request]:
+    """``count`` system prompts (``prompt_tokens`` each, drawn once), tenant ``k`` (1-based) drawn with
+    weight ``k ** -zipf``; requests arrive at ``rate x (1 + amplitude x sin(2 pi t / period_s))`` per
+    second (a diurnal cycle compressed into ``period_s``), each a tenant's prompt and a question of its
+    own (``question_blocks``). Defaults: 2,000 prompts of 16-64 blocks (80k blocks, 12.5 TiB of
+    ``llama3-70b-tp8`` KV), Zipf 1.1, 8 requests/s on average between 1.6 and 14.4, a 600 s period,
+    three periods."""
+    rng, ids = random.Random(seed), _ids()
+    prompts = [[next(ids) for _ in range(max(1, rng.randint(*prompt_tokens) // BLOCK_TOKENS))]
+               for _ in range(count)]
+    weights = list(itertools.accumulate(k ** -zipf for k in range(1, count + 1)))
+    out, t, peak = [], 0.0, rate * (1 + abs(amplitude))
+    while True:  # thinning: candidates at the peak rate, kept with rate(t) / peak
+        t += rng.expovariate(peak)
+        if t >= duration_s:
+            break
+        if rng.random() * peak < rate * (1 + amplitude * math.sin(2 * math.pi * t / period_s)):
+            prompt = rng.choices(prompts, cum_weights=weights)[0]
+            out.append(_req(t, prompt, ids, rng.randint(*question_blocks), output_tokens))
+    return out
 
 
 def mixed_with(base: Sequence[Request], bursts: int = 3, seed: int = 0, **fanout: object) -> list[Request]:

@@ -5,6 +5,8 @@ tests/integration/test_replay_end_to_end.py."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import json
 from types import SimpleNamespace
 
@@ -366,6 +368,22 @@ def test_workload_shapes() -> None:
     first, last = sum(r.t < 40 for r in ramp), sum(r.t >= 80 for r in ramp)
     assert last > 2 * first
     assert shape_requests("agent-fanout", seed=3) == shape_requests("agent-fanout", seed=3)
+    # recurring with quiet periods: bursts quiet_s apart over a heavy unique background
+    quiet = shape_requests("recurring", seed=0, prefixes=1, quiet_s=300.0)
+    (prefix, _), = Counter(r.hash_ids[0] for r in quiet).most_common(1)
+    shared = [r.t for r in quiet if r.hash_ids[0] == prefix]
+    gaps = [b - a for a, b in zip(shared, shared[1:]) if b - a > 60.0]
+    assert len(gaps) >= 3 and all(300.0 - 5.0 - 4.0 <= g <= 1.2 * 300.0 + 5.0 + 4.0 for g in gaps)
+    background = [r for r in quiet if r.t < 300.0 and r.hash_ids[0] != prefix]
+    assert sum(len(r.hash_ids) for r in background) > 300 * 32  # quiet, but not idle: other prompts fill pools
+    # tenants: Zipf popularity over many system prompts, and a rate that rises and falls with the period
+    ten = shape_requests("tenants", seed=0, count=200, duration_s=1200.0, rate=4.0)
+    by_prompt = Counter(r.hash_ids[0] for r in ten)
+    top = by_prompt.most_common()
+    assert len(by_prompt) > 50 and top[0][1] > 5 * top[len(top) // 2][1]
+    peak = sum(1 for r in ten if (r.t % 600.0) < 300.0)  # the sine's positive half-periods
+    assert peak > 2 * (len(ten) - peak)
+    assert ten == shape_requests("tenants", seed=0, count=200, duration_s=1200.0, rate=4.0)
 
 
 # ---- failover -------------------------------------------------------------------------
