@@ -66,6 +66,7 @@ class _TierCollector:
                  ("demotions", "Pages written into a tier (from the pool, or cascaded from the tier above)"),
                  ("promotions", "Pages read from a tier into the pool"),
                  ("drops", "Pages that could not go down into a tier (staging full, tier refused or degraded)"),
+                 ("declined", "Pages the pool evicted that were not written down by choice (--tier-admit)"),
                  ("evictions", "Pages a tier evicted (into the next tier, or gone from the last)"),
                  ("corrupt", "Tier records that failed their checksum on read (dropped, never served)"),
                  ("bytes_written", "Bytes a tier wrote, headers and padding included (a disk's wear)"),

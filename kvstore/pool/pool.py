@@ -51,6 +51,7 @@ class Entry:
     expires_at: float = 0.0  # SPECULATIVE only: dropped unread after this (0 = never)
     pins: int = 0  # leases holding the page
     readers: int = 0  # in-flight reads holding the page
+    reads: int = 0  # reads since it was stored (a client's Get, a peer's pull): --tier-admit reused
     deleted: bool = False  # deleted while held; slot freed on last release
 
 
@@ -296,6 +297,8 @@ class PagePool:
                 self.spec_hits += 1
                 promoted.append(entry)
             entry.readers += 1
+            if promote:
+                entry.reads += 1
             entries.append(entry)
         if promoted and self._on_change:
             self._on_change(promoted, [])

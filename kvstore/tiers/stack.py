@@ -104,6 +104,7 @@ class LevelCounters:
     demotions: int = 0       # pages written into this tier (from the pool or cascaded from the tier above)
     promotions: int = 0      # pages read from this tier into the pool
     drops: int = 0           # pages that could not go down: staging full (first tier) or the tier refused
+    declined: int = 0        # pages not written down by choice (--tier-admit reused: never read)
     mismatched: int = 0      # pages read back whose bytes did not match the pool's checksum (dropped)
     reads: Histogram = field(default_factory=Histogram)
     writes: Histogram = field(default_factory=Histogram)
@@ -305,6 +306,7 @@ class TierStack:
                 pages=sum(st.pages for st in stats), hits=sum(st.hits for st in stats),
                 misses=sum(st.misses for st in stats), demotions=level.counters.demotions,
                 promotions=level.counters.promotions, drops=level.counters.drops,
+                declined=level.counters.declined,
                 evictions=sum(st.evictions for st in stats),
                 corrupt=sum(st.corrupt for st in stats) + level.counters.mismatched,
                 bytes_written=sum(st.bytes_written for st in stats), recovered=sum(st.recovered for st in stats),
@@ -409,6 +411,8 @@ class NamespaceTiers:
                 self.spec_dropped += 1
             elif entry.key in self.hidden or self.holds(entry.key):
                 continue  # below already (write-through, or promoted from there): nothing to write
+            elif self.stack.config.tier_admit == "reused" and entry.reads == 0:
+                self.levels[0].counters.declined += 1
             elif self.stack.staged_bytes + (len(todo) + 1) * self.page_bytes > self.stack.staging_budget:
                 self.levels[0].counters.drops += 1
             else:
@@ -418,8 +422,8 @@ class NamespaceTiers:
     def write_through(self, entries: Sequence[Any]) -> None:
         """Committed pages (``--tier-write through``): copy each one not below yet down in the background,
         within the staging budget (past it the page goes down at its eviction instead)."""
-        if self._closed or not self.tiers:
-            return
+        if self._closed or not self.tiers or self.stack.config.tier_admit == "reused":
+            return  # (a page is judged at its eviction: nothing is read at its store)
         todo = [e for e in entries if e.kind is not PageKind.SPECULATIVE and e.key not in self.hidden
                 and not self.holds(e.key)]
         room = max(0, (self.stack.staging_budget - self.stack.staged_bytes) // self.page_bytes)

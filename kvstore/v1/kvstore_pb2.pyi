@@ -355,7 +355,7 @@ class StatsResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., device: _Optional[str] = ..., coordinator: _Optional[str] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., pulls_in_flight: _Optional[int] = ..., claimed_keys: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "path", "io", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "demotions", "promotions", "drops", "evictions", "corrupt", "bytes_written", "recovered", "degraded", "staged_bytes")
+    __slots__ = ("tier", "path", "io", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "demotions", "promotions", "drops", "evictions", "corrupt", "bytes_written", "recovered", "degraded", "staged_bytes", "declined")
     TIER_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     IO_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +373,7 @@ class TierStats(_message.Message):
     RECOVERED_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DECLINED_FIELD_NUMBER: _ClassVar[int]
     tier: str
     path: str
     io: str
@@ -390,7 +391,8 @@ class TierStats(_message.Message):
     recovered: int
     degraded: str
     staged_bytes: int
-    def __init__(self, tier: _Optional[str] = ..., path: _Optional[str] = ..., io: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., drops: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., bytes_written: _Optional[int] = ..., recovered: _Optional[int] = ..., degraded: _Optional[str] = ..., staged_bytes: _Optional[int] = ...) -> None: ...
+    declined: int
+    def __init__(self, tier: _Optional[str] = ..., path: _Optional[str] = ..., io: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., drops: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., bytes_written: _Optional[int] = ..., recovered: _Optional[int] = ..., degraded: _Optional[str] = ..., staged_bytes: _Optional[int] = ..., declined: _Optional[int] = ...) -> None: ...
 
 class NodeInfoRequest(_message.Message):
     __slots__ = ()

@@ -316,3 +316,26 @@ def test_a_paced_disk_tier_reads_no_faster_than_its_rate(tmp_path: Path) -> None
         run(main)
     finally:
         node.close()
+
+
+def test_tier_admit_reused_writes_down_only_pages_read_since_stored(stack: Any) -> None:
+    """--tier-admit reused: an evicted page never read is declined (counted, gone); one read since its store
+    goes down and comes back."""
+    node = make_node(stack, tier_admit="reused")
+
+    async def main() -> None:
+        keys = [key(i) for i in range(2 * POOL_PAGES)]
+        for i in range(POOL_PAGES):
+            put(node, [keys[i]], [page(i)])
+        assert await get(node, keys[:1]) == [page(0)]   # the first page is read once
+        for i in range(POOL_PAGES, 2 * POOL_PAGES):     # the first four are evicted
+            put(node, [keys[i]], [page(i)])
+        assert await below(node).settle()
+        assert node.lookup("ns", keys[:1]) == 1 and all(not node.exists("ns", [k])[0] for k in keys[1:POOL_PAGES])
+        first = node.tiers.summary()[0]
+        assert first["declined"] == POOL_PAGES - 1 and first["demotions"] == 1
+        assert await get(node, keys[:1]) == [page(0)]
+    try:
+        run(main)
+    finally:
+        node.close()
