@@ -286,7 +286,7 @@ class NodeConfig(BaseModel):
     tier_threads: int = tiers_(4, "I/O threads per tier (reads of one batch run in parallel)", "N", ge=1, le=64)
     tier_admit: Literal["all", "reused"] = tiers_(
         "all", "which pages the pool's evictions write down: all (every primary and replica page), or reused "
-        "(only pages read since they were stored: seen at least twice, a frequency filter that keeps one-off "
+        "(only pages a client read since they were stored: seen at least twice, a frequency filter that keeps one-off "
         "prompts off the disk and its wear; the others are declined, counted; with --tier-write through, pages "
         "then go down at their eviction only)", "MODE")
     tier_read_rate: float = tiers_(

@@ -51,7 +51,7 @@ class Entry:
     expires_at: float = 0.0  # SPECULATIVE only: dropped unread after this (0 = never)
     pins: int = 0  # leases holding the page
     readers: int = 0  # in-flight reads holding the page
-    reads: int = 0  # reads since it was stored (a client's Get, a peer's pull): --tier-admit reused
+    reads: int = 0  # client reads (acquire with promote) since it was stored: --tier-admit reused
     deleted: bool = False  # deleted while held; slot freed on last release
 
 
