@@ -26,8 +26,9 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client.claims import (Wait, decide, held, incoming_copy, landed, look_again_s, read_after_wait,
                                    still_coming, worth_reading)
 
-__all__ = ["POLL_S", "Wait", "choose", "claim_seconds", "held", "incoming", "landed", "look_again", "margin_for",
-           "readable", "readable_after", "split_policy", "still_coming", "wait_end", "wait_for"]
+__all__ = ["POLL_S", "TIER_POLICIES", "Wait", "choose", "claim_seconds", "held", "incoming", "landed", "look_again",
+           "margin_for", "pooled", "readable", "readable_after", "split_policy", "still_coming", "tier_policy",
+           "wait_end", "wait_for"]
 
 POLL_S = 0.010  # real seconds between the re-lookups of a waiting follower, at least (look_again)
 # --claim-margin auto: wait only where waiting is expected to be faster, under every policy. A margin of 2
@@ -47,12 +48,32 @@ def margin_for(setting: str) -> float:
     return value
 
 
+# The tiers below each node's pool (--tier-policies), a policy's last suffix: single-tier has none;
+# tiers-lru a disk tier of the preset's NVMe that takes every page the pool evicts (least recently used
+# out); tiers-freq the same disk writing only the pages read since they were stored (kvstored --tier-admit).
+TIER_POLICIES = ("single-tier", "tiers-lru", "tiers-freq")
+
+
+def _parts(policy: str) -> tuple[str, bool, str]:
+    base, *extras = policy.split("+")
+    tiers = [x for x in extras if x in TIER_POLICIES[1:]]
+    bad = [x for x in extras if x != "claims" and x not in TIER_POLICIES[1:]]
+    if bad or extras.count("claims") > 1 or len(tiers) > 1:
+        raise ValueError(f"unknown policy suffix in {policy!r} (+claims, then at most one of "
+                         f"{', '.join('+' + t for t in TIER_POLICIES[1:])})")
+    return base, "claims" in extras, tiers[0] if tiers else TIER_POLICIES[0]
+
+
 def split_policy(policy: str) -> tuple[str, bool]:
-    """``"reactive+claims"`` -> ``("reactive", True)``; a plain name -> ``(name, False)``."""
-    base, _, extra = policy.partition("+")
-    if extra not in ("", "claims"):
-        raise ValueError(f"unknown policy suffix {extra!r} (only +claims)")
-    return base, extra == "claims"
+    """``"reactive+claims"`` -> ``("reactive", True)``; a plain name -> ``(name, False)``; a tier policy
+    suffix (``+tiers-lru``) is left out (:func:`tier_policy`)."""
+    base, claims, _ = _parts(policy)
+    return base, claims
+
+
+def tier_policy(policy: str) -> str:
+    """``"reactive+tiers-lru"`` -> ``"tiers-lru"``; without a tier suffix ``"single-tier"``."""
+    return _parts(policy)[2]
 
 
 def claim_seconds(cost: CostModel, input_tokens: int, local_blocks: int, backlog_s: float, speedup: float) -> float:

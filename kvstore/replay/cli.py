@@ -24,7 +24,8 @@ from typing import Any
 
 from kvstore.replay.claiming import margin_for, split_policy
 from kvstore.replay.cluster import LocalCluster
-from kvstore.replay.config import POLICIES, TIERS, ReplayConfig, add_daemon_overrides, cluster_and_router, link_of
+from kvstore.replay.config import (POLICIES, TIER_POLICIES, ReplayConfig, add_daemon_overrides, cluster_and_router,
+                                   link_of)
 from kvstore.replay.costmodel import LINKS, PRESETS, CostModel
 from kvstore.replay.engine import Driver, RunConfig
 from kvstore.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum, replica_gib_s
@@ -115,9 +116,12 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--capacity", help="kvstored --capacity per node (real bytes); auto: 1 TiB "
                    "modelled, i.e. 1 TiB / --byte-scale; preset: the host memory a node of the preset gives KV "
                    "(docs/benchmarks.md, 'Node storage'), scaled the same way")
-    c.add_argument("--tiers", choices=list(TIERS), help="below each node's pool: none, or preset: a disk tier "
-                   "of the preset's NVMe (its bytes scaled, in files under --out; its reads and writes paced at "
-                   "the drives' rated rates, like the links)")
+    c.add_argument("--tier-policies", metavar="LIST", help="tiers below each node's pool, a comma list, each run "
+                   "with every policy but the oracle (its label gets the suffix, as +claims): " +
+                   ", ".join(TIER_POLICIES) + ". single-tier: the pool only; tiers-lru: a disk tier of the "
+                   "preset's NVMe (its bytes scaled, slab files under --out, reads and writes paced at the drives' "
+                   "rated rates like the links) taking every page the pool evicts; tiers-freq: the same disk "
+                   "taking only pages read since they were stored (kvstored --tier-admit reused)"),
     c.add_argument("--network", choices=["shaped", "netns", "none"],
                    help="how node-to-node bytes cost time: shaped = a fair link shaper in each kvstored's peer "
                         "transport (any user); netns = each kvstored in its own network namespace on a bridge "

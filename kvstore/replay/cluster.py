@@ -60,6 +60,7 @@ class ClusterSpec:
     disk_tier: int = 0                 # bytes of a disk tier below each pool (already scaled; 0: none)
     disk_read_rate: float = 0.0        # its reads and writes, real bytes/s (already scaled; 0: unpaced)
     disk_write_rate: float = 0.0
+    disk_admit: str = "all"            # the disk tier's --tier-admit
     tier_root: str = ""                # where the nodes' disk tiers live (LocalCluster: under its log folder)
 
     def args(self, node_id: str, host: str = "127.0.0.1") -> list[str]:
@@ -68,7 +69,8 @@ class ClusterSpec:
         if self.disk_tier:
             root = self.tier_root or "/nonexistent/kvstore-replay-tiers"  # the simulator only parses it
             shaped += ["--tier", f"disk:{root}/{node_id}:{self.disk_tier}",
-                       "--tier-read-rate", repr(self.disk_read_rate), "--tier-write-rate", repr(self.disk_write_rate)]
+                       "--tier-read-rate", repr(self.disk_read_rate), "--tier-write-rate", repr(self.disk_write_rate),
+                       "--tier-admit", self.disk_admit]
         # a netns node listens on its veth address inside namespaces this benchmark made and removes,
         # reachable from nothing else: development mode without the loopback check
         private = ["--insecure", "true"] if host != "127.0.0.1" else []

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvstore.config import add_override
 from kvstore.replay import netns
-from kvstore.replay.claiming import margin_for, split_policy
+from kvstore.replay.claiming import TIER_POLICIES, margin_for, split_policy, tier_policy
 from kvstore.replay.cluster import ClusterSpec
 from kvstore.replay.costmodel import LINKS, MODELLED_CAPACITY, CostModel, auto_byte_scale
 from kvstore.replay.routers import ROUTERS, make_router
@@ -30,7 +30,6 @@ from kvstore.replay.workload import DEFAULT_TRACE, SynthSpec
 from kvstore.units import parse_size
 
 POLICIES = ("none", "reactive", "full", "predictive", "oracle")
-TIERS = ("none", "preset")  # --tiers: no tier below the pools, or the preset's NVMe (costmodel)
 
 
 # The replay's deliberate departures from kvstored's defaults, each a replay flag that carries the
@@ -103,7 +102,7 @@ class ReplayConfig:
     predictor_depths: str = _OVERRIDE_DEFAULT["predictor_depths"]
     device: str = _OVERRIDE_DEFAULT["device"]
     capacity: str = "auto"
-    tiers: str = "none"
+    tier_policies: str = "single-tier"
     transport: str = _OVERRIDE_DEFAULT["transport"]
     network: str = "shaped"
     link: str = "rdma-400g"
@@ -179,12 +178,14 @@ class ReplayConfig:
         bad = [p for p in self.policy_list() if not _known_policy(p)]
         if bad or not self.policy_list():
             raise ValueError(f"unknown policies {bad}; choose from {','.join(POLICIES)} (each but oracle may take "
-                             "+claims: engines claim their prefills and wait for each other's)")
+                             "+claims: engines claim their prefills and wait for each other's; --tier-policies "
+                             "adds the tiers' suffix)")
         margin_for(self.claim_margin)
         if self.quiet < 0:
             raise ValueError("--quiet must be >= 0 seconds")
-        if self.tiers not in TIERS:
-            raise ValueError(f"--tiers {self.tiers!r}: choose from {', '.join(TIERS)}")
+        bad_t = [t for t in self.tier_policy_list() if t not in TIER_POLICIES]
+        if bad_t or not self.tier_policy_list():
+            raise ValueError(f"unknown tier policies {bad_t}; choose from {','.join(TIER_POLICIES)}")
         if self.nodes < 1 or self.speedup <= 0 or self.concurrency < 1 or self.repeats < 1 \
                 or self.data_connections < 1:
             raise ValueError("--nodes, --speedup, --concurrency, --repeats and --data-connections must be positive")
@@ -201,7 +202,18 @@ class ReplayConfig:
 
     # ---- derived values -------------------------------------------------------------
     def policy_list(self) -> list[str]:
-        return [p.strip() for p in self.policies.split(",") if p.strip()]
+        """Every policy to run: each of --policies under each of --tier-policies (a suffix, as +claims;
+        single-tier adds none; the oracle runs single-tier only)."""
+        out: list[str] = []
+        for p in (p.strip() for p in self.policies.split(",") if p.strip()):
+            if p.partition("+")[0] == "oracle":
+                out.append(p)
+                continue
+            out.extend(p if t == TIER_POLICIES[0] else f"{p}+{t}" for t in self.tier_policy_list())
+        return out
+
+    def tier_policy_list(self) -> list[str]:
+        return [t.strip() for t in self.tier_policies.split(",") if t.strip()]
 
     def router_list(self) -> list[str]:
         return [r.strip() for r in (self.routers or self.router).split(",") if r.strip()]
@@ -234,12 +246,13 @@ class ReplayConfig:
 
 
 def _known_policy(name: str) -> bool:
-    """One of POLICIES, each but the oracle optionally with +claims."""
+    """One of POLICIES, each but the oracle optionally with +claims and a tier policy's suffix."""
     try:
         base, claims = split_policy(name)
+        tier = tier_policy(name)
     except ValueError:
         return False
-    return base in POLICIES and not (claims and base == "oracle")
+    return base in POLICIES and not (base == "oracle" and (claims or tier != TIER_POLICIES[0]))
 
 
 def parse_kills(specs: list[str], nodes: int) -> list[tuple[int, float]]:
@@ -272,7 +285,8 @@ def cluster_and_router(cfg: ReplayConfig, policy: str, router_cfg: tuple[str, st
     """The daemons' settings and the router of one configuration (the real and the simulated replay)."""
     rate, latency = link_of(cfg)
     base, _ = split_policy(policy)
-    disk = cfg.tiers == "preset"
+    tier = tier_policy(policy)
+    disk = tier != TIER_POLICIES[0]
     spec = ClusterSpec(nodes=cfg.nodes, policy="reactive" if base == "oracle" else base, namespace=cfg.preset,
                        page_bytes=cost.scaled_page_bytes, capacity=cfg.capacity, settings=daemon_settings(cfg),
                        extra=list(cfg.kvstored_arg),
@@ -281,7 +295,8 @@ def cluster_and_router(cfg: ReplayConfig, policy: str, router_cfg: tuple[str, st
                        # the modelled NVMe: its bytes scaled, its rates scaled and on the daemons' clock
                        disk_tier=cost.nvme_bytes // cost.byte_scale if disk else 0,
                        disk_read_rate=cost.nvme_read_bytes_s * cfg.speedup / cost.byte_scale if disk else 0.0,
-                       disk_write_rate=cost.nvme_write_bytes_s * cfg.speedup / cost.byte_scale if disk else 0.0)
+                       disk_write_rate=cost.nvme_write_bytes_s * cfg.speedup / cost.byte_scale if disk else 0.0,
+                       disk_admit="reused" if tier == "tiers-freq" else "all")
     _, router_name, balance_abs = router_cfg
     pull = None if base == "none" else cost.link_s  # under none a node recomputes what it lacks
     router = make_router(router_name, balance_abs, cfg.balance_rel, not cfg.no_hints, cfg.match_threshold,

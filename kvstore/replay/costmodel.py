@@ -20,7 +20,7 @@ Nothing here is measured; every number is a model input or follows from one.
 * **Disk load** of a page the node's disk tier holds: ``unscaled bytes / the
   node's NVMe read bytes/s``, then the local load.
 
-A node's storage (``--capacity preset``, ``--tiers preset``) is a DGX H100's
+A node's storage (``--capacity preset``, ``--tier-policies tiers-*``) is a DGX H100's
 share per GPU (NVIDIA's DGX H100/H200 specifications: 8 GPUs, 2 TB DDR5,
 eight 3.84 TB U.2 NVMe drives for data and cache): host memory for KV is half
 of each GPU's 250 GB (the rest is the OS's, the engine processes' and pinned
@@ -176,7 +176,7 @@ class CostModel:
 
     @property
     def nvme_bytes(self) -> int:
-        """The node's NVMe for KV (``--tiers preset``: the disk tier below the pool), unscaled."""
+        """The node's NVMe for KV (the disk tier below the pool of ``--tier-policies tiers-*``), unscaled."""
         return int(self.gpus * self.hw.nvme_bytes)
 
     @property

@@ -281,11 +281,13 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
         "placed_pages_used": placed_used_pages,
         "remote_fetch_bytes": sum(int(n.remote_hits) for n in ns) * page_bytes,
         "evictions": sum(sum(int(v) for v in n.evictions.values()) for n in ns),
-        # the nodes' disk tiers (--tiers preset): pages written down (each a write of a page's bytes: the
+        # the nodes' disk tiers (--tier-policies tiers-*): pages written down (each a write of a page's bytes: the
         # drive's wear, in scaled and modelled bytes) and read back up
         "disk_write_pages": written,
         "disk_write_bytes": written * page_bytes, "disk_write_bytes_unscaled": written * page_bytes * byte_scale,
+        "page_bytes_unscaled": page_bytes * byte_scale,
         "disk_read_pages": sum(int(t.promotions) for t in tiers),
+        "disk_declined_pages": sum(int(t.declined) for t in tiers),  # evicted, not written (--tier-admit)
         "stored_bytes": sum(int(n.used_bytes) for n in ns),
         "planner_decisions": {k: int(metric_sum(coordinator_metrics, "kvstore_planner_decisions_total",
                                                 {"kind": k}))

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.replay.sweep import BASELINES
+from kvstore.replay.sweep import is_baseline
 
 POLICIES = ("none", "reactive", "full", "predictive", "oracle")
 MiB = 1 << 20
@@ -108,24 +108,26 @@ def sweep_table(w: dict[str, Any]) -> str:
 
 def tier_table(w: dict[str, Any]) -> str:
     """Where each configuration's blocks came from, by tier, and its disks' traffic (medians over seeds);
-    empty when no run had a disk tier (``--tiers none``)."""
+    empty when no run had a disk tier (``--tier-policies single-tier``)."""
     runs_of = w.get("runs", {})
     if not any(r.get("disk_write_pages", 0) or r.get("disk_blocks", 0) for runs in runs_of.values() for r in runs):
         return ""
     order = {p: i for i, p in enumerate(POLICIES)}
     rows = ["Blocks by where they were found (% of all blocks) and the disk tiers' traffic (modelled bytes):", "",
             "| policy | router | pool % | disk % | other nodes % | engine cache % | computed % | "
-            "disk written GiB | disk read GiB | disk written / disk hit |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "disk written GiB | declined GiB | disk read GiB | disk written / disk hit |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label in sorted(runs_of, key=lambda k: (order.get(k.split("|")[0], 9), k)):
         runs = runs_of[label]
         policy, router = label.split("|")
-        page = runs[0].get("disk_write_bytes_unscaled", 0) / max(1, runs[0].get("disk_write_pages", 0)) \
-            if runs[0].get("disk_write_pages") else 0.0
-        written, read, hits = (_med(runs, k) for k in ("disk_write_pages", "disk_read_pages", "disk_blocks"))
+        page = runs[0].get("page_bytes_unscaled", 0)
+        written, declined, read, hits = (_med(runs, k) for k in ("disk_write_pages", "disk_declined_pages",
+                                                                 "disk_read_pages", "disk_blocks"))
         rows.append(f"| {policy} | {router} | {100 * _med(runs, 'pool_hit_ratio'):.1f} | "
                     f"{100 * _med(runs, 'disk_hit_ratio'):.1f} | {100 * _med(runs, 'remote_hit_ratio'):.1f} | "
                     f"{100 * _med(runs, 'engine_cached_ratio'):.1f} | {100 * _med(runs, 'miss_ratio'):.1f} | "
-                    f"{written * page / (1 << 30):.0f} | {read * page / (1 << 30):.0f} | "
+                    f"{written * page / (1 << 30):.0f} | {declined * page / (1 << 30):.0f} | "
+                    f"{read * page / (1 << 30):.0f} | "
                     f"{written / hits if hits else float('inf'):.1f} |")
     return "\n".join(rows)
 
@@ -177,13 +179,13 @@ def failover_ratio_lines(w: dict[str, Any]) -> str:
     none/reactive configuration with the lowest median post-kill p99), paired seed by seed."""
     post = {label: [r["failover"][0]["ttft_p99_s"] for r in runs if r.get("failover")]
             for label, runs in w.get("runs", {}).items()}
-    base = {k: v for k, v in post.items() if v and k.split("|")[0] in BASELINES}
+    base = {k: v for k, v in post.items() if v and is_baseline(k.split("|")[0])}
     if not base:
         return "- post-kill ratios: (need a none or reactive configuration in the run)"
     best = min(base, key=lambda k: float(np.median(base[k])))
     out = [f"- best post-kill baseline: `{best}` (p99 median {float(np.median(base[best])):.3f} s)"]
     for label, v in sorted(post.items()):
-        if label.split("|")[0] in BASELINES or not v or len(v) != len(base[best]):
+        if is_baseline(label.split("|")[0]) or not v or len(v) != len(base[best]):
             continue
         q = [a / b for a, b in zip(v, base[best]) if b > 0]
         if q:

@@ -125,10 +125,10 @@ class SimDriver:
             heartbeat_s=dcfg.heartbeat_interval, heartbeat_timeout_s=dcfg.heartbeat_timeout,
             fetch_timeout_s=min(cfg.fetch_timeout_s, dcfg.fetch_timeout), link_rate=cfg.link_rate,
             link_latency=cfg.link_latency, depth_cap=dcfg.predictor_depths[-1],
-            # the daemons' disk tier (--tiers preset): its scaled bytes in pages, its read rate from the
+            # the daemons' disk tier (--tier-policies tiers-*): its scaled bytes in pages, its read rate from the
             # daemons' clock and scaled bytes back to trace seconds and modelled bytes
             disk_pages=sum(t.capacity for t in dcfg.tier if t.kind == "disk") // cfg.cost.scaled_page_bytes,
-            disk_read_rate=dcfg.tier_read_rate * cfg.cost.byte_scale / S)
+            disk_read_rate=dcfg.tier_read_rate * cfg.cost.byte_scale / S, disk_admit_reused=dcfg.tier_admit == "reused")
         self.cluster = SimCluster(self.sim, params)
         self.cluster.rpc_s = cfg.rpc_ms / 1e3
         self.coord: SimCoordinator | None = None

@@ -17,10 +17,12 @@ Modelled, kept simple:
   evicted first (FIFO), then the rest least recently used; a speculative
   replica read becomes a plain replica (a speculative hit); the node drops
   expired speculative replicas at its heartbeat (wasted bytes);
-* a disk tier below it (the daemons' ``--tier disk:...``, as ``--tiers
-  preset`` sets it): what the pool evicts for room goes down (speculative
+* a disk tier below it (the daemons' ``--tier disk:...``, as ``--tier-policies
+  tiers-lru`` sets it): what the pool evicts for room goes down (speculative
   replicas do not), written once (a page read back up keeps its copy below),
-  least recently used out of the tier and gone; a Get reads the pages only
+  least recently used out of the tier and gone (``--tier-admit reused``:
+  only pages read since they were stored go down, the others are declined);
+  a Get reads the pages only
   the tier holds at ``--tier-read-rate``, one node's reads in turn, and
   brings them into the pool; a page on disk counts as held (Lookup, the
   directory), with the pool's leading part as ``pool_length``;
@@ -75,21 +77,25 @@ class ClusterParams:
     depth_cap: int = 16           # the deepest predictor depth (the access log keeps this many keys)
     disk_pages: int = 0           # a disk tier's pages below each pool (0: none)
     disk_read_rate: float = 0.0   # its reads, unscaled bytes per trace second (0: free)
+    disk_admit_reused: bool = False  # kvstored --tier-admit reused
 
 
 class SimPool:
     """One node's pages of the namespace (see the module doc)."""
 
-    def __init__(self, capacity_pages: int, namespace: str = "ns", disk_pages: int = 0) -> None:
+    def __init__(self, capacity_pages: int, namespace: str = "ns", disk_pages: int = 0,
+                 admit_reused: bool = False) -> None:
         self.capacity, self.ns = max(1, capacity_pages), namespace
         self.spec: OrderedDict[bytes, float] = OrderedDict()   # key -> expires_at (daemon s)
         self.lru: OrderedDict[bytes, int] = OrderedDict()      # key -> kind
         self.disk: OrderedDict[bytes, int] = OrderedDict()     # the tier below: key -> kind, LRU first
         self.disk_capacity = max(0, disk_pages)
+        self.admit_reused = admit_reused
+        self.read_since_stored: set[bytes] = set()             # pool pages a Get read since they were stored
         self.outbox = Outbox()
         self.hits = self.misses = self.remote_hits = self.spec_hits = self.puts = 0
         self.spec_wasted_pages = 0
-        self.disk_writes = self.disk_reads = self.disk_evictions = 0  # pages
+        self.disk_writes = self.disk_reads = self.disk_evictions = self.disk_declined = 0  # pages
         self.evictions: Counter[str] = Counter()
 
     def __contains__(self, key: bytes) -> bool:
@@ -130,6 +136,7 @@ class SimPool:
                 self.spec[k] = expires_at
             else:
                 self.lru[k] = kind
+            self.read_since_stored.discard(k)
             changes[k] = _Page(k, kind, expires_at if kind == SPECULATIVE else 0.0)
             stored.append(k)
         self.outbox.record(self.ns, [p for p in changes.values() if p is not None],
@@ -147,7 +154,13 @@ class SimPool:
             return
         key, kind = self.lru.popitem(last=False)
         self.evictions["lru"] += 1
+        was_read = key in self.read_since_stored
+        self.read_since_stored.discard(key)
         if not self.disk_capacity:
+            changes[key] = None
+            return
+        if self.admit_reused and not was_read and key not in self.disk:
+            self.disk_declined += 1
             changes[key] = None
             return
         if key in self.disk:
@@ -187,6 +200,7 @@ class SimPool:
                 self.disk.move_to_end(k)
                 self.disk_reads += 1
                 self.store([k], self.disk[k])
+        self.read_since_stored.update(k for k in keys if self.in_pool(k))
 
     def renew(self, keys: Sequence[bytes], expires_at: float) -> None:
         renewed = [_Page(k, SPECULATIVE, expires_at) for k in keys if k in self.spec]
@@ -209,6 +223,7 @@ class SimPool:
         self.spec.clear()
         self.lru.clear()
         self.disk.clear()
+        self.read_since_stored.clear()
 
     def snapshot(self) -> list[_Page]:
         return [_Page(k, v, 0.0) for k, v in self.lru.items()] + \
@@ -244,8 +259,8 @@ class SimCluster:
         self.sim, self.p = sim, p
         self.ids = [f"n{i}" for i in range(p.nodes)]
         self.index = {n: i for i, n in enumerate(self.ids)}
-        self.pools = [SimPool(p.capacity_bytes // max(1, p.scaled_page_bytes), p.namespace, p.disk_pages)
-                      for _ in self.ids]
+        self.pools = [SimPool(p.capacity_bytes // max(1, p.scaled_page_bytes), p.namespace, p.disk_pages,
+                              p.disk_admit_reused) for _ in self.ids]
         self.disk_free_at = [0.0] * p.nodes  # trace s each node's disk has read what it was given
         self.net = Network(sim, p.nodes, p.link_rate, p.link_latency)
         self.directory = Directory()
@@ -443,6 +458,7 @@ class SimCluster:
                 tier="disk0", capacity_bytes=pool.disk_capacity * self.p.scaled_page_bytes,
                 used_bytes=len(pool.disk) * self.p.scaled_page_bytes, pages=len(pool.disk), hits=pool.disk_reads,
                 demotions=pool.disk_writes, promotions=pool.disk_reads, evictions=pool.disk_evictions,
-                bytes_written=pool.disk_writes * self.p.scaled_page_bytes)] if pool.disk_capacity else []
+                bytes_written=pool.disk_writes * self.p.scaled_page_bytes, declined=pool.disk_declined)] \
+                if pool.disk_capacity else []
             out.append(pb.StatsResponse(node_id=self.ids[i], namespaces=[ns], tiers=tiers))
         return out

@@ -8,8 +8,9 @@ Pure logic over per-run summaries (``results.json`` entries), no I/O.
 * With ``--repeats N`` each configuration runs with N seeds; a statistic of a
   configuration is reported as its median over the seeds, with min and max.
 * The **best baseline** of a workload is the configuration of ``none`` or
-  ``reactive`` with the lowest median TTFT p99 over every router and
-  threshold that ran: the best a user could do without prediction.
+  ``reactive`` (with or without claims, under any tier policy) with the
+  lowest median TTFT p99 over every router and threshold that ran: the best
+  a user could do without prediction.
 * A ratio (predictive / best baseline, per seed) is a **result** only when its
   whole min-max range is on one side of 1.0; otherwise it is within the spread.
 """
@@ -62,8 +63,13 @@ def verdict(s: dict[str, float]) -> str:
 def best_baseline(runs: dict[str, list[dict[str, Any]]]) -> str | None:
     """The configuration key of ``none``/``reactive`` with the lowest median TTFT p99."""
     cands = [(spread([s["ttft_p99_s"] for s in v])["median"], k) for k, v in runs.items()
-             if k.split("|")[0] in BASELINES and v]
+             if is_baseline(k.split("|")[0]) and v]
     return min(cands)[1] if cands else None
+
+
+def is_baseline(policy: str) -> bool:
+    """Runs without prediction: ``none`` or ``reactive``, with or without claims, under any tier policy."""
+    return split_policy(policy)[0] in ("none", "reactive")
 
 
 def ratio_spread(num: list[dict[str, Any]], den: list[dict[str, Any]], k: str) -> dict[str, Any]:

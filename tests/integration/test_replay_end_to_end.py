@@ -160,7 +160,7 @@ def test_sim_agrees_with_the_real_replay_on_the_smoke_workload(tmp_path) -> None
 
 
 def test_tiers_hit_ratios_agree_live_and_simulated(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """--tiers preset on real daemons (a disk tier of slab files under the run's folder, paced at the
+    """--tier-policies tiers-lru on real daemons (a disk tier of slab files under the run's folder, paced at the
     modelled NVMe's rates) and simulated, on the mixed workload with pools small enough that a third of
     what they held went down to disk: the share of blocks found in the pool, on disk, on other nodes, in
     the engine's cache and computed agree within 5 percentage points. The p99 is printed, not asserted
@@ -169,10 +169,10 @@ def test_tiers_hit_ratios_agree_live_and_simulated(tmp_path) -> None:  # type: i
 
     out = tmp_path / "tiers"
     assert replay_main(["--trace", "mixed", "--preset", "llama3-70b-tp8", "--nodes", "2", "--policies", "reactive",
-                        "--routers", "cache-aware", "--capacity", "640KiB", "--tiers", "preset", "--sim-compare",
+                        "--routers", "cache-aware", "--capacity", "640KiB", "--tier-policies", "tiers-lru", "--sim-compare",
                         "--no-plots", "--no-progress", "--out", str(out)]) == 0
     (w,) = json.loads((out / "results.json").read_text())["workloads"].values()
-    real, sim = w["runs"]["reactive|cache-aware@32"][0], w["sim_compare"]["reactive|cache-aware@32"][0]
+    real, sim = w["runs"]["reactive+tiers-lru|cache-aware@32"][0], w["sim_compare"]["reactive+tiers-lru|cache-aware@32"][0]
     for side in (real, sim):
         assert side["disk_write_pages"] > 0 and side["disk_hit_ratio"] > 0.02, side
     for k in ("pool_hit_ratio", "disk_hit_ratio", "remote_hit_ratio", "engine_cached_ratio", "miss_ratio"):

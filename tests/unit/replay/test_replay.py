@@ -72,17 +72,22 @@ def test_preset_capacities_and_tiers_reach_the_daemons_and_the_simulator_alike()
     from kvstore.replay.sim_coord import node_config
 
     cfg = ReplayConfig.from_args(replay_parser().parse_args(
-        ["--preset", "llama3-70b-tp8", "--capacity", "preset", "--tiers", "preset", "--speedup", "4"]))
+        ["--preset", "llama3-70b-tp8", "--capacity", "preset", "--tier-policies", "single-tier,tiers-lru,tiers-freq",
+         "--speedup", "4"]))
     cost = cfg.cost()
     assert cost.host_kv_bytes == 1e12 and cost.nvme_bytes == 30.72e12
     assert cost.nvme_read_bytes_s == pytest.approx(51.2e9) and cost.nvme_write_bytes_s == pytest.approx(30.4e9)
     assert cost.disk_write_budget_bytes_s == pytest.approx(30.72e12 / 86400)  # one drive write a day
     assert int(cfg.capacity) == int(1e12) // 40960
-    spec, _ = cluster_and_router(cfg, "reactive", ("cache-aware", "cache-aware", 32.0), cost)
+    assert cfg.policy_list() == [p + t for p in ("none", "reactive", "full", "predictive") for t in
+                                 ("", "+tiers-lru", "+tiers-freq")] + ["oracle"]
+    spec, _ = cluster_and_router(cfg, "reactive+tiers-lru", ("cache-aware", "cache-aware", 32.0), cost)
     daemon = node_config(spec.args("n0"))
     (disk,) = daemon.tier
     assert disk.kind == "disk" and disk.capacity == int(30.72e12) // 40960
-    assert daemon.tier_read_rate == pytest.approx(51.2e9 * 4 / 40960)
+    assert daemon.tier_read_rate == pytest.approx(51.2e9 * 4 / 40960) and daemon.tier_admit == "all"
+    freq, _ = cluster_and_router(cfg, "reactive+claims+tiers-freq", ("cache-aware", "cache-aware", 32.0), cost)
+    assert node_config(freq.args("n0")).tier_admit == "reused"
     # a disk page read takes its modelled time: 160 MiB at 51.2 GB/s, well under its prefill
     assert cost.disk_load_s(1) == pytest.approx(160 * MiB / 51.2e9) and cost.disk_load_s(1) < cost.prefill_s(512) / 5
     none = ReplayConfig.from_args(replay_parser().parse_args(["--preset", "llama3-70b-tp8"]))
@@ -90,6 +95,10 @@ def test_preset_capacities_and_tiers_reach_the_daemons_and_the_simulator_alike()
                                               none.cost())[0].args("n0")).tier
     with pytest.raises(ValueError, match="--capacity"):
         ReplayConfig.from_args(replay_parser().parse_args(["--capacity", "lots"]))
+    for bad in (["--tier-policies", "tiers-magic"], ["--policies", "oracle+tiers-lru"],
+                ["--policies", "reactive+tiers-lru+tiers-freq"]):
+        with pytest.raises(ValueError):
+            ReplayConfig.from_args(replay_parser().parse_args(bad))
 
 
 def test_prefill_decode_link_arithmetic() -> None:

@@ -141,6 +141,15 @@ def test_a_pool_with_a_disk_below_demotes_once_and_reads_back_up() -> None:
     assert pool.disk_writes == 5
     pool.store([b"g"], PRIMARY)                       # the speculative replica is dropped, not written down
     assert b"s" not in pool and pool.disk_writes == 5
+    # --tier-admit reused: only what a Get read since it was stored goes down
+    freq = SimPool(2, disk_pages=3, admit_reused=True)
+    freq.store([b"a", b"b"], PRIMARY)
+    freq.read([b"b"])
+    freq.store([b"c", b"d"], PRIMARY)                 # a (never read) is declined, b (read) goes down
+    assert b"a" not in freq and b"b" in freq.disk and (freq.disk_declined, freq.disk_writes) == (1, 1)
+    freq.read([b"b"])                                 # up again, and read: down again at its next eviction
+    freq.store([b"e", b"f"], PRIMARY)
+    assert b"b" in freq and freq.disk_writes == 1     # (its copy below stayed: no second write)
 
 
 def test_a_copy_tree_finishes_in_log_waves() -> None:
