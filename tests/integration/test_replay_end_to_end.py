@@ -169,10 +169,11 @@ def test_tiers_hit_ratios_agree_live_and_simulated(tmp_path) -> None:  # type: i
 
     out = tmp_path / "tiers"
     assert replay_main(["--trace", "mixed", "--preset", "llama3-70b-tp8", "--nodes", "2", "--policies", "reactive",
-                        "--routers", "cache-aware", "--capacity", "640KiB", "--tier-policies", "tiers-lru", "--sim-compare",
-                        "--no-plots", "--no-progress", "--out", str(out)]) == 0
+                        "--routers", "cache-aware", "--capacity", "640KiB", "--tier-policies", "tiers-lru",
+                        "--sim-compare", "--no-plots", "--no-progress", "--out", str(out)]) == 0
     (w,) = json.loads((out / "results.json").read_text())["workloads"].values()
-    real, sim = w["runs"]["reactive+tiers-lru|cache-aware@32"][0], w["sim_compare"]["reactive+tiers-lru|cache-aware@32"][0]
+    label = "reactive+tiers-lru|cache-aware@32"
+    real, sim = w["runs"][label][0], w["sim_compare"][label][0]
     for side in (real, sim):
         assert side["disk_write_pages"] > 0 and side["disk_hit_ratio"] > 0.02, side
     for k in ("pool_hit_ratio", "disk_hit_ratio", "remote_hit_ratio", "engine_cached_ratio", "miss_ratio"):
