@@ -146,6 +146,29 @@ def worth_reading(nodes: Sequence[Any], me: str, local: int, *, page_bytes: int,
     return best
 
 
+def worth_loading(runs: Sequence[tuple[int, float]], local: int, *, prefill_blocks_s: Callable[[int], float]) -> int:
+    """Of this node's ``local`` leading blocks, given as runs by where they are (``(pages, load seconds)``
+    per run, in order: the pool's at 0, a tier's at its expected time to bring the run into the pool, the
+    Lookup answer's ``TierRun`` entries), how many to read: the depth where reading beats computing by the most.
+    Each run below the pool is read only if its load (with every run before it) costs less than computing
+    its blocks: on a drive busy with other reads, a short prefix, or a fast GPU, the engine computes what
+    only the disk holds, so no request waits for a tier longer than computing would take. Without runs
+    (a node without tiers, an older server) every local block is read."""
+    if not runs:
+        return local
+    best = depth = 0
+    best_gain = load = 0.0
+    for pages, seconds in runs:
+        depth = min(local, depth + int(pages))
+        load += max(0.0, float(seconds))
+        gain = prefill_blocks_s(depth) - load
+        if gain >= best_gain:
+            best, best_gain = depth, gain
+        if depth >= local:
+            break
+    return best
+
+
 def read_after_wait(nodes: Sequence[Any], local: int, base: int, *, page_bytes: int, link_bytes_per_s: float,
                     prefill_blocks_s: Callable[[int], float]) -> int:
     """Blocks to read when a wait for another's prefill ended without the prefix landing here (its

@@ -205,17 +205,24 @@ class SchedulerCore:
         self.stats.add(lookup_hit_tokens=req.hit_blocks * self.block_size)
 
     def _worth_reading(self, req: _Request, reply: pb.LookupResponse) -> int:
-        """Blocks to load: what this node holds, and another node's deeper prefix where pulling it beats
-        computing it (:func:`kvstore_client.claims.worth_reading`; it needs ``prefill_tokens_per_s``,
-        without which every held block is loaded)."""
+        """Blocks to load: what this node holds where loading it beats computing it (its pool's blocks, and
+        each run in its tiers whose expected load time is below the prefill of its blocks:
+        :func:`kvstore_client.claims.worth_loading`), and another node's deeper prefix where pulling it
+        beats computing it (:func:`kvstore_client.claims.worth_reading`). Both need
+        ``prefill_tokens_per_s``, without which every held block is loaded."""
         local = int(reply.prefix_length)
         held = claiming.held(reply.nodes, local)
         tps = self.config.prefill_tokens_per_s
-        if held <= local or not tps > 0 or (ctx := self._context()) is None:
+        if not tps > 0:
             return held
-        return claiming.worth_reading(reply.nodes, ctx[0], local, page_bytes=ctx[1],
-                                      link_bytes_per_s=self.config.link_bytes_per_s,
-                                      prefill_blocks_s=lambda b: claiming.prefill_s(b * self.block_size, tps))
+        def prefill(blocks: int) -> float:
+            return claiming.prefill_s(blocks * self.block_size, tps)
+        loadable = claiming.worth_loading([(int(r.pages), float(r.load_seconds)) for r in reply.tiers], local,
+                                          prefill_blocks_s=prefill)
+        if held <= local or (ctx := self._context()) is None:
+            return held if loadable >= local else loadable
+        return claiming.worth_reading(reply.nodes, ctx[0], loadable, page_bytes=ctx[1],
+                                      link_bytes_per_s=self.config.link_bytes_per_s, prefill_blocks_s=prefill)
 
     # ---- in-flight prefill claims ----------------------------------------------
     def backlog_tokens(self, but: _Request | None = None) -> int:

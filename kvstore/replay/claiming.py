@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from kvstore.replay.costmodel import CostModel
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client.claims import (Wait, decide, held, incoming_copy, landed, look_again_s, read_after_wait,
-                                   still_coming, worth_reading)
+                                   still_coming, worth_loading, worth_reading)
 
 __all__ = ["POLL_S", "TIER_POLICIES", "Wait", "choose", "claim_seconds", "held", "incoming", "landed", "look_again",
-           "margin_for", "pooled", "readable", "readable_after", "split_policy", "still_coming", "tier_policy",
+           "loadable", "margin_for", "pooled", "readable", "readable_after", "split_policy", "still_coming", "tier_policy",
            "wait_end", "wait_for"]
 
 POLL_S = 0.010  # real seconds between the re-lookups of a waiting follower, at least (look_again)
@@ -129,6 +129,13 @@ def pooled(nodes: Sequence[pb.NodePrefix], me: str, local: int) -> int:
     own entry's ``pool_length`` (all of them where the answer does not say)."""
     mine = next((n for n in nodes if n.node_id == me and not n.pending), None)
     return local if mine is None else min(local, int(mine.pool_length))
+
+
+def loadable(runs: Sequence[pb.TierRun], local: int, cost: CostModel, speedup: float) -> int:
+    """Of this node's ``local`` blocks, the leading ones worth reading from where they are (the Lookup's
+    tier runs, their load times on the daemons' clock): :func:`kvstore_client.claims.worth_loading`."""
+    return worth_loading([(int(r.pages), float(r.load_seconds) * speedup) for r in runs], local,
+                         prefill_blocks_s=lambda blocks: cost.prefill_s(blocks * cost.block_tokens))
 
 
 def readable(nodes: Sequence[pb.NodePrefix], me: str, local: int, cost: CostModel, link_bytes_s: float) -> int:

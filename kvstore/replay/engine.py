@@ -237,7 +237,7 @@ class Engine:
             return None
         if isinstance(op, Lookup):
             lk = await self.kv.lookup_nodes(cfg.namespace, op.keys, record=op.record, claim_seconds=op.claim_s)
-            return int(lk.prefix_length), lk.nodes
+            return int(lk.prefix_length), lk.nodes, lk.tiers
         if isinstance(op, Get):
             fetch = len(op.keys)
             buf = self._buffer(fetch)

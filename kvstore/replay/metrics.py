@@ -67,6 +67,7 @@ class RequestRecord:
     claim_wait: bool = False  # +claims: it waited for another request's in-flight prefill of its prefix
     wait_real_s: float = 0.0  # measured, real: of fetch_real_s, the claim wait (its re-lookups included)
     get_real_s: float = 0.0   # measured, real: of fetch_real_s, the Get (pulls included)
+    get_s: float = 0.0        # the same in trace seconds (its reads from the node's tiers included)
     wait_end: str = ""        # +claims: why the wait ended: came (landed), budget (spent), gone (claim vanished)
     wait_ready_s: float = 0.0  # +claims: the ready_in (trace s) the wait was decided on
     done: bool = False
@@ -126,6 +127,10 @@ def aggregate(records: Iterable[RequestRecord], cluster: dict[str, float] | None
         "reusable_ratio": sum(min(r.reusable, r.blocks) for r in done) / blocks if blocks else 0.0,
         "corrupt_pages": sum(r.corrupt for r in recs),
         "ttft_below_prefill": sum(1 for r in done if r.ttft_s < r.prefill_s),
+        # requests whose Get read blocks from their node's disk (and pulled nothing) and took longer than
+        # computing those blocks would have: a tier that made a request slower than its own prefill
+        "disk_slower_than_compute": sum(1 for r in done if r.disk and not r.remote and r.get_s > r.cold_prefill_s
+                                        * min(1.0, r.disk * block_tokens / max(1, r.input_tokens))),
         "kv_errors": sum(1 for r in recs if r.kv_error),
     }
     out.update(_dist("ttft", [r.ttft_s for r in done]))

@@ -7,7 +7,7 @@ resuming with the result:
 * :class:`Sleep`: wait this many trace seconds (a claim's re-look, the decode);
 * :class:`WaitHeld`: the oracle's wait for its planned prefix on this node (True once it is there);
 * :class:`Lookup`: the node's ``Lookup`` (recorded for the predictor, with a prefill claim) → (local prefix,
-  every node's prefix);
+  every node's prefix, the local prefix's runs by tier with their load times);
 * :class:`Get`: the node's ``Get`` of a prefix (its reactive fetch included) → (pages found, corrupt pages);
 * :class:`Prefill`: the engine's serial prefill unit, held for as many trace seconds as its ``seconds()`` says
   once held → trace seconds queued;
@@ -155,7 +155,8 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
         # the claim covers what the engine would compute knowing nothing cached (it learns its prefix from
         # this Lookup); the node claims from the cluster's prefix on (the agent)
         claim = claiming.claim_seconds(cost, rec.input_tokens, 0, e.backlog(now()), S) if rules.claims else 0.0
-        local, nodes = yield Lookup(keys, record=True, claim_s=claim)
+        local, nodes, runs = yield Lookup(keys, record=True, claim_s=claim)
+        local = claiming.loadable(runs, local, cost, S)  # what its tiers hold only where loading beats computing
         pool = claiming.pooled(nodes, e.node_id, local)
         cluster_max = claiming.held(nodes, local)
         # pull only what beats computing, and nothing a request ahead of this one on the engine computes
@@ -173,7 +174,8 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
             t_wait, held_before = now(), cluster_max
             while True:  # re-look about 8 times over what is left
                 yield Sleep(claiming.look_again(nodes, e.node_id, local, wait, cost, S, rules.link_bytes_s))
-                local, nodes = yield Lookup(keys)
+                local, nodes, runs = yield Lookup(keys)
+                local = claiming.loadable(runs, local, cost, S)
                 pool = claiming.pooled(nodes, e.node_id, local)
                 came = claiming.landed(nodes, e.node_id, local, wait.length, wait.node)
                 if (came or now() - t_wait >= wait.budget_s
@@ -188,7 +190,8 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
         if fetch > 0:
             t_get = now()
             cached, rec.corrupt = yield Get(keys[:fetch])
-            rec.get_real_s = (now() - t_get) / S
+            rec.get_s = now() - t_get
+            rec.get_real_s = rec.get_s / S
     except StoreError as exc:  # the node is gone (--kill): the engine recomputes
         rec.kv_error = str(exc)[:200]
         local = cluster_max = cached = 0

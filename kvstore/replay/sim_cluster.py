@@ -371,9 +371,28 @@ class SimCluster:
         if self.dnow() < self.claimed_until[i]:
             self.sim.at(self.rpc_s * self.p.speedup, self.report, i)
 
+    def tier_runs(self, i: int, keys: Sequence[bytes]) -> list[pb.TierRun]:
+        """Node ``i``'s prefix of ``keys`` as runs by where it is, each with its expected time into the pool
+        (daemon seconds, as the daemons answer): 0 in the pool; on disk, the run's reads after those its
+        disk was already given."""
+        pool, out = self.pools[i], []
+        queued = max(0.0, self.disk_free_at[i] - self.sim.now)
+        for k in keys[:pool.prefix(keys)]:
+            tier = "pool" if pool.in_pool(k) else "disk0"
+            if out and out[-1].tier == tier:
+                out[-1].pages += 1
+            else:
+                out.append(pb.TierRun(tier=tier, pages=1))
+        for run in out:
+            if run.tier != "pool" and self.p.disk_read_rate > 0:
+                run.load_seconds = (queued + run.pages * self.p.page_bytes / self.p.disk_read_rate) / self.p.speedup
+                queued = 0.0
+        return out
+
     def lookup(self, i: int, keys: Sequence[bytes], record: bool = False,
-               claim_seconds: float = 0.0) -> tuple[int, list[pb.NodePrefix]]:
-        """Node ``i``'s Lookup: (its local prefix, every node's prefix) as the agent answers it."""
+               claim_seconds: float = 0.0) -> tuple[int, list[pb.NodePrefix], list[pb.TierRun]]:
+        """Node ``i``'s Lookup: (its local prefix, every node's prefix, its prefix's tier runs) as the agent
+        answers it."""
         local = self.pools[i].prefix(keys)
         me = self.ids[i]
         reply = self.prefixes(keys, asker=me, claim_node=me, claim_seconds=claim_seconds, claim_start=local,
@@ -386,7 +405,7 @@ class SimCluster:
                 namespace=self.p.namespace, keys=list(keys[:self.p.depth_cap]),
                 outcome=0 if local >= depth else 1 if remote else 2, total_blocks=len(keys), local_blocks=local))
             self._access_t[i].append(self.dnow())
-        return local, nodes
+        return local, nodes, self.tier_runs(i, keys) if self.pools[i].disk_capacity else []
 
     def disk_read(self, i: int, pages: int) -> Event:
         """Node ``i`` reads ``pages`` from its disk tier: after the reads it was given before (fires when

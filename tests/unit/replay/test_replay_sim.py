@@ -97,7 +97,7 @@ def test_none_never_pulls_and_the_directory_lags_a_heartbeat() -> None:
     c.pools[0].store(keys, PRIMARY)
     assert c.lookup(1, keys)[1] == []               # not reported yet
     c.sim.run(until=0.2)
-    local, nodes = c.lookup(1, keys)
+    local, nodes, _ = c.lookup(1, keys)
     assert local == 0 and [(n.node_id, n.prefix_length) for n in nodes] == [("n0", 2)]
     c.fetch_missing(1, keys)
     c.sim.run(until=1.0)
