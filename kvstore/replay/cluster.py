@@ -61,6 +61,8 @@ class ClusterSpec:
     disk_read_rate: float = 0.0        # its reads and writes, real bytes/s (already scaled; 0: unpaced)
     disk_write_rate: float = 0.0
     disk_admit: str = "all"            # the disk tier's --tier-admit
+    disk_write_budget: float = 0.0     # ... predicted: its --tier-write-budget (real bytes/s) and
+    disk_reuse_horizon: float = 600.0  # --tier-reuse-horizon (real s)
     tier_root: str = ""                # where the nodes' disk tiers live (LocalCluster: under its log folder)
 
     def args(self, node_id: str, host: str = "127.0.0.1") -> list[str]:
@@ -70,7 +72,8 @@ class ClusterSpec:
             root = self.tier_root or "/nonexistent/kvstore-replay-tiers"  # the simulator only parses it
             shaped += ["--tier", f"disk:{root}/{node_id}:{self.disk_tier}",
                        "--tier-read-rate", repr(self.disk_read_rate), "--tier-write-rate", repr(self.disk_write_rate),
-                       "--tier-admit", self.disk_admit]
+                       "--tier-admit", self.disk_admit, "--tier-write-budget", repr(self.disk_write_budget),
+                       "--tier-reuse-horizon", repr(self.disk_reuse_horizon)]
         # a netns node listens on its veth address inside namespaces this benchmark made and removes,
         # reachable from nothing else: development mode without the loopback check
         private = ["--insecure", "true"] if host != "127.0.0.1" else []

@@ -22,7 +22,8 @@ from typing import Any
 
 from kvstore.config import add_override
 from kvstore.replay import netns
-from kvstore.replay.claiming import TIER_POLICIES, margin_for, split_policy, tier_policy
+from kvstore.replay.claiming import (REUSE_HORIZON_S, TIER_ADMIT, TIER_POLICIES, margin_for, split_policy,
+                                     tier_policy)
 from kvstore.replay.cluster import ClusterSpec
 from kvstore.replay.costmodel import LINKS, MODELLED_CAPACITY, CostModel, auto_byte_scale
 from kvstore.replay.routers import ROUTERS, make_router
@@ -296,7 +297,10 @@ def cluster_and_router(cfg: ReplayConfig, policy: str, router_cfg: tuple[str, st
                        disk_tier=cost.nvme_bytes // cost.byte_scale if disk else 0,
                        disk_read_rate=cost.nvme_read_bytes_s * cfg.speedup / cost.byte_scale if disk else 0.0,
                        disk_write_rate=cost.nvme_write_bytes_s * cfg.speedup / cost.byte_scale if disk else 0.0,
-                       disk_admit="reused" if tier == "tiers-freq" else "all")
+                       disk_admit=TIER_ADMIT.get(tier, "all"),
+                       # tiers-predictive: one drive write a day, on the daemons' clock and in scaled bytes
+                       disk_write_budget=cost.disk_write_budget_bytes_s * cfg.speedup / cost.byte_scale,
+                       disk_reuse_horizon=REUSE_HORIZON_S / cfg.speedup)
     _, router_name, balance_abs = router_cfg
     pull = None if base == "none" else cost.link_s  # under none a node recomputes what it lacks
     router = make_router(router_name, balance_abs, cfg.balance_rel, not cfg.no_hints, cfg.match_threshold,

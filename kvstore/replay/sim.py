@@ -128,7 +128,8 @@ class SimDriver:
             # the daemons' disk tier (--tier-policies tiers-*): its scaled bytes in pages, its read rate from the
             # daemons' clock and scaled bytes back to trace seconds and modelled bytes
             disk_pages=sum(t.capacity for t in dcfg.tier if t.kind == "disk") // cfg.cost.scaled_page_bytes,
-            disk_read_rate=dcfg.tier_read_rate * cfg.cost.byte_scale / S, disk_admit_reused=dcfg.tier_admit == "reused")
+            disk_read_rate=dcfg.tier_read_rate * cfg.cost.byte_scale / S, disk_admit=dcfg.tier_admit,
+            disk_write_budget=dcfg.tier_write_budget, disk_reuse_horizon=dcfg.tier_reuse_horizon)
         self.cluster = SimCluster(self.sim, params)
         self.cluster.rpc_s = cfg.rpc_ms / 1e3
         self.coord: SimCoordinator | None = None

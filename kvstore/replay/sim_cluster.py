@@ -38,7 +38,7 @@ Modelled, kept simple:
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -48,6 +48,7 @@ from kvstore.cluster.claims import Claims, Pulls
 from kvstore.cluster.directory import Directory, Outbox
 from kvstore.cluster.replicator import assign_sources
 from kvstore.pool.pool import PageKind
+from kvstore.tiers.admission import ReuseAdmission
 from kvstore.v1 import kvstore_pb2 as pb
 
 PRIMARY, REPLICA, SPECULATIVE = int(PageKind.PRIMARY), int(PageKind.REPLICA), int(PageKind.SPECULATIVE)
@@ -77,21 +78,25 @@ class ClusterParams:
     depth_cap: int = 16           # the deepest predictor depth (the access log keeps this many keys)
     disk_pages: int = 0           # a disk tier's pages below each pool (0: none)
     disk_read_rate: float = 0.0   # its reads, unscaled bytes per trace second (0: free)
-    disk_admit_reused: bool = False  # kvstored --tier-admit reused
+    disk_admit: str = "all"       # kvstored --tier-admit
+    disk_write_budget: float = 0.0  # ... predicted: its write budget, scaled bytes per daemon second
+    disk_reuse_horizon: float = 600.0  # ... and its horizon, daemon seconds
 
 
 class SimPool:
     """One node's pages of the namespace (see the module doc)."""
 
-    def __init__(self, capacity_pages: int, namespace: str = "ns", disk_pages: int = 0,
-                 admit_reused: bool = False) -> None:
+    def __init__(self, capacity_pages: int, namespace: str = "ns", disk_pages: int = 0, admit: str = "all",
+                 admission: ReuseAdmission | None = None, clock: Callable[[], float] = lambda: 0.0) -> None:
         self.capacity, self.ns = max(1, capacity_pages), namespace
         self.spec: OrderedDict[bytes, float] = OrderedDict()   # key -> expires_at (daemon s)
         self.lru: OrderedDict[bytes, int] = OrderedDict()      # key -> kind
         self.disk: OrderedDict[bytes, int] = OrderedDict()     # the tier below: key -> kind, LRU first
         self.disk_capacity = max(0, disk_pages)
-        self.admit_reused = admit_reused
-        self.read_since_stored: set[bytes] = set()             # pool pages a Get read since they were stored
+        self.admit = admit                                     # kvstored --tier-admit
+        self.admission = admission                             # ... predicted: the daemons' own rule
+        self.clock = clock                                     # the daemons' clock (admission)
+        self.reads: Counter[bytes] = Counter()                 # pool pages' Get reads since they were stored
         self.outbox = Outbox()
         self.hits = self.misses = self.remote_hits = self.spec_hits = self.puts = 0
         self.spec_wasted_pages = 0
@@ -136,7 +141,7 @@ class SimPool:
                 self.spec[k] = expires_at
             else:
                 self.lru[k] = kind
-            self.read_since_stored.discard(k)
+            self.reads.pop(k, None)
             changes[k] = _Page(k, kind, expires_at if kind == SPECULATIVE else 0.0)
             stored.append(k)
         self.outbox.record(self.ns, [p for p in changes.values() if p is not None],
@@ -154,12 +159,13 @@ class SimPool:
             return
         key, kind = self.lru.popitem(last=False)
         self.evictions["lru"] += 1
-        was_read = key in self.read_since_stored
-        self.read_since_stored.discard(key)
+        reads = self.reads.pop(key, 0)
         if not self.disk_capacity:
             changes[key] = None
             return
-        if self.admit_reused and not was_read and key not in self.disk:
+        if key not in self.disk and (
+                (self.admit == "reused" and not reads)
+                or (self.admission is not None and not self.admission.admit(key, reads, kind, self.clock()))):
             self.disk_declined += 1
             changes[key] = None
             return
@@ -200,7 +206,12 @@ class SimPool:
                 self.disk.move_to_end(k)
                 self.disk_reads += 1
                 self.store([k], self.disk[k])
-        self.read_since_stored.update(k for k in keys if self.in_pool(k))
+        self.reads.update(k for k in keys if self.in_pool(k))
+
+    def asked(self, keys: Sequence[bytes]) -> None:
+        """A Lookup named ``keys`` (the admission counts the evicted ones as asked for again)."""
+        if self.admission is not None:
+            self.admission.seen(keys, self.clock())
 
     def renew(self, keys: Sequence[bytes], expires_at: float) -> None:
         renewed = [_Page(k, SPECULATIVE, expires_at) for k in keys if k in self.spec]
@@ -223,7 +234,7 @@ class SimPool:
         self.spec.clear()
         self.lru.clear()
         self.disk.clear()
-        self.read_since_stored.clear()
+        self.reads.clear()
 
     def snapshot(self) -> list[_Page]:
         return [_Page(k, v, 0.0) for k, v in self.lru.items()] + \
@@ -260,7 +271,7 @@ class SimCluster:
         self.ids = [f"n{i}" for i in range(p.nodes)]
         self.index = {n: i for i, n in enumerate(self.ids)}
         self.pools = [SimPool(p.capacity_bytes // max(1, p.scaled_page_bytes), p.namespace, p.disk_pages,
-                              p.disk_admit_reused) for _ in self.ids]
+                              p.disk_admit, self._admission(), self.dnow) for _ in self.ids]
         self.disk_free_at = [0.0] * p.nodes  # trace s each node's disk has read what it was given
         self.net = Network(sim, p.nodes, p.link_rate, p.link_latency)
         self.directory = Directory()
@@ -276,6 +287,14 @@ class SimCluster:
         self.claimed_until = [0.0] * p.nodes  # daemon s: node i holds claims until then (it reports on Put)
         self.rpc_s = 0.0015                   # daemon s of one report round trip (SimDriver sets its rpc_ms)
         self.peer_bytes_in = [0] * p.nodes  # scaled bytes pulled into each node (kvstore_peer_bytes_total in)
+
+    def _admission(self) -> ReuseAdmission | None:
+        """A node's --tier-admit predicted, as its daemon builds it (kvstore.tiers.stack.NamespaceTiers)."""
+        p = self.p
+        if p.disk_admit != "predicted" or not p.disk_pages:
+            return None
+        budget = p.disk_write_budget or p.disk_pages * p.scaled_page_bytes / 86400.0
+        return ReuseAdmission(budget, p.scaled_page_bytes, p.disk_reuse_horizon)
 
     # ---- clocks --------------------------------------------------------------
     def dnow(self) -> float:
@@ -393,6 +412,7 @@ class SimCluster:
                claim_seconds: float = 0.0) -> tuple[int, list[pb.NodePrefix], list[pb.TierRun]]:
         """Node ``i``'s Lookup: (its local prefix, every node's prefix, its prefix's tier runs) as the agent
         answers it."""
+        self.pools[i].asked(keys)
         local = self.pools[i].prefix(keys)
         me = self.ids[i]
         reply = self.prefixes(keys, asker=me, claim_node=me, claim_seconds=claim_seconds, claim_start=local,

@@ -8,7 +8,8 @@ Pure logic over per-run summaries (``results.json`` entries), no I/O.
 * With ``--repeats N`` each configuration runs with N seeds; a statistic of a
   configuration is reported as its median over the seeds, with min and max.
 * The **best baseline** of a workload is the configuration of ``none`` or
-  ``reactive`` (with or without claims, under any tier policy) with the
+  ``reactive`` (with or without claims, under any tier policy but
+  ``tiers-predictive``) with the
   lowest median TTFT p99 over every router and threshold that ran: the best
   a user could do without prediction.
 * A ratio (predictive / best baseline, per seed) is a **result** only when its
@@ -21,7 +22,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.replay.claiming import split_policy
+from kvstore.replay.claiming import split_policy, tier_policy
 
 BASELINES = ("none", "reactive", "reactive+claims")  # what a user can run without prediction
 RATIO_KEYS = ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s")
@@ -68,8 +69,9 @@ def best_baseline(runs: dict[str, list[dict[str, Any]]]) -> str | None:
 
 
 def is_baseline(policy: str) -> bool:
-    """Runs without prediction: ``none`` or ``reactive``, with or without claims, under any tier policy."""
-    return split_policy(policy)[0] in ("none", "reactive")
+    """Runs without prediction: ``none`` or ``reactive``, with or without claims, under any tier policy but
+    ``tiers-predictive``."""
+    return split_policy(policy)[0] in ("none", "reactive") and tier_policy(policy) != "tiers-predictive"
 
 
 def ratio_spread(num: list[dict[str, Any]], den: list[dict[str, Any]], k: str) -> dict[str, Any]:
@@ -91,7 +93,7 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                             **{k: spread([s[k] for s in b]) for k in RATIO_KEYS}}
     for k, v in runs.items():
         policy, router = k.split("|")
-        if split_policy(policy)[0] in ("predictive", "oracle"):
+        if split_policy(policy)[0] in ("predictive", "oracle") or tier_policy(policy) == "tiers-predictive":
             out["vs_best"][k] = {m: ratio_spread(v, b, m) for m in RATIO_KEYS}
         if split_policy(policy)[0] == "predictive":
             for base in BASELINES:

@@ -48,6 +48,7 @@ import xxhash
 from kvstore.config import NodeConfig, TierSpec
 from kvstore.hostmem import as_bytes, copy_into
 from kvstore.pool.pool import Entry, PageKind
+from kvstore.tiers.admission import ReuseAdmission
 from kvstore.tiers.base import PageId, PageTier, Stored
 
 
@@ -352,6 +353,12 @@ class NamespaceTiers:
         self.loop: asyncio.AbstractEventLoop | None = None  # where worker results go (None: inline)
         self._cascading = 0  # puts under way whose evictions go into the next tier (written by the writer)
         self._closed = False
+        self.admission: ReuseAdmission | None = None  # --tier-admit predicted
+        cfg = stack.config
+        if cfg.tier_admit == "predicted" and tiers:
+            share = ns.capacity / max(1, cfg.capacity)
+            budget = cfg.tier_write_budget or stack.levels[0].spec.capacity / 86400.0  # one drive write a day
+            self.admission = ReuseAdmission(max(1e-9, budget * share), self.page_bytes, cfg.tier_reuse_horizon)
 
     # ---- what is held -------------------------------------------------------------------
     def level_of(self, key: bytes) -> int:
@@ -380,7 +387,10 @@ class NamespaceTiers:
 
     def runs(self, keys: Sequence[bytes]) -> list[TierRun]:
         """Per run of ``keys`` (a prefix the node holds), the tier holding it and the expected load time
-        from there (0 for the pool; measured read rates below it, 0 while none is measured)."""
+        from there (0 for the pool; measured read rates below it, 0 while none is measured). A Lookup's keys:
+        under --tier-admit predicted, the evicted ones count as asked for again."""
+        if self.admission is not None:
+            self.admission.seen(keys, time.monotonic())
         out: list[tuple[str, int, float]] = []
         for key in keys:
             if key in self.ns.pool:
@@ -413,6 +423,9 @@ class NamespaceTiers:
                 continue  # below already (write-through, or promoted from there): nothing to write
             elif self.stack.config.tier_admit == "reused" and entry.reads == 0:
                 self.levels[0].counters.declined += 1
+            elif self.admission is not None and not self.admission.admit(entry.key, entry.reads, int(entry.kind),
+                                                                          time.monotonic()):
+                self.levels[0].counters.declined += 1
             elif self.stack.staged_bytes + (len(todo) + 1) * self.page_bytes > self.stack.staging_budget:
                 self.levels[0].counters.drops += 1
             else:
@@ -422,7 +435,7 @@ class NamespaceTiers:
     def write_through(self, entries: Sequence[Any]) -> None:
         """Committed pages (``--tier-write through``): copy each one not below yet down in the background,
         within the staging budget (past it the page goes down at its eviction instead)."""
-        if self._closed or not self.tiers or self.stack.config.tier_admit == "reused":
+        if self._closed or not self.tiers or self.stack.config.tier_admit != "all":
             return  # (a page is judged at its eviction: nothing is read at its store)
         todo = [e for e in entries if e.kind is not PageKind.SPECULATIVE and e.key not in self.hidden
                 and not self.holds(e.key)]

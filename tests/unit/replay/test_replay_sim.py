@@ -142,7 +142,7 @@ def test_a_pool_with_a_disk_below_demotes_once_and_reads_back_up() -> None:
     pool.store([b"g"], PRIMARY)                       # the speculative replica is dropped, not written down
     assert b"s" not in pool and pool.disk_writes == 5
     # --tier-admit reused: only what a Get read since it was stored goes down
-    freq = SimPool(2, disk_pages=3, admit_reused=True)
+    freq = SimPool(2, disk_pages=3, admit="reused")
     freq.store([b"a", b"b"], PRIMARY)
     freq.read([b"b"])
     freq.store([b"c", b"d"], PRIMARY)                 # a (never read) is declined, b (read) goes down

@@ -339,3 +339,26 @@ def test_tier_admit_reused_writes_down_only_pages_read_since_stored(stack: Any) 
         run(main)
     finally:
         node.close()
+
+
+def test_tier_admit_predicted_writes_within_its_budget(stack: Any) -> None:
+    """--tier-admit predicted: with a budget of many pages a second every evicted page goes down; with a
+    budget below one page over the whole horizon none does (declined, counted), and the Lookups feed the
+    node's reuse counts."""
+    for n, (budget, written) in enumerate(((1e9, POOL_PAGES), (1.0, 0))):
+        node = make_node(stack, tier_admit="predicted", tier_write_budget=budget)
+
+        async def main() -> None:  # (fresh keys: the second node finds the first one's pages on disk)
+            keys = [key(100 * n + i) for i in range(2 * POOL_PAGES)]
+            for i in range(2 * POOL_PAGES):
+                put(node, [keys[i]], [page(i)])
+            assert await below(node).settle()
+            first = node.tiers.summary()[0]
+            assert (first["demotions"], first["declined"]) == (written, POOL_PAGES - written)
+            node.lookup("ns", keys)  # asks for the evicted pages again
+            adm = below(node).admission
+            assert adm is not None and sum(adm.reused.values()) == POOL_PAGES
+        try:
+            run(main)
+        finally:
+            node.close()
