@@ -146,7 +146,8 @@ def worth_reading(nodes: Sequence[Any], me: str, local: int, *, page_bytes: int,
     return best
 
 
-def worth_loading(runs: Sequence[tuple[int, float]], local: int, *, prefill_blocks_s: Callable[[int], float]) -> int:
+def worth_loading(runs: Sequence[tuple[int, float]], local: int, *,
+                  prefill_blocks_s: Callable[[int], float]) -> int:
     """Of this node's ``local`` leading blocks, given as runs by where they are (``(pages, load seconds)``
     per run, in order: the pool's at 0, a tier's at its expected time to bring the run into the pool, the
     Lookup answer's ``TierRun`` entries), how many to read: the depth where reading beats computing by the most.
