@@ -284,14 +284,15 @@ class NodeConfig(BaseModel):
         "auto", "disk tier I/O: direct (O_DIRECT, aligned buffers), buffered (page cache, posix_fadvise) or auto "
         "(probes O_DIRECT once per folder and logs its choice)", "MODE")
     tier_threads: int = tiers_(4, "I/O threads per tier (reads of one batch run in parallel)", "N", ge=1, le=64)
-    tier_admit: Literal["all", "reused", "predicted"] = tiers_(
+    tier_admit: Literal["all", "reused", "budget", "predicted"] = tiers_(
         "all", "which pages the pool's evictions write down: all (every primary and replica page); reused "
         "(only pages a client read since they were stored: seen at least twice, a frequency filter that keeps "
-        "one-off prompts off the disk and its wear); or predicted (the classes of page most often asked for "
-        "again within --tier-reuse-horizon, as this node has seen, within --tier-write-budget). The others are "
-        "declined, counted; with reused or predicted, --tier-write through writes at the eviction only", "MODE")
+        "one-off prompts off the disk and its wear); budget (every page while --tier-write-budget pays for it); or "
+        "predicted (the classes of page most often asked for again within --tier-reuse-horizon, as this node "
+        "has seen, within --tier-write-budget). The others are declined, counted; with any but all, "
+        "--tier-write through writes at the eviction only", "MODE")
     tier_write_budget: float = tiers_(
-        0.0, "--tier-admit predicted: bytes/s the first tier may be written at, averaged over the horizon (0: one "
+        0.0, "--tier-admit budget or predicted: bytes/s the first tier may be written at, averaged over the horizon (0: one "
         "drive write a day of its size)", "BYTES_PER_S", ge=0)
     tier_reuse_horizon: float = tiers_(
         600.0, "--tier-admit predicted: seconds after its eviction within which a page asked for again counts as "

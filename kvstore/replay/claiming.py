@@ -50,11 +50,12 @@ def margin_for(setting: str) -> float:
 
 # The tiers below each node's pool (--tier-policies), a policy's last suffix: single-tier has none;
 # tiers-lru a disk tier of the preset's NVMe that takes every page the pool evicts (least recently used
-# out); tiers-freq the same disk writing only the pages read since they were stored; tiers-predictive the
-# same disk writing the classes of page most often asked for again, within the drives' write budget
-# (kvstored --tier-admit all, reused, predicted).
-TIER_POLICIES = ("single-tier", "tiers-lru", "tiers-freq", "tiers-predictive")
-TIER_ADMIT = {"tiers-lru": "all", "tiers-freq": "reused", "tiers-predictive": "predicted"}
+# out); tiers-freq the same disk writing only the pages read since they were stored; tiers-budget writing
+# every page while the drives' write budget (one drive write a day) pays; tiers-predictive the same disk
+# writing the classes of page most often asked for again, within that budget (kvstored --tier-admit all,
+# reused, budget, predicted).
+TIER_POLICIES = ("single-tier", "tiers-lru", "tiers-freq", "tiers-budget", "tiers-predictive")
+TIER_ADMIT = {"tiers-lru": "all", "tiers-freq": "reused", "tiers-budget": "budget", "tiers-predictive": "predicted"}
 REUSE_HORIZON_S = 600.0  # tiers-predictive: trace seconds after an eviction within which a page counts as reused
 
 

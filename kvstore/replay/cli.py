@@ -121,7 +121,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                    ", ".join(TIER_POLICIES) + ". single-tier: the pool only; tiers-lru: a disk tier of the "
                    "preset's NVMe (its bytes scaled, slab files under --out, reads and writes paced at the drives' "
                    "rated rates like the links) taking every page the pool evicts; tiers-freq: the same disk "
-                   "taking only pages read since they were stored (kvstored --tier-admit reused); "
+                   "taking only pages read since they were stored (kvstored --tier-admit reused); tiers-budget: "
+                   "every page while one drive write a day pays for it (--tier-admit budget); "
                    "tiers-predictive: the same disk taking the classes of page most often asked for again within "
                    "600 trace s, as each node learns them, within one drive write a day (--tier-admit predicted)"),
     c.add_argument("--network", choices=["shaped", "netns", "none"],

@@ -289,12 +289,12 @@ class SimCluster:
         self.peer_bytes_in = [0] * p.nodes  # scaled bytes pulled into each node (kvstore_peer_bytes_total in)
 
     def _admission(self) -> ReuseAdmission | None:
-        """A node's --tier-admit predicted, as its daemon builds it (kvstore.tiers.stack.NamespaceTiers)."""
+        """A node's --tier-admit budget or predicted, as its daemon builds it (kvstore.tiers.stack.NamespaceTiers)."""
         p = self.p
-        if p.disk_admit != "predicted" or not p.disk_pages:
+        if p.disk_admit not in ("budget", "predicted") or not p.disk_pages:
             return None
         budget = p.disk_write_budget or p.disk_pages * p.scaled_page_bytes / 86400.0
-        return ReuseAdmission(budget, p.scaled_page_bytes, p.disk_reuse_horizon)
+        return ReuseAdmission(budget, p.scaled_page_bytes, p.disk_reuse_horizon, learn=p.disk_admit == "predicted")
 
     # ---- clocks --------------------------------------------------------------
     def dnow(self) -> float:

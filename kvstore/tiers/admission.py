@@ -42,7 +42,7 @@ class ReuseAdmission:
     """The admission of one namespace's pages into its first tier (module doc)."""
 
     def __init__(self, budget_bytes_s: float, page_bytes: int, horizon_s: float = 600.0, step: float = 0.01,
-                 max_ghosts: int = 1 << 20) -> None:
+                 max_ghosts: int = 1 << 20, learn: bool = True) -> None:
         if budget_bytes_s <= 0 or page_bytes <= 0 or horizon_s <= 0:
             raise ValueError("the write budget, the page size and the horizon must be > 0")
         self.budget, self.page_bytes, self.horizon_s, self.step = budget_bytes_s, page_bytes, horizon_s, step
@@ -54,6 +54,7 @@ class ReuseAdmission:
         self.evicted: Counter[Class] = Counter()
         self.reused: Counter[Class] = Counter()
         self.admitted = self.declined = 0
+        self.learn = learn  # False: the budget alone (every page while the bucket pays: ``--tier-admit budget``)
         self._t = 0.0
 
     @staticmethod
@@ -77,7 +78,7 @@ class ReuseAdmission:
     def seen(self, keys: Iterable[bytes], now: float) -> None:
         """A Lookup named ``keys``: each one evicted within the horizon is a reuse of its class."""
         self._advance(now)
-        if not self.ghosts:
+        if not self.ghosts or not self.learn:
             return
         for key in keys:
             ghost = self.ghosts.pop(key, None)
@@ -87,6 +88,13 @@ class ReuseAdmission:
     def admit(self, key: bytes, reads: int, kind: int, now: float) -> bool:
         """The pool evicts ``key`` (read ``reads`` times since stored, of ``kind``): write it down?"""
         self._advance(now)
+        if not self.learn:
+            if self.tokens < self.page_bytes:
+                self.declined += 1
+                return False
+            self.tokens -= self.page_bytes
+            self.admitted += 1
+            return True
         cls = self.classify(reads, kind)
         self.evicted[cls] += 1
         self.ghosts[key] = (now, cls)

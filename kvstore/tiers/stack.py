@@ -355,10 +355,11 @@ class NamespaceTiers:
         self._closed = False
         self.admission: ReuseAdmission | None = None  # --tier-admit predicted
         cfg = stack.config
-        if cfg.tier_admit == "predicted" and tiers:
+        if cfg.tier_admit in ("budget", "predicted") and tiers:
             share = ns.capacity / max(1, cfg.capacity)
             budget = cfg.tier_write_budget or stack.levels[0].spec.capacity / 86400.0  # one drive write a day
-            self.admission = ReuseAdmission(max(1e-9, budget * share), self.page_bytes, cfg.tier_reuse_horizon)
+            self.admission = ReuseAdmission(max(1e-9, budget * share), self.page_bytes, cfg.tier_reuse_horizon,
+                                            learn=cfg.tier_admit == "predicted")
 
     # ---- what is held -------------------------------------------------------------------
     def level_of(self, key: bytes) -> int:

@@ -45,3 +45,13 @@ def test_ghosts_past_the_horizon_count_as_not_reused() -> None:
     assert adm.reused[(0, 1)] == 1
     with pytest.raises(ValueError):
         ReuseAdmission(budget_bytes_s=0.0, page_bytes=PAGE)
+
+
+def test_without_learning_it_spends_the_budget_on_whatever_comes_first() -> None:
+    """--tier-admit budget (the budget-capped LRU baseline): every page while the bucket pays, no class."""
+    adm = ReuseAdmission(budget_bytes_s=PAGE / 3, page_bytes=PAGE, horizon_s=30.0, learn=False)
+    adm.tokens = 0.0
+    got = [adm.admit(b"k%d" % t, t % 2, 1, float(t)) for t in range(300)]
+    assert sum(got) == pytest.approx(100, abs=2) and adm.threshold == 0.0 and not adm.evicted
+    adm.seen([b"k1"], 300.0)
+    assert not adm.reused
