@@ -106,7 +106,8 @@ run-sweep: $(STAMP)
 
 # The regime map (docs/regimes.md): the synthetic fan-out over shared context x link x nodes x burst
 # size x burst window, simulated, every policy with and without claims under three routers, every cell on
-# 3 seeds (about 40 minutes on 2 cores, from the 53 minutes the map took at 1,587 cell-seeds; resumes what its folder holds).
+# 3 seeds (about 40 minutes on 2 cores, from the 53 minutes the map took at 1,587 cell-seeds; resumes
+# what its folder holds).
 REGIMES_ARGS ?= --sim --regimes --preset llama3-70b-tp8 \
   --policies none,reactive,reactive+claims,predictive,predictive+claims,oracle \
   --routers round-robin,least-load,cache-aware --out kvstore-out/regimes
