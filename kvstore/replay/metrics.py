@@ -252,7 +252,6 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
     """
     ns = [s.namespaces[0] for s in node_stats if getattr(s, "namespaces", None)]  # type: ignore[attr-defined]
     tiers = [t for s in node_stats for t in getattr(s, "tiers", ()) if t.tier.startswith("disk")]
-    written = sum(int(t.demotions) for t in tiers)
     expired_unread = sum(int(n.speculative_wasted_bytes) for n in ns)
     unread_end = sum(int(n.speculative_slots) for n in ns) * page_bytes
     if policy == "predictive":
@@ -286,10 +285,9 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
         "placed_pages_used": placed_used_pages,
         "remote_fetch_bytes": sum(int(n.remote_hits) for n in ns) * page_bytes,
         "evictions": sum(sum(int(v) for v in n.evictions.values()) for n in ns),
-        # the nodes' disk tiers (--tier-policies tiers-*): pages written down (each a write of a page's bytes: the
-        # drive's wear, in scaled and modelled bytes) and read back up
-        "disk_write_pages": written,
-        "disk_write_bytes": written * page_bytes, "disk_write_bytes_unscaled": written * page_bytes * byte_scale,
+        # the nodes' disk tiers (--tier-policies tiers-*): pages written down (each a write of a page's bytes,
+        # page_bytes_unscaled modelled: the drive's wear) and read back up
+        "disk_write_pages": sum(int(t.demotions) for t in tiers),
         "page_bytes_unscaled": page_bytes * byte_scale,
         "disk_read_pages": sum(int(t.promotions) for t in tiers),
         "disk_declined_pages": sum(int(t.declined) for t in tiers),  # evicted, not written (--tier-admit)

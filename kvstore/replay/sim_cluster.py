@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import takewhile
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -48,7 +49,7 @@ from kvstore.cluster.claims import Claims, Pulls
 from kvstore.cluster.directory import Directory, Outbox
 from kvstore.cluster.replicator import assign_sources
 from kvstore.pool.pool import PageKind
-from kvstore.tiers.admission import ReuseAdmission
+from kvstore.tiers.admission import Admission, admission_for
 from kvstore.v1 import kvstore_pb2 as pb
 
 PRIMARY, REPLICA, SPECULATIVE = int(PageKind.PRIMARY), int(PageKind.REPLICA), int(PageKind.SPECULATIVE)
@@ -86,15 +87,14 @@ class ClusterParams:
 class SimPool:
     """One node's pages of the namespace (see the module doc)."""
 
-    def __init__(self, capacity_pages: int, namespace: str = "ns", disk_pages: int = 0, admit: str = "all",
-                 admission: ReuseAdmission | None = None, clock: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(self, capacity_pages: int, namespace: str = "ns", disk_pages: int = 0,
+                 admission: Admission | None = None, clock: Callable[[], float] = lambda: 0.0) -> None:
         self.capacity, self.ns = max(1, capacity_pages), namespace
         self.spec: OrderedDict[bytes, float] = OrderedDict()   # key -> expires_at (daemon s)
         self.lru: OrderedDict[bytes, int] = OrderedDict()      # key -> kind
         self.disk: OrderedDict[bytes, int] = OrderedDict()     # the tier below: key -> kind, LRU first
         self.disk_capacity = max(0, disk_pages)
-        self.admit = admit                                     # kvstored --tier-admit
-        self.admission = admission                             # ... predicted: the daemons' own rule
+        self.admission = admission                             # kvstored --tier-admit, the daemons' own rule
         self.clock = clock                                     # the daemons' clock (admission)
         self.reads: Counter[bytes] = Counter()                 # pool pages' Get reads since they were stored
         self.outbox = Outbox()
@@ -115,16 +115,10 @@ class SimPool:
         return len(self.lru) + len(self.spec)
 
     def prefix(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        while n < len(keys) and keys[n] in self:
-            n += 1
-        return n
+        return sum(1 for _ in takewhile(self.__contains__, keys))
 
     def pool_prefix(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        while n < len(keys) and self.in_pool(keys[n]):
-            n += 1
-        return n
+        return sum(1 for _ in takewhile(self.in_pool, keys))
 
     def store(self, keys: Sequence[bytes], kind: int, expires_at: float = 0.0) -> list[bytes]:
         """Store the keys not in the pool (evicting as needed); returns the keys stored."""
@@ -163,9 +157,8 @@ class SimPool:
         if not self.disk_capacity:
             changes[key] = None
             return
-        if key not in self.disk and (
-                (self.admit == "reused" and not reads)
-                or (self.admission is not None and not self.admission.admit(key, reads, kind, self.clock()))):
+        if key not in self.disk and self.admission is not None and not self.admission.admit(key, reads, kind,
+                                                                                              self.clock()):
             self.disk_declined += 1
             changes[key] = None
             return
@@ -271,7 +264,10 @@ class SimCluster:
         self.ids = [f"n{i}" for i in range(p.nodes)]
         self.index = {n: i for i, n in enumerate(self.ids)}
         self.pools = [SimPool(p.capacity_bytes // max(1, p.scaled_page_bytes), p.namespace, p.disk_pages,
-                              p.disk_admit, self._admission(), self.dnow) for _ in self.ids]
+                              admission_for(p.disk_admit, budget_bytes_s=p.disk_write_budget,
+                                            tier_bytes=p.disk_pages * p.scaled_page_bytes,
+                                            page_bytes=p.scaled_page_bytes, horizon_s=p.disk_reuse_horizon)
+                              if p.disk_pages else None, self.dnow) for _ in self.ids]
         self.disk_free_at = [0.0] * p.nodes  # trace s each node's disk has read what it was given
         self.net = Network(sim, p.nodes, p.link_rate, p.link_latency)
         self.directory = Directory()
@@ -287,14 +283,6 @@ class SimCluster:
         self.claimed_until = [0.0] * p.nodes  # daemon s: node i holds claims until then (it reports on Put)
         self.rpc_s = 0.0015                   # daemon s of one report round trip (SimDriver sets its rpc_ms)
         self.peer_bytes_in = [0] * p.nodes  # scaled bytes pulled into each node (kvstore_peer_bytes_total in)
-
-    def _admission(self) -> ReuseAdmission | None:
-        """A node's --tier-admit budget or predicted, as its daemon builds it (kvstore.tiers.stack.NamespaceTiers)."""
-        p = self.p
-        if p.disk_admit not in ("budget", "predicted") or not p.disk_pages:
-            return None
-        budget = p.disk_write_budget or p.disk_pages * p.scaled_page_bytes / 86400.0
-        return ReuseAdmission(budget, p.scaled_page_bytes, p.disk_reuse_horizon, learn=p.disk_admit == "predicted")
 
     # ---- clocks --------------------------------------------------------------
     def dnow(self) -> float:
@@ -390,13 +378,13 @@ class SimCluster:
         if self.dnow() < self.claimed_until[i]:
             self.sim.at(self.rpc_s * self.p.speedup, self.report, i)
 
-    def tier_runs(self, i: int, keys: Sequence[bytes]) -> list[pb.TierRun]:
-        """Node ``i``'s prefix of ``keys`` as runs by where it is, each with its expected time into the pool
-        (daemon seconds, as the daemons answer): 0 in the pool; on disk, the run's reads after those its
-        disk was already given."""
+    def tier_runs(self, i: int, held: Sequence[bytes]) -> list[pb.TierRun]:
+        """Node ``i``'s prefix ``held`` (keys it holds) as runs by where it is, each with its expected time
+        into the pool (daemon seconds, as the daemons answer): 0 in the pool; on disk, the run's reads after
+        those its disk was already given."""
         pool, out = self.pools[i], []
         queued = max(0.0, self.disk_free_at[i] - self.sim.now)
-        for k in keys[:pool.prefix(keys)]:
+        for k in held:
             tier = "pool" if pool.in_pool(k) else "disk0"
             if out and out[-1].tier == tier:
                 out[-1].pages += 1
@@ -425,7 +413,7 @@ class SimCluster:
                 namespace=self.p.namespace, keys=list(keys[:self.p.depth_cap]),
                 outcome=0 if local >= depth else 1 if remote else 2, total_blocks=len(keys), local_blocks=local))
             self._access_t[i].append(self.dnow())
-        return local, nodes, self.tier_runs(i, keys) if self.pools[i].disk_capacity else []
+        return local, nodes, self.tier_runs(i, keys[:local]) if self.pools[i].disk_capacity else []
 
     def disk_read(self, i: int, pages: int) -> Event:
         """Node ``i`` reads ``pages`` from its disk tier: after the reads it was given before (fires when

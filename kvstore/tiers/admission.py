@@ -18,24 +18,49 @@ as the drive's write budget (bytes per second: its rated drive writes per day) a
   the bucket more than half full, so the classes written are the most reused ones the budget pays for.
 
 Pure logic over an explicit clock: the daemon (``kvstore.tiers.stack``) and the replay's simulator
-(``kvstore.replay.sim_cluster``) run this same class.
+(``kvstore.replay.sim_cluster``) both build their admission with :func:`admission_for`, for every
+``--tier-admit`` mode but ``all``.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import Protocol
 
 Class = tuple[int, int]  # (reads since stored, capped at 2; kind)
+DAY_S = 86400.0
 
 
-@dataclass(frozen=True, slots=True)
-class AdmissionStats:
-    admitted: int
-    declined: int
-    threshold: float
-    rates: dict[str, float]
+class Admission(Protocol):
+    """Which evicted pages go down into the first tier."""
+
+    def admit(self, key: bytes, reads: int, kind: int, now: float) -> bool: ...
+
+    def seen(self, keys: Iterable[bytes], now: float) -> None: ...
+
+
+class ReadSinceStored:
+    """``--tier-admit reused``: a page goes down only if a client read it since it was stored (seen at
+    least twice)."""
+
+    def admit(self, key: bytes, reads: int, kind: int, now: float) -> bool:
+        return reads > 0
+
+    def seen(self, keys: Iterable[bytes], now: float) -> None:
+        pass
+
+
+def admission_for(mode: str, *, budget_bytes_s: float, tier_bytes: float, page_bytes: int,
+                  horizon_s: float) -> Admission | None:
+    """The admission of ``--tier-admit mode`` into a first tier of ``tier_bytes`` (None for ``all``: every
+    page goes down). ``budget_bytes_s`` 0: one drive write a day of the tier."""
+    if mode == "all":
+        return None
+    if mode == "reused":
+        return ReadSinceStored()
+    budget = budget_bytes_s or tier_bytes / DAY_S
+    return ReuseAdmission(max(1e-9, budget), page_bytes, horizon_s, learn=mode == "predicted")
 
 
 class ReuseAdmission:
@@ -111,7 +136,3 @@ class ReuseAdmission:
         self.tokens -= self.page_bytes
         self.admitted += 1
         return True
-
-    def stats(self) -> AdmissionStats:
-        return AdmissionStats(self.admitted, self.declined, self.threshold,
-                              {f"reads{c[0]}/kind{c[1]}": round(self.rate(c), 4) for c in sorted(self.evicted)})

@@ -48,7 +48,7 @@ import xxhash
 from kvstore.config import NodeConfig, TierSpec
 from kvstore.hostmem import as_bytes, copy_into
 from kvstore.pool.pool import Entry, PageKind
-from kvstore.tiers.admission import ReuseAdmission
+from kvstore.tiers.admission import Admission, admission_for
 from kvstore.tiers.base import PageId, PageTier, Stored
 
 
@@ -353,13 +353,12 @@ class NamespaceTiers:
         self.loop: asyncio.AbstractEventLoop | None = None  # where worker results go (None: inline)
         self._cascading = 0  # puts under way whose evictions go into the next tier (written by the writer)
         self._closed = False
-        self.admission: ReuseAdmission | None = None  # --tier-admit predicted
         cfg = stack.config
-        if cfg.tier_admit in ("budget", "predicted") and tiers:
-            share = ns.capacity / max(1, cfg.capacity)
-            budget = cfg.tier_write_budget or stack.levels[0].spec.capacity / 86400.0  # one drive write a day
-            self.admission = ReuseAdmission(max(1e-9, budget * share), self.page_bytes, cfg.tier_reuse_horizon,
-                                            learn=cfg.tier_admit == "predicted")
+        share = ns.capacity / max(1, cfg.capacity)  # the namespace's share of the budget, as of every tier
+        self.admission: Admission | None = admission_for(
+            cfg.tier_admit, budget_bytes_s=cfg.tier_write_budget * share,
+            tier_bytes=stack.levels[0].spec.capacity * share if tiers else 0.0, page_bytes=self.page_bytes,
+            horizon_s=cfg.tier_reuse_horizon) if tiers else None
 
     # ---- what is held -------------------------------------------------------------------
     def level_of(self, key: bytes) -> int:
@@ -389,7 +388,7 @@ class NamespaceTiers:
     def runs(self, keys: Sequence[bytes]) -> list[TierRun]:
         """Per run of ``keys`` (a prefix the node holds), the tier holding it and the expected load time
         from there (0 for the pool; measured read rates below it, 0 while none is measured). A Lookup's keys:
-        under --tier-admit predicted, the evicted ones count as asked for again."""
+        the admission counts the evicted ones as asked for again."""
         if self.admission is not None:
             self.admission.seen(keys, time.monotonic())
         out: list[tuple[str, int, float]] = []
@@ -422,8 +421,6 @@ class NamespaceTiers:
                 self.spec_dropped += 1
             elif entry.key in self.hidden or self.holds(entry.key):
                 continue  # below already (write-through, or promoted from there): nothing to write
-            elif self.stack.config.tier_admit == "reused" and entry.reads == 0:
-                self.levels[0].counters.declined += 1
             elif self.admission is not None and not self.admission.admit(entry.key, entry.reads, int(entry.kind),
                                                                           time.monotonic()):
                 self.levels[0].counters.declined += 1

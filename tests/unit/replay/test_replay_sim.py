@@ -11,6 +11,7 @@ import pytest
 
 from kvstore.replay.sim_cluster import PRIMARY, ClusterParams, SimCluster, SimPool
 from kvstore.replay.sim_kernel import Network, Semaphore, Sim
+from kvstore.tiers.admission import ReadSinceStored
 
 GB = 1e9
 
@@ -142,7 +143,7 @@ def test_a_pool_with_a_disk_below_demotes_once_and_reads_back_up() -> None:
     pool.store([b"g"], PRIMARY)                       # the speculative replica is dropped, not written down
     assert b"s" not in pool and pool.disk_writes == 5
     # --tier-admit reused: only what a Get read since it was stored goes down
-    freq = SimPool(2, disk_pages=3, admit="reused")
+    freq = SimPool(2, disk_pages=3, admission=ReadSinceStored())
     freq.store([b"a", b"b"], PRIMARY)
     freq.read([b"b"])
     freq.store([b"c", b"d"], PRIMARY)                 # a (never read) is declined, b (read) goes down
