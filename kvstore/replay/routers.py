@@ -127,12 +127,14 @@ class CacheAware:
     needs_prefix = True
 
     def __init__(self, abs_threshold: float = 32.0, rel_threshold: float = 1.5, use_hints: bool = True,
-                 match_threshold: float = 0.0, hint_cover: float = 0.5) -> None:
+                 match_threshold: float = 0.0, hint_cover: float = 0.5,
+                 pull_s: Callable[[int], float] | None = None) -> None:
         self.abs_threshold = abs_threshold
         self.rel_threshold = rel_threshold
         self.use_hints = use_hints
         self.match_threshold = match_threshold
         self.hint_cover = hint_cover
+        self._pull_s = pull_s
         self._rot = _Rotation()
 
     def imbalanced(self, views: Sequence[NodeView]) -> bool:
@@ -156,10 +158,23 @@ class CacheAware:
         best = max(eff)
         if best <= 0 or best < self.match_threshold * max(1, blocks):
             return least_loaded(views, self._rot), "no-match"
-        i = least_loaded(views, self._rot, [i for i, e in enumerate(eff) if e == best])
+        i = least_loaded(views, self._rot, self.worth_following(views, [i for i, e in enumerate(eff) if e == best],
+                                                                best))
         # "affinity-hint": the chosen node is credited with the prefix by a pending or live speculative copy
         credited = self.use_hints and views[i].hinted > 0 and views[i].hinted >= views[i].prefix
         return i, "affinity-hint" if credited else "affinity"
+
+
+    def worth_following(self, views: Sequence[NodeView], tied: list[int], best: int) -> list[int]:
+        """Of the nodes credited with ``best`` blocks, those worth routing to: every real holder, and a
+        hinted node only where its queued prefill plus the pull of the blocks it lacks ends before the
+        least-busy holder's queued prefill (all of ``tied`` without a link estimate or a real holder)."""
+        holders = [i for i in tied if views[i].prefix >= best]
+        if self._pull_s is None or not holders or len(holders) == len(tied):
+            return tied
+        floor = min(views[i].work_s for i in holders)
+        return [i for i in tied
+                if views[i].prefix >= best or views[i].work_s + self._pull_s(best - views[i].prefix) < floor]
 
 
 class Eta:
@@ -199,7 +214,7 @@ def make_router(name: str, abs_threshold: float = 32.0, rel_threshold: float = 1
     if name == "least-load":
         return LeastLoad()
     if name == "cache-aware":
-        return CacheAware(abs_threshold, rel_threshold, use_hints, match_threshold, hint_cover)
+        return CacheAware(abs_threshold, rel_threshold, use_hints, match_threshold, hint_cover, pull_s)
     if name == "eta":
         if prefill_s is None:
             raise ValueError("the eta router needs the cost model's prefill_s")

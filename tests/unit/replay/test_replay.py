@@ -219,6 +219,25 @@ def test_cache_aware_uses_placement_hints_to_spread_a_burst() -> None:
     assert CacheAware().choose(v, 19)[1] == "no-match"
 
 
+def test_cache_aware_follows_a_hint_only_where_its_pull_beats_the_holders_queue() -> None:
+    # 0.1 s per block pulled; n0 holds 16 blocks, n1 has a copy of 8 of them in flight, n2 holds nothing
+    ca = CacheAware(pull_s=lambda n: 0.1 * n)
+
+    def views(holder_work: float) -> list[NodeView]:
+        return [NodeView("n0", load=1, prefix=16, work_s=holder_work), NodeView("n1", load=0, hinted=8),
+                NodeView("n2", load=0)]
+
+    # the copy in flight counts as not held: 16 blocks pulled (1.6 s) do not end before 0.5 s of queue
+    assert ca.choose(views(0.5), 16) == (0, "affinity")
+    # behind 2 s of the holder's queued prefill the pull pays: the burst spreads to the hinted node
+    assert ca.choose(views(2.0), 16) == (1, "affinity-hint")
+    # without a link estimate the hint is credited as before (the copy covers half the prefix)
+    assert CacheAware().choose(views(0.5), 16) == (1, "affinity-hint")
+    # a live speculative replica is a real holding: nothing to pull, ties on load
+    live = [NodeView("n0", load=1, prefix=16, work_s=0.5), NodeView("n1", load=0, prefix=16, hinted=16)]
+    assert ca.choose(live, 16) == (1, "affinity-hint")
+
+
 # ---- oracle --------------------------------------------------------------------
 
 def _burst(prefix_blocks: int, followers: int, gap: float) -> list[Request]:
