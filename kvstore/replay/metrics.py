@@ -43,6 +43,7 @@ class RequestRecord:
     input_tokens: int = 0
     output_tokens: int = 0
     reusable: int = 0         # leading blocks an earlier request had (the ceiling)
+    head: int = 0             # the trace id of its first block: requests sharing a prefix share it
     local: int = 0
     disk: int = 0             # of the local blocks, those only its node's disk tier held (read up first)
     remote: int = 0
@@ -163,11 +164,45 @@ def aggregate(records: Iterable[RequestRecord], cluster: dict[str, float] | None
         out["throughput_rps"] = len(done) / span if span > 0 else 0.0
     else:
         out["throughput_rps"] = 0.0
+    out.update(bursts_in_pool(done))
     out["route_reasons"] = dict(Counter(r.route_reason for r in done))
     out["requests_per_node"] = dict(sorted(Counter(r.node for r in done).items()))
     if cluster:
         out.update(cluster)
     return out
+
+
+BURST_GAP_S = 60.0   # requests of one prefix more than this apart (trace s) belong to different bursts
+BURST_MIN = 4        # a burst has at least this many requests
+
+
+def bursts_in_pool(done: Sequence[RequestRecord], gap_s: float = BURST_GAP_S,
+                   least: int = BURST_MIN) -> dict[str, int]:
+    """Of the bursts of a shared prefix after its first (requests with the same first block and reusable
+    blocks, split where ``gap_s`` passes without one, of at least ``least`` requests), how many found the
+    prefix in the pool on every node that served them when each node's first request of the burst read it
+    (``local - disk >= reusable``: nothing from a tier, a peer or the GPU): what promotion and copies ahead
+    of a forecast burst are for. ``bursts_repeat``: the bursts counted, ``bursts_in_pool``: those found."""
+    by_head: dict[int, list[RequestRecord]] = {}
+    for r in done:
+        if r.head and r.reusable > 0:
+            by_head.setdefault(r.head, []).append(r)
+    total = found = 0
+    for recs in by_head.values():
+        recs.sort(key=lambda r: r.t)
+        bursts: list[list[RequestRecord]] = [[]]
+        for r in recs:
+            if bursts[-1] and r.t - bursts[-1][-1].t > gap_s:
+                bursts.append([])
+            bursts[-1].append(r)
+        # the first burst computes the prefix (its reusable blocks are its own earlier requests')
+        for burst in [b for b in bursts if len(b) >= least][1:]:
+            first: dict[str, RequestRecord] = {}
+            for r in burst:
+                first.setdefault(r.node, r)
+            total += 1
+            found += all(r.local - r.disk >= r.reusable for r in first.values())
+    return {"bursts_repeat": total, "bursts_in_pool": found}
 
 
 def after_kill(records: Iterable[RequestRecord], node: str, t: float, span_s: float = 30.0) -> dict[str, object]:
@@ -294,7 +329,7 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
         "stored_bytes": sum(int(n.used_bytes) for n in ns),
         "planner_decisions": {k: int(metric_sum(coordinator_metrics, "kvstore_planner_decisions_total",
                                                 {"kind": k}))
-                              for k in ("replicate", "drop", "full", "claim_tree")},
+                              for k in ("replicate", "drop", "full", "claim_tree", "promote")},
         # holder egress its copy trees saved against copying every target from one source: scaled bytes,
         # and in trace seconds over the modelled link (``link_bytes_s``: unscaled bytes per trace second)
         "egress_saved_bytes": saved,

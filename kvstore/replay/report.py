@@ -115,8 +115,8 @@ def tier_table(w: dict[str, Any]) -> str:
     order = {p: i for i, p in enumerate(POLICIES)}
     rows = ["Blocks by where they were found (% of all blocks) and the disk tiers' traffic (modelled bytes):", "",
             "| policy | router | pool % | disk % | other nodes % | engine cache % | computed % | "
-            "disk written GiB | declined GiB | disk read GiB | disk written / disk hit |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "disk written GiB | declined GiB | disk read GiB | disk written / disk hit | repeat bursts in pool |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label in sorted(runs_of, key=lambda k: (order.get(k.split("|")[0], 9), k)):
         runs = runs_of[label]
         policy, router = label.split("|")
@@ -128,8 +128,15 @@ def tier_table(w: dict[str, Any]) -> str:
                     f"{100 * _med(runs, 'engine_cached_ratio'):.1f} | {100 * _med(runs, 'miss_ratio'):.1f} | "
                     f"{written * page / (1 << 30):.0f} | {declined * page / (1 << 30):.0f} | "
                     f"{read * page / (1 << 30):.0f} | "
-                    f"{written / hits if hits else float('inf'):.1f} |")
+                    f"{written / hits if hits else float('inf'):.1f} | {_bursts(runs)} |")
     return "\n".join(rows)
+
+
+def _bursts(runs: list[dict[str, Any]]) -> str:
+    """Repeat bursts that found their prefix in the pool of every node serving them (summed over seeds)."""
+    total = sum(int(r.get("bursts_repeat", 0)) for r in runs)
+    found = sum(int(r.get("bursts_in_pool", 0)) for r in runs)
+    return f"{100 * found / total:.0f} % of {total}" if total else "-"
 
 
 def decision_lines(w: dict[str, Any]) -> str:
@@ -143,10 +150,12 @@ def decision_lines(w: dict[str, Any]) -> str:
         d = [r.get("planner_decisions") or {} for r in runs]
         forecast = float(np.median([x.get("replicate", 0) for x in d]))
         trees = float(np.median([x.get("claim_tree", 0) for x in d]))
+        promoted = float(np.median([x.get("promote", 0) for x in d]))
         saved = float(np.median([r.get("egress_saved_s", 0.0) for r in runs]))
         out.append(f"- `{label}` copy decisions per run (median): {forecast:g} from the forecast (planner), "
-                   f"{trees:g} claim trees to waiters; holder egress the trees saved against one source: "
-                   f"{saved:.1f} trace s")
+                   f"{trees:g} claim trees to waiters" + (f", {promoted:g} promotions from a node's disk ahead of "
+                                                          "a forecast burst" if promoted else "") +
+                   f"; holder egress the trees saved against one source: {saved:.1f} trace s")
     return "\n".join(out)
 
 

@@ -351,6 +351,26 @@ def test_aggregate_counts_and_ratios() -> None:
     assert full["spec_bytes"] == 8192 and full["spec_wasted_bytes"] == 4096
 
 
+def test_repeat_bursts_count_as_found_only_where_every_serving_node_had_the_prefix_in_its_pool() -> None:
+    from kvstore.replay.metrics import bursts_in_pool
+
+    def burst(t0: float, head: int, got: list[tuple[str, int, int]]) -> list[RequestRecord]:
+        # (node, local, disk) per request; 8 reusable blocks each (the first burst's own were computed)
+        return [RequestRecord(idx=0, t=t0 + i, node=n, blocks=9, reusable=8, local=loc, disk=d, head=head, done=True)
+                for i, (n, loc, d) in enumerate(got)]
+
+    hot = [("n0", 8, 0), ("n1", 8, 0), ("n0", 8, 0), ("n1", 8, 0)]
+    recs = burst(0, 7, [("n0", 0, 0)] * 4)                            # the first burst: not counted
+    recs += burst(600, 7, hot)                                          # found on both nodes
+    recs += burst(1200, 7, [("n0", 8, 0), ("n1", 8, 8)] + hot[2:])     # n1's first read it from disk
+    recs += burst(1800, 7, [("n0", 8, 0), ("n1", 0, 0)] + hot[2:])     # n1's first pulled or computed it
+    recs += burst(2400, 7, hot[:3])                                     # 3 requests: not a burst
+    recs += [RequestRecord(idx=0, t=5.0 * i, node="n0", blocks=4, head=100 + i, done=True) for i in range(9)]
+    assert bursts_in_pool(recs) == {"bursts_repeat": 3, "bursts_in_pool": 1}
+    # n1's second request found it, but a node's first read of the burst is what is judged
+    assert bursts_in_pool(recs, gap_s=10_000) == {"bursts_repeat": 0, "bursts_in_pool": 0}  # one long burst
+
+
 # ---- sweeps, best baseline, the oracle's plan -------------------------------------------
 
 def test_router_configs_best_baseline_and_verdicts() -> None:
