@@ -195,7 +195,7 @@ class NodeMetrics:
         # copy, decision or refusal as an increase rather than as a series that appeared with it
         for kind in ("speculative", "replica"):
             self.spec_bytes.labels(kind)
-        for kind in ("replicate", "drop", "full", "claim_tree"):
+        for kind in ("replicate", "drop", "full", "claim_tree", "promote"):
             self.decisions.labels(kind)
         for plane in ("client", "peer"):
             self.auth_rejected.labels(plane)

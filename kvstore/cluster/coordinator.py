@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.cluster.claims import Claim
-from kvstore.cluster.coordinator_core import Copy, CoordinatorCore, Drop, Effect, Renew
+from kvstore.cluster.coordinator_core import Copy, CoordinatorCore, Drop, Effect, Promote, Renew
 from kvstore.cluster.directory import Directory
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.peers import PeerClient
@@ -152,6 +152,8 @@ class Coordinator:
             coro: Any = self._replicate(effect)
         elif isinstance(effect, Renew):
             coro = self._renew(effect)
+        elif isinstance(effect, Promote):
+            coro = self._promote(effect)
         else:
             coro = self._drop(effect)
         task = asyncio.get_running_loop().create_task(coro)
@@ -179,6 +181,14 @@ class Coordinator:
             await self.peers.replicate(renew.node, request, timeout=self.control_timeout)
         except KvError as exc:
             log.debug("renewal on %s failed: %s", renew.node, exc)
+
+    async def _promote(self, promote: Promote) -> None:
+        request = pb.ReplicateRequest(namespace=promote.namespace, keys=list(promote.keys),
+                                      source_node_id=promote.node, kind=PageKind.REPLICA)
+        try:  # a Replicate from itself: the node reads the pages up from its tiers
+            await self.peers.replicate(promote.node, request, timeout=self.control_timeout)
+        except KvError as exc:
+            log.debug("promotion on %s failed: %s", promote.node, exc)
 
     async def _drop(self, drop: Drop) -> None:
         try:

@@ -12,6 +12,9 @@ shell gives it:
   carries it out and calls :meth:`CoordinatorCore.copy_ended` with what the target reported.
 * :class:`Renew`: renew a speculative replica's TTL on its node.
 * :class:`Drop`: drop a speculative replica.
+* :class:`Promote`: bring a forecast prefix's pages up from a node's tiers into its pool before the
+  burst (:meth:`~kvstore.cluster.tickplan.TickPlanner.promote`); the daemon's shell sends the node a
+  ``Replicate`` from itself.
 
 The time comes from the shell's ``clock`` (``time.monotonic`` in the daemon, the simulated daemons'
 clock in the replay). A copy tree's next wave runs when its copies' :class:`Signal`\\ s fire, through
@@ -117,7 +120,16 @@ class Drop:
     keys: tuple[bytes, ...]
 
 
-Effect = Copy | Renew | Drop
+@dataclass(frozen=True, slots=True)
+class Promote:
+    """Effect: ``node`` reads ``keys``, held below its pool, up into it (a forecast burst is due)."""
+
+    node: str
+    namespace: str
+    keys: tuple[bytes, ...]
+
+
+Effect = Copy | Renew | Drop | Promote
 
 
 def in_waves(queue: list[str], fanout: int, start: Callable[[str, Callable[[], None]], None]) -> None:
@@ -275,6 +287,11 @@ class CoordinatorCore:
         assert self.tick_planner is not None
         result = yield from self.tick_planner.steps(scores, self.speculative, now, self.node_states(),
                                                     self.bandwidth, self._in_flight_bytes, self.planner_pending())
+        for namespace, keys, node in self.tick_planner.promotions:
+            decision_log.info("promote %s on %s: %d pages below its pool, burst forecast", keys[-1].hex()[:12],
+                              node, len(keys))
+            self.decisions["promote"] += 1
+            self.perform(Promote(node, namespace, keys))
         for i, d in enumerate(result.decisions, 1):
             if i % CARRY_STEP == 0:
                 yield

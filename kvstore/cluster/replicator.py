@@ -258,6 +258,12 @@ class Replicator:
             pool.renew(keys, expires_at)
         todo = [k for k in dict.fromkeys(keys) if k not in pool]
         present = len(set(keys)) - len(todo)
+        if source == self.node.node_id:
+            # from itself: a promotion of the pages its tiers hold, up into the pool ahead of a forecast burst
+            if todo:
+                await self.node.promote(namespace, todo, None)
+            copied = [k for k in todo if k in pool]
+            return pb.ReplicateResponse(copied=len(copied), already_present=present, missing=len(todo) - len(copied))
         coming = {k for k in todo if (namespace, k) in self._inflight}  # another pull brings these: not ours
         try:
             copied = await self.pull(source, namespace, todo, kind, expires_at) if todo else []

@@ -14,6 +14,11 @@ The coordinator core (:mod:`kvstore.cluster.coordinator_core`, in the daemon and
   the copy threshold is not built at all.
 * Holders are looked up lazily (:class:`~kvstore.placement.planner_types.LazyHolders`), when the
   planner reads them.
+* Promotions (:meth:`TickPlanner.promote`): a prefix at the copy threshold, due back on its own period
+  (or, a shared one, on a borrowed period), that a live node holds partly below its pool (evicted down
+  a tier since its last burst) is read back up on that node before the burst, as deep as the predictor
+  tracks it, so the burst's first request finds it in the pool and the planner's copies to other nodes
+  start from there. Pages a node promoted are not promoted again for ``PROMOTE_AGAIN_S``.
 * The tick runs a step at a time (:meth:`TickPlanner.steps`, :mod:`kvstore.loops.slices`): the
   coordinator gives the loop back between slices of a few milliseconds, so a long tick delays no
   request by more than one slice.
@@ -41,6 +46,12 @@ Chosen = dict[PrefixId, tuple[float, float, str]]
 """pid -> (prob, need_in_s, scorer)."""
 Row = tuple[PrefixId, tuple[bytes, ...], int]
 """(pid, its chain, its page bytes)."""
+RETURN_EVIDENCE = 2.0
+"""A prefix whose bursts average at least this many requests may borrow the period of the prefixes that
+recur for its promotion; one asked for once (a unique prompt) needs a period of its own."""
+PROMOTE_AGAIN_S = 30.0
+"""Seconds before the same pages of a node are promoted again (the directory hears of a promotion a
+heartbeat later)."""
 
 
 class TickPlanner:
@@ -53,6 +64,9 @@ class TickPlanner:
         self.scorer: dict[PrefixId, str] = {}  # (namespace, key at a depth option) -> the scorer behind it
         self.turn = 0                          # review slice of the next tick
         self._chains = _ChainNumbers(predictor)  # placed pid -> its chain's number (to_review)
+        self.promotions: list[tuple[str, tuple[bytes, ...], str]] = []  # this tick's (namespace, keys, node)
+        self.recurring: set[PrefixId] = set()  # this tick's forecasts worth a promotion (RETURN_EVIDENCE)
+        self._promoted: dict[tuple[str, bytes, str], float] = {}       # (namespace, deepest key, node) -> when
 
     # ---- the tick ----------------------------------------------------------------------------------
     def plan(self, scores: Any, speculative: Speculative, now: float, nodes: list[NodeState], bandwidth: float,
@@ -94,6 +108,7 @@ class TickPlanner:
         cfg, predictor = self.plan_cfg, self.predictor
         keep = cfg.keep_threshold
         chosen: Chosen = {}
+        self.recurring = set()
         rows = set(select_candidates(scores.probs, keep, cfg.max_decisions * 2).tolist())
         if review:
             rows.update(i for i in predictor.positions(scores, list(review)) if i >= 0)
@@ -111,6 +126,8 @@ class TickPlanner:
                 if prob > chosen.get(pid, (-1.0, 0.0, ""))[0]:
                     need_in = max(float(fc.onset_in_s[j] - fc.sigma_s[j]), floor)
                     chosen[pid] = (prob, need_in, "forecast")
+                    if fc.seasonal[j] or fc.burst_size[j] >= RETURN_EVIDENCE:
+                        self.recurring.add(pid)
         return chosen
 
     def split(self, scores: Any, review: Collection[PrefixId], now: float) -> tuple[list[Candidate], Ranked | None]:
@@ -121,6 +138,7 @@ class TickPlanner:
                      ) -> Steps[tuple[list[Candidate], Ranked | None]]:
         cfg = self.plan_cfg
         chosen, demand, live, rows = yield from self._rows(scores, review, now)
+        self.promotions = self.promote(chosen, rows, live, now)
         yield
         chains: dict[tuple[str, bytes], list[Row]] = {}
         for row in rows:
@@ -170,6 +188,31 @@ class TickPlanner:
             if chain and page:
                 rows.append((pid, tuple(chain), page))
         return chosen, demand, frozenset(self.membership.live_ids()), rows
+
+    def promote(self, chosen: Chosen, rows: list[Row], live: frozenset[str], now: float
+                ) -> list[tuple[str, tuple[bytes, ...], str]]:
+        """(namespace, keys, node) to read up: of each prefix at the copy threshold whose burst the rate
+        forecaster expects on the prefix's own period, or on a period borrowed from the prefixes that recur
+        where its bursts were shared (``recurring``: a prompt asked for once is no evidence of a return worth
+        a disk read), the pages each live holder keeps below its pool (those past the leading run its pool
+        holds), unless promoted lately."""
+        out: list[tuple[str, tuple[bytes, ...], str]] = []
+        for k in [k for k, t in self._promoted.items() if now - t >= PROMOTE_AGAIN_S]:
+            del self._promoted[k]
+        for pid, chain, _ in rows:
+            if chosen[pid][0] < self.plan_cfg.threshold or pid not in self.recurring:
+                continue
+            namespace = pid[0]
+            held = {n: length for n, length in self.directory.prefixes(namespace, chain).items() if n in live}
+            if not held:
+                continue
+            for node, top in self.directory.pool_lengths(namespace, chain, held).items():
+                length = held[node]
+                done = (namespace, chain[length - 1], node)
+                if top < length and done not in self._promoted:
+                    self._promoted[done] = now
+                    out.append((namespace, chain[top:length], node))
+        return out
 
     def _options(self, chain: tuple[bytes, ...]) -> tuple[int, ...]:
         """A prefix's depth options, shallowest first: the tracked depths within its chain, else its own."""

@@ -177,13 +177,13 @@ class SimPool:
 
     def below(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys`` (held) only the disk holds: what a read brings up first."""
-        return sum(1 for k in keys if not self.in_pool(k) and k in self.disk)
+        return len(self.below_keys(keys))
 
     def read(self, keys: Sequence[bytes]) -> None:
         """A Get read these (held) pages: LRU touch; a speculative replica read becomes a replica; a page
         only on disk comes up into the pool (its copy below stays)."""
         promoted: list[_Page] = []
-        up = [k for k in keys if not self.in_pool(k) and k in self.disk]
+        up = self.below_keys(keys)
         for k in keys:
             if k in self.spec:
                 self.spec.pop(k)
@@ -194,12 +194,20 @@ class SimPool:
                 self.lru.move_to_end(k)
         if promoted:
             self.outbox.record(self.ns, promoted)
-        for k in up:
-            if k in self.disk:  # (an earlier promotion of this read may have evicted it)
+        self.promote(up)
+        self.reads.update(k for k in keys if self.in_pool(k))
+
+    def below_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Those of ``keys`` only the disk holds."""
+        return [k for k in keys if not self.in_pool(k) and k in self.disk]
+
+    def promote(self, keys: Sequence[bytes]) -> None:
+        """Bring ``keys`` held on disk up into the pool (their copies below stay)."""
+        for k in keys:
+            if k in self.disk and not self.in_pool(k):  # (an earlier promotion may have evicted it)
                 self.disk.move_to_end(k)
                 self.disk_reads += 1
                 self.store([k], self.disk[k])
-        self.reads.update(k for k in keys if self.in_pool(k))
 
     def asked(self, keys: Sequence[bytes]) -> None:
         """A Lookup named ``keys`` (the admission counts the evicted ones as asked for again)."""
@@ -424,6 +432,16 @@ class SimCluster:
         now = self.sim.now
         self.disk_free_at[i] = max(now, self.disk_free_at[i]) + pages * self.p.page_bytes / rate
         return self.sim.timeout(self.disk_free_at[i] - now)
+
+    def promote(self, i: int, keys: Sequence[bytes]) -> None:
+        """The coordinator's promotion on node ``i``: its disk reads ``keys`` (behind the reads it was given
+        before), then they are in its pool."""
+        pool = self.pools[i]
+        if not self.alive(i):
+            return
+        up = pool.below_keys(keys)
+        if up:
+            self.disk_read(i, len(up)).then(lambda _: self.alive(i) and pool.promote(up))
 
     # ---- pulls ---------------------------------------------------------------
     def fetch_missing(self, i: int, keys: Sequence[bytes]) -> Event:

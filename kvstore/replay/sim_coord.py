@@ -21,7 +21,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.cluster.coordinator_core import Copy, CoordinatorCore, Drop, Effect, Renew
+from kvstore.cluster.coordinator_core import Copy, CoordinatorCore, Drop, Effect, Promote, Renew
 from kvstore.config import NodeConfig, add_arguments, build_config
 from kvstore.loops.slices import finish
 from kvstore.pool.pool import PageKind
@@ -96,6 +96,8 @@ class SimCoordinator:
             cl.pools[cl.index[effect.node]].renew(list(effect.keys), effect.expires_at)
         elif isinstance(effect, Drop):
             cl.pools[cl.index[effect.node]].drop_speculative(list(effect.keys))
+        elif isinstance(effect, Promote):
+            self.sim.at(cl.trace_s(self.rpc_s / 2), cl.promote, cl.index[effect.node], list(effect.keys))
 
     def _replicate(self, copy: Copy) -> None:
         """The target's side of a ``Replicate``, half an RPC after the coordinator sent it."""

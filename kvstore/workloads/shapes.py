@@ -84,9 +84,9 @@ def recurring(prefixes: int = 2, duration_s: float = 360.0, period_s: tuple[floa
 
     ``quiet_s`` > 0: the periods are ``quiet_s`` to 1.2 x ``quiet_s``, the run lasts ``quiet_bursts``
     of them, and the background is ``quiet_background`` unique requests per second of ``quiet_blocks``
-    blocks (16k-48k tokens): at the defaults 64 new blocks a second over the cluster, so 600 s of quiet
-    write 38k blocks, more than eight ``llama3-70b-tp8`` pools hold at ``--capacity preset``
-    (5,960 blocks each) after the engines' own caches (2,591 each)."""
+    blocks (16k-48k tokens): at the defaults 64 new blocks a second over the cluster, 8 a node, so a
+    ``llama3-70b-tp8`` node's pool at ``--capacity preset`` (5,960 blocks) turns over in about 750 s:
+    ``quiet_s`` 900 pushes a prefix out of the pools between its bursts, 600 does not."""
     rng, ids = random.Random(seed), _ids()
     blocks = (2, 8)
     if quiet_s > 0:

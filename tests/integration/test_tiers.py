@@ -1,7 +1,8 @@
 """Tiers below the pool through real ``kvstored`` processes: a pool that holds a quarter of what a client
 writes serves everything back from its disk tier on every data path; a peer pulls from a node's disk
-without promoting there; a restarted node serves its disk pages; ``kill -9`` in the middle of a demotion
-burst never leads to a wrong page; a full filesystem, a read error, a truncated slab and a disk folder
+without promoting there; a Replicate from a node to itself (the coordinator's promotion ahead of a forecast
+burst) brings its disk pages up into its pool; a restarted node serves its disk pages; ``kill -9`` in the
+middle of a demotion burst never leads to a wrong page; a full filesystem, a read error, a truncated slab and a disk folder
 removed under a running node leave it serving, with the loss counted."""
 
 from __future__ import annotations
@@ -230,6 +231,30 @@ def test_a_peer_pulls_from_a_nodes_disk_without_promoting_it_there(daemon, tmp_p
         assert after["hits"] >= before["hits"] + POOL_PAGES  # read from a's disk tier...
         assert after["promotions"] == before["promotions"]  # ...and not brought into a's pool
         assert ka.lookup_nodes("t", on_disk).tiers[0].tier == "disk0"
+
+
+def test_a_replicate_from_the_node_itself_promotes_its_disk_pages_into_its_pool(daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import grpc
+
+    from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+    a = start(daemon, tmp_path / "disk", "--node-id", "a")
+    keys = keys_of(7, 4 * POOL_PAGES)
+    early = keys[:POOL_PAGES // 2]  # written first: evicted down to the disk by the later puts
+    with KvClient(a.address) as ka:
+        put_all(ka, keys)
+        wait_until(lambda: tier_stats(ka)["staged_bytes"] == 0, 10, "the demotions to land")
+        assert ka.lookup_nodes("t", early).tiers[0].tier == "disk0"
+        before = tier_stats(ka)
+        with grpc.insecure_channel(a.address) as channel:
+            reply = pb_grpc.ClusterStub(channel).Replicate(
+                pb.ReplicateRequest(namespace="t", keys=early, source_node_id="a"), timeout=20)
+        assert (reply.copied, reply.already_present, reply.missing) == (len(early), 0, 0)
+        assert tier_stats(ka)["promotions"] == before["promotions"] + len(early)
+        runs = ka.lookup_nodes("t", early).tiers
+        assert runs[0].tier == "pool" and runs[0].pages == len(early)  # in the pool now: no tier read ahead
+        got = ka.get("t", early)
+        assert all(np.array_equal(row, content(k)) for k, row in zip(early, got.pages))
 
 
 def test_a_truncated_slab_serves_what_is_left(daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

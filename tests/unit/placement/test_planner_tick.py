@@ -270,3 +270,30 @@ def test_lazy_holders_look_a_depth_up_once_and_only_when_read() -> None:
     with pytest.raises(KeyError):
         h[8]
     assert dict(h) == {1: frozenset({"n1"}), 2: frozenset({"n2"}), 4: frozenset({"n4"})} and asked == [2, 1, 4]
+
+
+def test_a_forecast_prefix_held_below_a_pool_is_promoted_on_its_holder_once_a_while() -> None:
+    from kvstore.cluster.directory import Directory
+    from kvstore.cluster.tickplan import PROMOTE_AGAIN_S, TickPlanner
+    from kvstore.predict.types import PredictorConfig
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    chain = chain_of("p")
+    d = Directory()
+    # n0: all 8 pages, the last 4 down a tier; n1: all in its pool; n2: the first 4, all below; n3: not live
+    for node, held, below in (("n0", 8, chain[4:]), ("n1", 8, ()), ("n2", 4, chain[:4]), ("n3", 8, chain)):
+        d.report(node, "i", 0, True, [pb.DirectoryBatch(namespace="ns", adds=chain[:held], below=below)])
+    tp = TickPlanner(None, d, None, PredictorConfig(), PlannerConfig(threshold=0.65), lambda ns: 4096)
+    pid = ("ns", chain[-1])
+    tp.recurring = {pid}  # the forecaster expects it back on its own period
+    rows = [(pid, chain, 4096)]
+    live = frozenset({"n0", "n1", "n2"})
+    want = sorted([("ns", chain[4:], "n0"), ("ns", chain[:4], "n2")])
+    assert sorted(tp.promote({pid: (0.9, 10.0, "forecast")}, rows, live, NOW)) == want
+    assert tp.promote({pid: (0.9, 10.0, "forecast")}, rows, live, NOW + 1) == []  # asked already
+    assert sorted(tp.promote({pid: (0.9, 10.0, "forecast")}, rows, live, NOW + PROMOTE_AGAIN_S)) == want
+    fresh = TickPlanner(None, d, None, PredictorConfig(), PlannerConfig(threshold=0.65), lambda ns: 4096)
+    fresh.recurring = {pid}
+    assert fresh.promote({pid: (0.5, 10.0, "forecast")}, rows, live, NOW) == []  # under the copy threshold
+    fresh.recurring = set()  # seen in one burst (a borrowed period) or chosen by the classifier: left below
+    assert fresh.promote({pid: (0.9, 10.0, "forecast")}, rows, live, NOW) == []
