@@ -16,9 +16,9 @@ The coordinator core (:mod:`kvstore.cluster.coordinator_core`, in the daemon and
   planner reads them.
 * Promotions (:meth:`TickPlanner.promote`): a prefix at the copy threshold, due back on its own period
   (or, a shared one, on a borrowed period), that a live node holds partly below its pool (evicted down
-  a tier since its last burst) is read back up on that node before the burst, as deep as the predictor
-  tracks it, so the burst's first request finds it in the pool and the planner's copies to other nodes
-  start from there. Pages a node promoted are not promoted again for ``PROMOTE_AGAIN_S``.
+  a tier since its last burst) is read back up on that node just before the burst (``PROMOTE_LEAD_S``),
+  as deep as the predictor tracks it, so the burst's first request finds it in the pool and the
+  planner's copies to other nodes start from there. Pages a node promoted are not promoted again for ``PROMOTE_AGAIN_S``.
 * The tick runs a step at a time (:meth:`TickPlanner.steps`, :mod:`kvstore.loops.slices`): the
   coordinator gives the loop back between slices of a few milliseconds, so a long tick delays no
   request by more than one slice.
@@ -49,6 +49,11 @@ Row = tuple[PrefixId, tuple[bytes, ...], int]
 RETURN_EVIDENCE = 2.0
 """A prefix whose bursts average at least this many requests may borrow the period of the prefixes that
 recur for its promotion; one asked for once (a unique prompt) needs a period of its own."""
+PROMOTE_LEAD_S = 5.0
+"""A promotion starts when the burst's earliest expected start (``need_in_s``) is this close: late enough that
+the other traffic does not push the pages back down before it (a pool turns over in minutes when it is
+full), early enough for a drive to read the prefix (a 64k-token Llama-3-70B prefix, 21 GB, in about 3 s
+from one 6.4 GB/s NVMe drive; 0.4 s from a DGX H100's eight)."""
 PROMOTE_AGAIN_S = 30.0
 """Seconds before the same pages of a node are promoted again (the directory hears of a promotion a
 heartbeat later)."""
@@ -194,13 +199,14 @@ class TickPlanner:
         """(namespace, keys, node) to read up: of each prefix at the copy threshold whose burst the rate
         forecaster expects on the prefix's own period, or on a period borrowed from the prefixes that recur
         where its bursts were shared (``recurring``: a prompt asked for once is no evidence of a return worth
-        a disk read), the pages each live holder keeps below its pool (those past the leading run its pool
-        holds), unless promoted lately."""
+        a disk read), due within ``PROMOTE_LEAD_S``, the pages each live holder keeps below its pool (those
+        past the leading run its pool holds), unless promoted lately."""
         out: list[tuple[str, tuple[bytes, ...], str]] = []
         for k in [k for k, t in self._promoted.items() if now - t >= PROMOTE_AGAIN_S]:
             del self._promoted[k]
         for pid, chain, _ in rows:
-            if chosen[pid][0] < self.plan_cfg.threshold or pid not in self.recurring:
+            prob, need_in_s, _ = chosen[pid]
+            if prob < self.plan_cfg.threshold or need_in_s > PROMOTE_LEAD_S or pid not in self.recurring:
                 continue
             namespace = pid[0]
             held = {n: length for n, length in self.directory.prefixes(namespace, chain).items() if n in live}

@@ -289,11 +289,12 @@ def test_a_forecast_prefix_held_below_a_pool_is_promoted_on_its_holder_once_a_wh
     rows = [(pid, chain, 4096)]
     live = frozenset({"n0", "n1", "n2"})
     want = sorted([("ns", chain[4:], "n0"), ("ns", chain[:4], "n2")])
-    assert sorted(tp.promote({pid: (0.9, 10.0, "forecast")}, rows, live, NOW)) == want
-    assert tp.promote({pid: (0.9, 10.0, "forecast")}, rows, live, NOW + 1) == []  # asked already
-    assert sorted(tp.promote({pid: (0.9, 10.0, "forecast")}, rows, live, NOW + PROMOTE_AGAIN_S)) == want
+    assert tp.promote({pid: (0.9, 10.0, "forecast")}, rows, live, NOW) == []  # due later than PROMOTE_LEAD_S
+    assert sorted(tp.promote({pid: (0.9, 2.0, "forecast")}, rows, live, NOW)) == want
+    assert tp.promote({pid: (0.9, 2.0, "forecast")}, rows, live, NOW + 1) == []  # asked already
+    assert sorted(tp.promote({pid: (0.9, 2.0, "forecast")}, rows, live, NOW + PROMOTE_AGAIN_S)) == want
     fresh = TickPlanner(None, d, None, PredictorConfig(), PlannerConfig(threshold=0.65), lambda ns: 4096)
     fresh.recurring = {pid}
-    assert fresh.promote({pid: (0.5, 10.0, "forecast")}, rows, live, NOW) == []  # under the copy threshold
+    assert fresh.promote({pid: (0.5, 2.0, "forecast")}, rows, live, NOW) == []  # under the copy threshold
     fresh.recurring = set()  # seen in one burst (a borrowed period) or chosen by the classifier: left below
-    assert fresh.promote({pid: (0.9, 10.0, "forecast")}, rows, live, NOW) == []
+    assert fresh.promote({pid: (0.9, 2.0, "forecast")}, rows, live, NOW) == []
