@@ -18,7 +18,8 @@ The coordinator core (:mod:`kvstore.cluster.coordinator_core`, in the daemon and
   (or, a shared one, on a borrowed period), that a live node holds partly below its pool (evicted down
   a tier since its last burst) is read back up on that node just before the burst (``PROMOTE_LEAD_S``),
   as deep as the predictor tracks it, so the burst's first request finds it in the pool and the
-  planner's copies to other nodes start from there. Pages a node promoted are not promoted again for ``PROMOTE_AGAIN_S``.
+  planner's copies to other nodes start from there. Pages a node promoted are not promoted again for
+  ``PROMOTE_AGAIN_S``.
 * The tick runs a step at a time (:meth:`TickPlanner.steps`, :mod:`kvstore.loops.slices`): the
   coordinator gives the loop back between slices of a few milliseconds, so a long tick delays no
   request by more than one slice.

@@ -2,8 +2,8 @@
 writes serves everything back from its disk tier on every data path; a peer pulls from a node's disk
 without promoting there; a Replicate from a node to itself (the coordinator's promotion ahead of a forecast
 burst) brings its disk pages up into its pool; a restarted node serves its disk pages; ``kill -9`` in the
-middle of a demotion burst never leads to a wrong page; a full filesystem, a read error, a truncated slab and a disk folder
-removed under a running node leave it serving, with the loss counted."""
+middle of a demotion burst never leads to a wrong page; a full filesystem, a read error, a truncated slab
+and a disk folder removed under a running node leave it serving, with the loss counted."""
 
 from __future__ import annotations
 
