@@ -175,20 +175,21 @@ class Coordinator:
             self._export()
 
     async def _renew(self, renew: Renew) -> None:
-        request = pb.ReplicateRequest(namespace=renew.namespace, keys=list(renew.keys), source_node_id=renew.node,
-                                      kind=PageKind.SPECULATIVE, ttl_seconds=renew.ttl_s)
-        try:
-            await self.peers.replicate(renew.node, request, timeout=self.control_timeout)
-        except KvError as exc:
-            log.debug("renewal on %s failed: %s", renew.node, exc)
+        await self._from_itself(renew.node, renew.namespace, renew.keys, PageKind.SPECULATIVE, renew.ttl_s, "renewal")
 
     async def _promote(self, promote: Promote) -> None:
-        request = pb.ReplicateRequest(namespace=promote.namespace, keys=list(promote.keys),
-                                      source_node_id=promote.node, kind=PageKind.REPLICA)
-        try:  # a Replicate from itself: the node reads the pages up from its tiers
-            await self.peers.replicate(promote.node, request, timeout=self.control_timeout)
+        await self._from_itself(promote.node, promote.namespace, promote.keys, PageKind.REPLICA, 0.0, "promotion")
+
+    async def _from_itself(self, node: str, namespace: str, keys: Sequence[bytes], kind: PageKind, ttl_s: float,
+                           what: str) -> None:
+        """A ``Replicate`` to ``node`` from itself: it extends the expiry of the speculative pages of ``keys`` it
+        holds (a renewal) and reads those its tiers hold up into its pool (a promotion)."""
+        request = pb.ReplicateRequest(namespace=namespace, keys=list(keys), source_node_id=node, kind=kind,
+                                      ttl_seconds=ttl_s)
+        try:
+            await self.peers.replicate(node, request, timeout=self.control_timeout)
         except KvError as exc:
-            log.debug("promotion on %s failed: %s", promote.node, exc)
+            log.debug("%s on %s failed: %s", what, node, exc)
 
     async def _drop(self, drop: Drop) -> None:
         try:

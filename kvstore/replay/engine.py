@@ -457,9 +457,7 @@ class Driver:
                                       planned_waits=sum(s.depth > 0 for s in self.oracle_plan.steps))
         items = []
         for i, r in enumerate(reqs):
-            rec = RequestRecord(idx=i, t=r.t, blocks=len(r.hash_ids), input_tokens=r.input_length,
-                                output_tokens=r.output_length, reusable=reusable[i],
-                                head=r.hash_ids[0] if r.hash_ids else 0)
+            rec = RequestRecord.of(i, r, reusable[i])
             self.result.records.append(rec)
             items.append(_Req(i, r, rec))
             if self.oracle_plan is not None:

@@ -74,6 +74,12 @@ class RequestRecord:
     done: bool = False
     error: str = ""
 
+    @classmethod
+    def of(cls, idx: int, r: Any, reusable: int) -> RequestRecord:
+        """The record of trace request ``r`` (a ``kvstore.workloads.traces.Request``) before it is served."""
+        return cls(idx=idx, t=r.t, blocks=len(r.hash_ids), input_tokens=r.input_length,
+                   output_tokens=r.output_length, reusable=reusable, head=r.hash_ids[0] if r.hash_ids else 0)
+
     @property
     def ttft_s(self) -> float:
         return self.route_s + self.queue_s + self.fetch_s + self.local_load_s + self.prefill_s

@@ -302,9 +302,7 @@ class SimDriver:
                                planned_waits=sum(s.depth > 0 for s in op.steps))
         keys_of = [[hash_key(h) for h in r.hash_ids] for r in reqs]
         for i, r in enumerate(reqs):
-            self.records.append(RequestRecord(idx=i, t=r.t, blocks=len(r.hash_ids), input_tokens=r.input_length,
-                                              output_tokens=r.output_length, reusable=reusable[i],
-                                              head=r.hash_ids[0] if r.hash_ids else 0))
+            self.records.append(RequestRecord.of(i, r, reusable[i]))
             step = self.oracle_plan.steps[i] if self.oracle_plan is not None else None
             sim.at(r.t, self._arrive, i, keys_of[i], step)
             if step is not None and step.source >= 0:
