@@ -113,6 +113,7 @@ class EngineState:
     # requests computed or loaded, least recently used first, at most the cost model's engine_cache_blocks
     cache: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     queued: Counter[bytes] = field(default_factory=Counter)  # blocks the requests in its prefill queue compute
+    fetching: Counter[bytes] = field(default_factory=Counter)  # blocks its requests' Gets are bringing to the node
 
     def backlog(self, now: float) -> float:
         """Trace seconds of prefill ahead of a request joining the queue at ``now``: what is queued, and
@@ -128,6 +129,12 @@ class EngineState:
         """Leading blocks of ``keys`` the engine will hold before a request queued now reaches its prefill:
         cached, or computed by a request ahead of it in the queue."""
         return sum(1 for _ in takewhile(lambda k: k in self.cache or self.queued[k] > 0, keys))
+
+    def prefix_fetching(self, keys: Sequence[bytes], local: int) -> int:
+        """Leading blocks of ``keys`` the node holds (``local``) or that a Get of another request on this
+        engine is bringing to it now. A Get of them joins that pull (one flight per page and node, live and
+        simulated), so it ends no later than the pull its request found faster than computing."""
+        return local + sum(1 for _ in takewhile(lambda k: self.fetching[k] > 0, keys[local:]))
 
     def remember(self, keys: Sequence[bytes]) -> None:
         for k in keys:
@@ -165,10 +172,15 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
         read = claiming.readable(nodes, e.node_id, local, cost, rules.link_bytes_s)
         if ahead >= read:
             read = local
+        # a pull of its prefix another request on this engine started is joined, not raced or recomputed
+        # (computing it would also put a whole prefill ahead of that request's short one)
+        joined = e.prefix_fetching(keys, local)
+        if joined > max(read, ahead):
+            read = joined
         wait = claiming.choose(nodes, e.node_id, local, cost, S, rules.link_bytes_s, e.backlog(now()),
                                rules.claim_margin) if rules.claims else None
-        if wait is not None and ahead >= wait.length:
-            wait = None  # queued behind this engine's own prefill of it: no wait for another's
+        if wait is not None and max(ahead, joined) >= wait.length:
+            wait = None  # queued behind this engine's own prefill of it, or its pull: no wait for another's
         if wait is not None:  # another request is computing this prefix: wait for it, then read it
             rec.claim_wait = True
             t_wait, held_before = now(), cluster_max
@@ -189,7 +201,15 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
         fetch = read if step is None else max(local, step.depth)  # the oracle gets what its plan says
         if fetch > 0:
             t_get = now()
-            cached, rec.corrupt = yield Get(keys[:fetch])
+            bringing = keys[local:fetch]
+            e.fetching.update(bringing)
+            try:
+                cached, rec.corrupt = yield Get(keys[:fetch])
+            finally:
+                e.fetching.subtract(bringing)
+                for k in bringing:
+                    if e.fetching[k] <= 0:
+                        e.fetching.pop(k, None)
             rec.get_s = now() - t_get
             rec.get_real_s = rec.get_s / S
     except StoreError as exc:  # the node is gone (--kill): the engine recomputes
