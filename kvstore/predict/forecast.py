@@ -14,11 +14,24 @@ keeps, per key (a prefix id, or ``CLUSTER`` for all requests):
 * **burst size**: an exponentially weighted mean of the arrivals per burst.
 * **trend**: two exponentially decayed rates (``tau_short_s``, ``tau_long_s``);
   their difference extrapolates a rising or falling rate.
+* **season**: the arrivals of all keys, counted in ``season_bin_s`` bins over
+  the last few hours. Where their autocorrelation has a clear peak at a lag
+  between ``season_min_s`` and ``season_max_s`` (a daily cycle, compressed or
+  not), that lag is the stream's period; its shape is ``HARMONICS`` harmonics
+  of the period fitted to the counts by least squares (smoother than any one
+  past period's count, which carries that period's noise). A key's expected
+  count is its share of the stream (both rates decayed over ``tau_share_s``)
+  times the season's: traffic whose mix holds while its volume follows the
+  day, as a fleet serving many tenants sees it. A key whose bursts keep a
+  schedule of their own (onsets within ``SCHEDULED`` of their period) keeps
+  its burst forecast.
 
 :meth:`RateForecaster.forecast` is vectorised over all keys: the chance that
 a burst starts within ``(now, now + T]`` (a normal onset around
 ``last onset + period``, with the jitter as its spread), the seconds until
-it, the expected arrivals, and the expected count in the next ``T`` seconds.
+it, the expected arrivals, and the expected count in the next ``T`` seconds
+(from the season where the stream has one, else from the trend and the bursts),
+with its median as the point forecast.
 Observing costs about 5 us a request (a key's period and jitter are updated
 when it starts a burst, so forecasts only index them); a forecast of all of
 100k keys about 14 ms, of a hundred named keys about 1.5 ms (this machine).
@@ -48,6 +61,11 @@ class ForecastConfig:
     min_sigma_s: float = 2.0     # the onset spread is never below this ...
     sigma_share: float = 0.05    # ... nor below this share of the period
     max_keys: int = 200_000      # keys tracked; the stalest are dropped beyond this
+    season_bin_s: float = 10.0   # bin of the all-keys count the season is found in
+    season_min_s: float = 60.0   # shortest period looked for
+    season_max_s: float = 3600.0  # longest period looked for (three of them are kept)
+    season_corr: float = 0.5     # autocorrelation at the period needed to call the stream seasonal
+    tau_share_s: float = 600.0   # decay of the rates a key's share of the stream is measured over
 
 
 @dataclass(slots=True)
@@ -90,6 +108,90 @@ def _phi(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.sign(x) * erf)
 
 
+def _poisson_median(mean: np.ndarray) -> np.ndarray:
+    """The median of a Poisson count of ``mean``: 0 below ln 2, else floor(m + 1/3 - 0.02/m) (exact or one
+    off for every mean). The point forecast that minimises the expected absolute error of a count."""
+    m = np.maximum(mean, 1e-12)
+    return np.where(m < math.log(2.0), 0.0, np.floor(m + 1.0 / 3.0 - 0.02 / m))
+
+
+SCHEDULED = 0.25  # onset spread / period below which a key's bursts keep a schedule of their own
+HARMONICS = 3  # of the period, in the season's fitted shape: a day's peak, its lunch dip and evening
+
+
+class Season:
+    """The all-keys arrival count in bins, and its period where it has one (module docstring)."""
+
+    def __init__(self, cfg: ForecastConfig) -> None:
+        self.cfg = cfg
+        self.bin_s = cfg.season_bin_s
+        self.counts = np.zeros(max(4, int(math.ceil(3 * cfg.season_max_s / self.bin_s)) + 2))
+        self.first = -1     # index (time / bin_s) of the oldest bin kept; -1: nothing seen
+        self.last = -1      # index of the newest bin
+        self.period_s = math.nan
+        self.coef = np.zeros(1 + 2 * HARMONICS)  # the fitted season (arrivals/s): mean, cos and sin terms
+        self._found_at = -1  # the newest bin when the period was last looked for
+
+    def observe(self, t: float, n: float = 1.0) -> None:
+        i = int(t // self.bin_s)
+        if self.first < 0:
+            self.first = self.last = i
+        if i > self.last:
+            for j in range(self.last + 1, min(i, self.last + len(self.counts)) + 1):
+                self.counts[j % len(self.counts)] = 0.0
+            self.last = i
+            self.first = max(self.first, i - len(self.counts) + 1)
+        if i >= self.first:
+            self.counts[i % len(self.counts)] += n
+
+    def period(self) -> float:
+        """The stream's period in seconds (nan: none found), looked for again every 6 new bins: the lag of
+        the first autocorrelation peak within 10 % of the highest, if that reaches ``season_corr``, among
+        the lags one and a half periods of the history cover; then the season's shape fitted to it."""
+        if self.first < 0 or self.last - self._found_at < 6:
+            return self.period_s
+        self._found_at = self.last
+        n = self.last - self.first  # whole bins (the newest is still filling)
+        lo = max(1, int(self.cfg.season_min_s / self.bin_s))
+        hi = min(int(self.cfg.season_max_s / self.bin_s), int(n / 1.5))
+        self.period_s = math.nan
+        if hi < lo:
+            return self.period_s
+        idx = np.arange(self.first, self.last) % len(self.counts)
+        x = self.counts[idx] - self.counts[idx].mean()
+        lags = np.arange(lo, hi + 1)
+        r = np.array([float(np.dot(x[:-k], x[k:])) / (math.sqrt(float(np.dot(x[:-k], x[:-k])) *
+                                                                 float(np.dot(x[k:], x[k:]))) or 1.0)
+                      for k in lags])
+        inner = np.ones(len(r), bool)  # local maxima of the autocorrelation over the lags
+        inner[1:] &= r[1:] >= r[:-1]
+        inner[:-1] &= r[:-1] >= r[1:]
+        peaks = np.flatnonzero(inner[1:-1]) + 1  # the ends of the range are no peak
+        if not len(peaks) or r[peaks].max() < self.cfg.season_corr:
+            return self.period_s
+        best = r[peaks].max()
+        lag = int(lags[int(peaks[np.flatnonzero(r[peaks] >= 0.9 * best)[0]])])
+        # the season's shape: ``HARMONICS`` harmonics of that period fitted to the counts by least squares
+        t = (np.arange(self.first, self.last) + 0.5) * self.bin_s
+        y = self.counts[idx]
+        self.period_s = float(lag * self.bin_s)
+        self.coef = np.linalg.lstsq(self._design(t), y / self.bin_s, rcond=None)[0]
+        return self.period_s
+
+    def _design(self, t: np.ndarray) -> np.ndarray:
+        """The regressors of the season's shape at times ``t``: 1, then cos and sin of each harmonic."""
+        w = 2 * np.pi * np.outer(t, np.arange(1, HARMONICS + 1)) / self.period_s
+        return np.hstack([np.ones((len(t), 1)), np.cos(w), np.sin(w)])
+
+    def expected(self, now: float, horizon_s: float) -> float:
+        """The stream's expected arrivals in (now, now + horizon_s] from its fitted season (the rate at 16
+        points across the window, never below 0); nan without a period."""
+        if not math.isfinite(self.period()):
+            return math.nan
+        t = now + (np.arange(16) + 0.5) * horizon_s / 16
+        return float(np.maximum(self._design(t) @ self.coef, 0.0).mean() * horizon_s)
+
+
 class RateForecaster:
     """Burst onsets, sizes and rates per key; see the module docstring."""
 
@@ -100,6 +202,9 @@ class RateForecaster:
         self._free: list[int] = []
         self._cap = 0
         self._prior: tuple[float, float] | None = None
+        self.season = Season(self.cfg)
+        self._total = 0.0        # the all-keys rate decayed over tau_share_s ...
+        self._total_seen = 0.0   # ... as of this time
         self._grow(1024)
 
     def _grow(self, cap: int) -> None:
@@ -119,6 +224,7 @@ class RateForecaster:
         self.size = more(self.size if old else None, 0.0)          # mean arrivals per burst
         self.period = more(self.period if old else None, np.nan)   # median onset spacing (nan: < 2 onsets)
         self.spread = more(self.spread if old else None, np.nan)   # its robust spread (MAD x 1.4826)
+        self.share = more(self.share if old else None, 0.0)        # its rate decayed over tau_share_s
         self._keys.extend([None] * (cap - self._cap))
         self._cap = cap
 
@@ -141,7 +247,7 @@ class RateForecaster:
         self.onsets[row] = np.nan
         self.period[row] = self.spread[row] = np.nan
         self.last[row], self.seen[row] = -np.inf, t
-        self.rate_s[row] = self.rate_l[row] = self.count[row] = self.size[row] = 0.0
+        self.rate_s[row] = self.rate_l[row] = self.count[row] = self.size[row] = self.share[row] = 0.0
         return row
 
     def _drop_stalest(self, n: int) -> None:
@@ -172,7 +278,13 @@ class RateForecaster:
         dt = max(0.0, t - self.seen[row])
         self.rate_s[row] = self.rate_s[row] * math.exp(-dt / cfg.tau_short_s) + n / cfg.tau_short_s
         self.rate_l[row] = self.rate_l[row] * math.exp(-dt / cfg.tau_long_s) + n / cfg.tau_long_s
+        self.share[row] = self.share[row] * math.exp(-dt / cfg.tau_share_s) + n / cfg.tau_share_s
         self.seen[row] = t
+        if key != CLUSTER:  # the stream the season is found in: every key's arrivals, once
+            self.season.observe(t, n)
+            self._total = (self._total * math.exp(-max(0.0, t - self._total_seen) / cfg.tau_share_s)
+                           + n / cfg.tau_share_s)
+            self._total_seen = max(self._total_seen, t)
 
     def _new_onset(self, row: int) -> None:
         """Refresh ``row``'s period and spread from its onset ring (a handful of
@@ -245,9 +357,23 @@ class RateForecaster:
         rest = np.maximum(self.size[rows] - self.count[rows], 0.0)
         sized = known & in_burst & (self.size[rows] > 0)
         trend = np.where(sized, np.minimum(trend, rest), np.where(in_burst, trend, 0.0))
+        expected = trend + p * size
+        point = _poisson_median(trend) + np.where(p >= 0.5, size, 0.0)
+        stream = self.season.expected(now, horizon_s)
+        if math.isfinite(stream):  # a seasonal stream: each key's share of the stream's season
+            total = self._total * math.exp(-max(0.0, now - self._total_seen) / cfg.tau_share_s)
+            own = self.share[rows] * np.exp(-np.maximum(0.0, now - self.seen[rows]) / cfg.tau_share_s)
+            whole = known & (rows == self._row.get(CLUSTER, -1))  # the stream itself, where asked for
+            share = np.where(whole, 1.0, own / total if total > 0 else 0.0)
+            # a key whose bursts keep a schedule of their own (their onsets' spread within SCHEDULED of their
+            # period) keeps the forecast of its bursts; every other key follows the stream's season
+            own, jitter = self.period[rows], self.spread[rows]
+            with np.errstate(invalid="ignore"):
+                steady = known & ~(np.isfinite(own) & (jitter <= SCHEDULED * own) & (self.size[rows] >= 2.0))
+            expected = np.where(steady, share * stream, expected)
+            point = np.where(steady, _poisson_median(share * stream), point)
         return Forecast(keys=list(keys), p_onset=p, onset_in_s=np.where(usable, np.maximum(nxt - now, 0.0), np.inf),
-                        sigma_s=sigma, burst_size=size, expected=trend + p * size,
-                        point=trend + np.where(p >= 0.5, size, 0.0), in_burst=in_burst,
+                        sigma_s=sigma, burst_size=size, expected=expected, point=point, in_burst=in_burst,
                         period_s=np.where(usable, period, np.nan), seasonal=seasonal & usable)
 
     def _trend(self, rows: np.ndarray, now: float, horizon_s: float) -> np.ndarray:

@@ -193,3 +193,44 @@ def test_a_tick_builds_the_chains_under_review_and_ranks_the_others_by_chain() -
     assert sorted(map(min, rows)) == sorted([a[0], b[0]])
     whole = [x for x in ranked.build(0, 2) if x.chain[0] == a[0]]
     assert {x.chain[-1] for x in whole} >= {a[3], a[-1]}  # every tracked depth of a, built together
+
+
+def _daily(seed: int, period: float, hours: float, keys: dict[str, float]) -> list[tuple[float, str]]:
+    """Poisson arrivals at 4 x (1 + 0.8 sin(2 pi t / period)) per second, each drawn among ``keys`` by weight."""
+    rng = np.random.default_rng(seed)
+    names, weights = list(keys), np.array(list(keys.values()))
+    out, t = [], 0.0
+    while t < hours:
+        t += rng.exponential(1 / 7.2)  # thinning from the peak rate
+        if rng.random() < (1 + 0.8 * math.sin(2 * math.pi * t / period)) / 1.8:
+            out.append((t, str(rng.choice(names, p=weights / weights.sum()))))
+    return out
+
+
+def test_a_daily_cycle_is_found_and_each_key_forecast_as_its_share_of_it() -> None:
+    f = RateForecaster()
+    arrivals = _daily(0, 300.0, 1500.0, {"big": 0.5, "small": 0.02, "rest": 0.48})
+    for t, key in arrivals:
+        f.observe(key, t)
+    assert f.season.period() == pytest.approx(300.0, abs=10.0)
+    now = arrivals[-1][0]
+    rising = 300.0 * math.ceil(now / 300.0)  # the next trough-to-peak crossing: the rate rises after it
+    ahead = f.forecast(rising, 30.0, ["big", "small"])
+    truth = 4 * 30.0 * (1 + 0.8 * math.sin(2 * math.pi * (rising + 15.0) / 300.0))  # the stream, mid-window
+    assert ahead.expected[0] == pytest.approx(0.5 * truth, rel=0.25)
+    assert ahead.expected[1] == pytest.approx(0.02 * truth, rel=0.5)
+    assert ahead.point[1] == 0.0 or ahead.expected[1] >= math.log(2)  # the median of a sparse count
+    trough = f.forecast(rising - 75.0, 30.0, ["big"])  # around the trough: far fewer
+    assert trough.expected[0] < 0.5 * ahead.expected[0]
+
+
+def test_a_steady_stream_has_no_season_and_keeps_the_trend() -> None:
+    f = RateForecaster()
+    rng = np.random.default_rng(1)
+    t = 0.0
+    while t < 1500.0:
+        t += rng.exponential(0.25)
+        f.observe("k", t)
+    assert math.isnan(f.season.period())
+    ahead = f.forecast(t, 30.0, ["k"])
+    assert ahead.expected[0] == pytest.approx(f._trend(np.array([f._row["k"]]), t, 30.0)[0])
