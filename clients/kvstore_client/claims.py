@@ -29,7 +29,7 @@ tokens and bytes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +143,23 @@ def worth_reading(nodes: Sequence[Any], me: str, local: int, *, page_bytes: int,
             continue
         if pull_s(e, local, page_bytes=page_bytes, link_bytes_per_s=link_bytes_per_s) < prefill_blocks_s(length - local):
             best = length
+    return best
+
+
+def joined(keys: Sequence[Any], local: int, pulling: Iterable[tuple[Sequence[Any], int]]) -> int:
+    """Leading blocks of ``keys`` held here (``local``) or on their way here by a pull another request on
+    the same engine started (``pulling``: each such request's keys and the blocks it reads). A Get of them
+    joins that pull (the node keeps one flight per page), so it ends no later than the pull its request
+    found faster than computing: the engine reads them rather than price a second pull on the holder's
+    shared egress, compute the prefix, and put that prefill ahead of the other request's short one."""
+    best = local
+    for theirs, reads in pulling:
+        n = 0
+        for mine, other in zip(keys[:reads], theirs[:reads]):
+            if mine != other:
+                break
+            n += 1
+        best = max(best, n)
     return best
 
 

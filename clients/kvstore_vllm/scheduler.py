@@ -98,6 +98,7 @@ class _Request:
     poll: LookupFuture | None = None
     last_reply: pb.LookupResponse | None = None
     held_before: int = 0           # blocks the cluster held when the wait began
+    pulls: bool = False            # its hit reads blocks another node holds (its load pulls them here)
 
 
 class SchedulerCore:
@@ -198,6 +199,7 @@ class SchedulerCore:
         if hit is None:
             hit = self._worth_reading(req, reply)
         req.hit_blocks = min(hit, req.max_hit_blocks)
+        req.pulls = req.hit_blocks > int(reply.prefix_length)
         req.hints = [NodeHint(n.node_id, n.address, n.prefix_length, n.pending, n.expires_in_seconds)
                      for n in reply.nodes]
         # blocks the store already holds are not saved again
@@ -208,7 +210,8 @@ class SchedulerCore:
         """Blocks to load: what this node holds where loading it beats computing it (its pool's blocks, and
         each run in its tiers whose expected load time is below the prefill of its blocks:
         :func:`kvstore_client.claims.worth_loading`), and another node's deeper prefix where pulling it
-        beats computing it (:func:`kvstore_client.claims.worth_reading`). Both need
+        beats computing it (:func:`kvstore_client.claims.worth_reading`), or that another request of this
+        engine is pulling here now (:func:`kvstore_client.claims.joined`). They need
         ``prefill_tokens_per_s``, without which every held block is loaded."""
         local = int(reply.prefix_length)
         held = claiming.held(reply.nodes, local)
@@ -221,8 +224,14 @@ class SchedulerCore:
                                           prefill_blocks_s=prefill)
         if held <= local or (ctx := self._context()) is None:
             return held if loadable >= local else loadable
-        return claiming.worth_reading(reply.nodes, ctx[0], loadable, page_bytes=ctx[1],
+        read = claiming.worth_reading(reply.nodes, ctx[0], loadable, page_bytes=ctx[1],
                                       link_bytes_per_s=self.config.link_bytes_per_s, prefill_blocks_s=prefill)
+        if loadable < local:
+            return read
+        # another request of this engine pulling the same prefix: join its pull (kvstore_client.claims.joined)
+        pulling = ((r.keys, r.hit_blocks) for r in self._reqs.values()
+                   if r is not req and r.pulls and r.hit_blocks)
+        return max(read, min(held, claiming.joined(req.keys, local, pulling)))
 
     # ---- in-flight prefill claims ----------------------------------------------
     def backlog_tokens(self, but: _Request | None = None) -> int:

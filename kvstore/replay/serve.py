@@ -133,7 +133,8 @@ class EngineState:
     def prefix_fetching(self, keys: Sequence[bytes], local: int) -> int:
         """Leading blocks of ``keys`` the node holds (``local``) or that a Get of another request on this
         engine is bringing to it now. A Get of them joins that pull (one flight per page and node, live and
-        simulated), so it ends no later than the pull its request found faster than computing."""
+        simulated), so it ends no later than the pull its request found faster than computing: the rule of
+        the connectors (:func:`kvstore_client.claims.joined`), kept here per key."""
         return local + sum(1 for _ in takewhile(lambda k: self.fetching[k] > 0, keys[local:]))
 
     def remember(self, keys: Sequence[bytes]) -> None:

@@ -445,3 +445,22 @@ def test_the_connector_loads_its_own_tier_runs_only_where_loading_beats_computin
             "r", PROMPT, b"", 0) == 3 * BS
     assert core(ScriptedClient(lambda call: answer(1.0)), claims=False, prefill_tokens_per_s=0).matched_tokens(
         "r", PROMPT, b"", 0) == 8 * BS
+
+
+def test_the_connector_joins_a_pull_another_request_of_its_engine_started() -> None:
+    """vLLM's scheduler: a first request pulls 8 blocks from an idle holder; a second one with the same
+    prompt, answered while that pull runs (the holder now counted busy, 41 ms a block against 32 ms of
+    prefill), loads the same 8 blocks (its Get joins the pull on the node) instead of computing them.
+    Once the first request finished, the same answer is not read; a different prompt never joins."""
+    answers = iter([reply(entry("a", 8)), reply(entry("a", 8, ahead=40)), reply(entry("a", 8, ahead=40)),
+                    reply(entry("a", 8, ahead=40))])
+    c = core(ScriptedClient(lambda call: next(answers)), claims=False)
+    assert c.matched_tokens("r1", PROMPT, b"", 0) == 8 * BS
+    assert c.matched_tokens("r2", PROMPT, b"", 0) == 8 * BS
+    other = [t + 10_000 for t in PROMPT]
+    assert c.matched_tokens("r3", other, b"", 0) == 0
+    c.finished("r1")
+    c.finished("r2")
+    assert c.matched_tokens("r4", PROMPT, b"", 0) == 0
+    assert claims.joined([1, 2, 3, 4], 1, [([1, 2, 9], 3), ([1, 2, 3, 4], 2)]) == 2
+    assert claims.joined([1, 2, 3], 0, []) == 0 and claims.joined([5], 1, [([6], 1)]) == 1
