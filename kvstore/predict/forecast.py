@@ -34,7 +34,8 @@ it, the expected arrivals, and the expected count in the next ``T`` seconds
 with its median as the point forecast.
 Observing costs about 5 us a request (a key's period and jitter are updated
 when it starts a burst, so forecasts only index them); a forecast of all of
-100k keys about 14 ms, of a hundred named keys about 1.5 ms (this machine).
+95k keys about 28 ms where the stream has a season (20 ms without), of a
+hundred named keys about 0.3 ms (this machine, 2 cores).
 """
 
 from __future__ import annotations
