@@ -110,6 +110,8 @@ class LevelCounters:
     reads: Histogram = field(default_factory=Histogram)
     writes: Histogram = field(default_factory=Histogram)
     read_seconds_per_page: float = 0.0  # moving average of measured reads (0: none measured yet)
+    readup_seconds: float = 0.0  # moving average of a read-up's time beyond its pages' reads (a worker's turn,
+                                 # the promotion into the pool): what a run on this tier costs however short
 
 
 class Pace:
@@ -155,6 +157,14 @@ class Level:
             self.counters.reads.observe(seconds)
             avg = self.counters.read_seconds_per_page
             self.counters.read_seconds_per_page = seconds if avg == 0 else 0.8 * avg + 0.2 * seconds
+
+    def observe_readup(self, seconds: float, pages: int, threads: int) -> None:
+        """A read-up of ``pages`` pages from this tier into the pool took ``seconds``: its time beyond the pages'
+        reads (at the measured rate per page, ``threads`` at once) is the fixed cost of one."""
+        with self.lock:
+            c = self.counters
+            fixed = max(0.0, seconds - pages * c.read_seconds_per_page / max(1, threads))
+            c.readup_seconds = fixed if c.readup_seconds == 0 else 0.8 * c.readup_seconds + 0.2 * fixed
 
     def observe_write(self, seconds: float) -> None:
         with self.lock:
@@ -392,6 +402,7 @@ class NamespaceTiers:
         if self.admission is not None:
             self.admission.seen(keys, time.monotonic())
         out: list[tuple[str, int, float]] = []
+        fixed = True  # one read-up brings every run below the pool: its fixed cost counts once, on the first
         for key in keys:
             if key in self.ns.pool:
                 name, cost = "pool", 0.0
@@ -404,6 +415,8 @@ class NamespaceTiers:
                 lv = self.levels[level - 1]
                 name = lv.name
                 cost = lv.counters.read_seconds_per_page / max(1, self.stack.config.tier_threads)
+                if fixed:
+                    cost, fixed = cost + lv.counters.readup_seconds, False
             if out and out[-1][0] == name:
                 out[-1] = (name, out[-1][1] + 1, out[-1][2] + cost)
             else:
@@ -524,6 +537,8 @@ class NamespaceTiers:
         all landed). Returns how many of ``keys`` are in the pool now."""
         pool = self.ns.pool
         waits = []
+        started = time.monotonic()
+        mine = 0  # reads this call started on the first tier (a page another call reads is not timed here)
         for key in dict.fromkeys(keys):
             if key in pool:
                 continue
@@ -532,11 +547,14 @@ class NamespaceTiers:
                 level = self.level_of(key)
                 if level == 0 and not self._cascading:
                     continue  # (while a cascading put runs, the page may be on its way down: _read_any)
+                mine += level == 1 and key not in self.staged
                 job = self._inflight[key] = asyncio.ensure_future(self._promote_one(key, level - 1))
                 job.add_done_callback(lambda _, k=key: self._inflight.pop(k, None))
             waits.append(job)
         if waits and (timeout is None or timeout > 0):
-            await asyncio.wait(waits, timeout=timeout)
+            done, _ = await asyncio.wait(waits, timeout=timeout)
+            if mine and len(done) == len(waits) and self.tiers:
+                self.levels[0].observe_readup(time.monotonic() - started, mine, self.stack.config.tier_threads)
         return sum(1 for k in keys if k in pool)
 
     async def _promote_one(self, key: bytes, i: int) -> bool:

@@ -362,3 +362,29 @@ def test_tier_admit_predicted_writes_within_its_budget(stack: Any) -> None:
             run(main)
         finally:
             node.close()
+
+
+def test_a_run_below_the_pool_costs_a_read_up_however_short(tmp_path: Path) -> None:
+    """The expected load time of a run on disk (what an engine weighs against computing its blocks) is its
+    pages' reads at the measured rate plus the measured fixed cost of one read-up (a worker's turn, the
+    promotion into the pool), counted once per Lookup: a one-page run costs more than one page's read."""
+    node = make_node(STACKS["host-pool+disk"], tier=[f"disk:{tmp_path}/d0:{64 * 8 * 1024 + 4096}"])
+
+    async def main() -> None:
+        keys = [key(i) for i in range(8)]
+        for i in range(8):
+            put(node, [keys[i]], [page(i)])
+        assert await below(node).settle()
+        assert await get(node, keys[:2]) == [page(0), page(1)]  # two pages read up from disk
+        counters = node.tiers.levels[0].counters
+        fixed, per_page = counters.readup_seconds, counters.read_seconds_per_page
+        assert fixed > 0 and per_page > 0
+        threads = node.config.tier_threads
+        (one,) = [r for r in node.tier_runs("ns", keys[2:3]) if r.tier == "disk0"]
+        assert one.pages == 1 and one.load_seconds == pytest.approx(fixed + per_page / threads)
+        (two,) = [r for r in node.tier_runs("ns", keys[2:4]) if r.tier == "disk0"]
+        assert two.pages == 2 and two.load_seconds == pytest.approx(fixed + 2 * per_page / threads)
+    try:
+        run(main)
+    finally:
+        node.close()
