@@ -538,7 +538,7 @@ class NamespaceTiers:
         pool = self.ns.pool
         waits = []
         started = time.monotonic()
-        mine = 0  # reads this call started on the first tier (a page another call reads is not timed here)
+        mine = 0  # reads this call started on the first tier: only a read-up of those alone is timed
         for key in dict.fromkeys(keys):
             if key in pool:
                 continue
@@ -553,7 +553,7 @@ class NamespaceTiers:
             waits.append(job)
         if waits and (timeout is None or timeout > 0):
             done, _ = await asyncio.wait(waits, timeout=timeout)
-            if mine and len(done) == len(waits) and self.tiers:
+            if mine and mine == len(waits) == len(done) and self.tiers:
                 self.levels[0].observe_readup(time.monotonic() - started, mine, self.stack.config.tier_threads)
         return sum(1 for k in keys if k in pool)
 
