@@ -23,11 +23,11 @@ from collections.abc import Sequence
 
 from kvstore.replay.costmodel import CostModel
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore_client.claims import (Wait, decide, held, incoming_copy, landed, look_again_s, read_after_wait,
-                                   still_coming, worth_loading, worth_reading)
+from kvstore_client.claims import (Wait, decide, held, incoming_copy, joined, landed, look_again_s,
+                                   read_after_wait, still_coming, worth_loading, worth_reading)
 
 __all__ = ["POLL_S", "REUSE_HORIZON_S", "TIER_ADMIT", "TIER_POLICIES", "Wait", "choose", "claim_seconds", "held",
-           "incoming", "landed", "loadable", "look_again", "margin_for", "pooled", "readable", "readable_after",
+           "incoming", "joined", "landed", "loadable", "look_again", "margin_for", "pooled", "readable", "readable_after",
            "split_policy", "still_coming", "tier_policy", "wait_end", "wait_for"]
 
 POLL_S = 0.010  # real seconds between the re-lookups of a waiting follower, at least (look_again)

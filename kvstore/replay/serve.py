@@ -113,7 +113,8 @@ class EngineState:
     # requests computed or loaded, least recently used first, at most the cost model's engine_cache_blocks
     cache: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     queued: Counter[bytes] = field(default_factory=Counter)  # blocks the requests in its prefill queue compute
-    fetching: Counter[bytes] = field(default_factory=Counter)  # blocks its requests' Gets are bringing to the node
+    # its requests' Gets that bring pages to the node now: request index -> (its keys, the blocks it reads)
+    fetching: dict[int, tuple[Sequence[bytes], int]] = field(default_factory=dict)
 
     def backlog(self, now: float) -> float:
         """Trace seconds of prefill ahead of a request joining the queue at ``now``: what is queued, and
@@ -132,10 +133,8 @@ class EngineState:
 
     def prefix_fetching(self, keys: Sequence[bytes], local: int) -> int:
         """Leading blocks of ``keys`` the node holds (``local``) or that a Get of another request on this
-        engine is bringing to it now. A Get of them joins that pull (one flight per page and node, live and
-        simulated), so it ends no later than the pull its request found faster than computing: the rule of
-        the connectors (:func:`kvstore_client.claims.joined`), kept here per key."""
-        return local + sum(1 for _ in takewhile(lambda k: self.fetching[k] > 0, keys[local:]))
+        engine is bringing to it now: the connectors' rule (:func:`kvstore_client.claims.joined`)."""
+        return claiming.joined(keys, local, self.fetching.values())
 
     def remember(self, keys: Sequence[bytes]) -> None:
         for k in keys:
@@ -202,15 +201,12 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
         fetch = read if step is None else max(local, step.depth)  # the oracle gets what its plan says
         if fetch > 0:
             t_get = now()
-            bringing = keys[local:fetch]
-            e.fetching.update(bringing)
+            if fetch > local:
+                e.fetching[rec.idx] = (keys, fetch)
             try:
                 cached, rec.corrupt = yield Get(keys[:fetch])
             finally:
-                e.fetching.subtract(bringing)
-                for k in bringing:
-                    if e.fetching[k] <= 0:
-                        e.fetching.pop(k, None)
+                e.fetching.pop(rec.idx, None)
             rec.get_s = now() - t_get
             rec.get_real_s = rec.get_s / S
     except StoreError as exc:  # the node is gone (--kill): the engine recomputes
