@@ -158,8 +158,8 @@ class Season:
         self.period_s = math.nan
         if hi < lo:
             return self.period_s
-        idx = np.arange(self.first, self.last) % len(self.counts)
-        x = self.counts[idx] - self.counts[idx].mean()
+        y = self.counts[np.arange(self.first, self.last) % len(self.counts)]
+        x = y - y.mean()
         lags = np.arange(lo, hi + 1)
         r = np.array([float(np.dot(x[:-k], x[k:])) / (math.sqrt(float(np.dot(x[:-k], x[:-k])) *
                                                                  float(np.dot(x[k:], x[k:]))) or 1.0)
@@ -174,7 +174,6 @@ class Season:
         lag = int(lags[int(peaks[np.flatnonzero(r[peaks] >= 0.9 * best)[0]])])
         # the season's shape: ``HARMONICS`` harmonics of that period fitted to the counts by least squares
         t = (np.arange(self.first, self.last) + 0.5) * self.bin_s
-        y = self.counts[idx]
         self.period_s = float(lag * self.bin_s)
         self.coef = np.linalg.lstsq(self._design(t), y / self.bin_s, rcond=None)[0]
         return self.period_s
@@ -363,9 +362,9 @@ class RateForecaster:
         stream = self.season.expected(now, horizon_s)
         if math.isfinite(stream):  # a seasonal stream: each key's share of the stream's season
             total = self._total * math.exp(-max(0.0, now - self._total_seen) / cfg.tau_share_s)
-            own = self.share[rows] * np.exp(-np.maximum(0.0, now - self.seen[rows]) / cfg.tau_share_s)
+            rate = self.share[rows] * np.exp(-np.maximum(0.0, now - self.seen[rows]) / cfg.tau_share_s)
             whole = known & (rows == self._row.get(CLUSTER, -1))  # the stream itself, where asked for
-            share = np.where(whole, 1.0, own / total if total > 0 else 0.0)
+            share = np.where(whole, 1.0, rate / total if total > 0 else 0.0)
             # a key whose bursts keep a schedule of their own (their onsets' spread within SCHEDULED of their
             # period) keeps the forecast of its bursts; every other key follows the stream's season
             own, jitter = self.period[rows], self.spread[rows]

@@ -547,7 +547,8 @@ class NamespaceTiers:
                 level = self.level_of(key)
                 if level == 0 and not self._cascading:
                     continue  # (while a cascading put runs, the page may be on its way down: _read_any)
-                mine += level == 1 and key not in self.staged
+                if level == 1 and key not in self.staged:
+                    mine += 1
                 job = self._inflight[key] = asyncio.ensure_future(self._promote_one(key, level - 1))
                 job.add_done_callback(lambda _, k=key: self._inflight.pop(k, None))
             waits.append(job)
