@@ -27,8 +27,8 @@ from kvstore_client.claims import (Wait, decide, held, incoming_copy, joined, la
                                    read_after_wait, still_coming, worth_loading, worth_reading)
 
 __all__ = ["POLL_S", "REUSE_HORIZON_S", "TIER_ADMIT", "TIER_POLICIES", "Wait", "choose", "claim_seconds", "held",
-           "incoming", "joined", "landed", "loadable", "look_again", "margin_for", "pooled", "readable", "readable_after",
-           "split_policy", "still_coming", "tier_policy", "wait_end", "wait_for"]
+           "incoming", "joined", "landed", "loadable", "look_again", "margin_for", "pooled", "readable",
+           "readable_after", "split_policy", "still_coming", "tier_policy", "wait_end", "wait_for"]
 
 POLL_S = 0.010  # real seconds between the re-lookups of a waiting follower, at least (look_again)
 # --claim-margin auto: wait only where waiting is expected to be faster, under every policy. A margin of 2
