@@ -251,13 +251,22 @@ def look_again_s(nodes: Sequence[Any], me: str, local: int, wait: Wait, *, page_
     asks about eight times over whatever is left, so a landing is seen within an eighth of the wait --
     and at least every eighth of this engine's own prefill of those blocks: the prefix can come sooner
     than the awaited entry says (another request on this node computed it), and a wait should not cost
-    much more than an eighth of what computing would have."""
+    much more than an eighth of what computing would have.
+
+    A copy on its way to this node that is due sooner than that (a copy tree's copy on a fast link) is
+    looked for when it is due, under the floor: a follower that pulled the prefix itself would hold it
+    one pull after the claimant's landing, and one that waits a whole floor for a copy landing in a
+    few milliseconds loses the difference. That is one look per copy: a copy past due shows a
+    ``ready_in`` of 0, and the floor holds again."""
     ready = max([0.0, *(float(e.ready_in_seconds) * time_scale for e in nodes if e.pending
                         and (e.node_id == wait.node or (e.node_id == me and not e.computing)))])
     copy = 0.0
     if wait.computing and wait.node != me and link_bytes_per_s > 0:
         copy = max(0, wait.length - local) * page_bytes / link_bytes_per_s
-    return max(floor_s, min(ready + copy, wait.prefill_s) / 8)
+    look = max(floor_s, min(ready + copy, wait.prefill_s) / 8)
+    due = [float(e.ready_in_seconds) * time_scale for e in nodes
+           if e.node_id == me and e.pending and not e.computing and int(e.prefix_length) > local]
+    return due[0] if due and 0 < due[0] < look else look
 
 
 def landed(nodes: Sequence[Any], me: str, local: int, length: int, claimant: str = "") -> bool:

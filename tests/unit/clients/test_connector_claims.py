@@ -192,6 +192,11 @@ def test_look_again_is_an_eighth_of_what_is_left() -> None:
     # prefix may come sooner: another request here computed it)
     slow = claims.Wait(node="b", length=8, ready_in_s=6.0, budget_s=9.0, computing=False, prefill_s=0.8)
     assert again([entry("b", 8, pending=True, ready=6.0)], slow) == pytest.approx(0.1)
+    # a tree's copy due sooner than the floor is looked for when it is due (a pull would land that
+    # soon); past due (ready 0), or not coming here, the floor holds
+    assert again([entry("a", 8), entry("b", 8, pending=True, ready=0.004)], incoming, floor=0.01) == 0.004
+    assert again([entry("a", 8), entry("b", 8, pending=True, ready=0.0)], incoming, floor=0.01) == 0.01
+    assert again([entry("a", 8), entry("b", 8, pending=True, ready=0.004)], incoming, local=8, floor=0.01) == 0.01
 
 
 def test_read_after_a_spent_wait_pulls_what_landed_when_that_beats_computing_it() -> None:
