@@ -151,6 +151,18 @@ class Level:
     lock: threading.Lock = field(default_factory=threading.Lock)  # counters written from worker threads
     read_pace: Pace = field(default_factory=Pace)
     write_pace: Pace = field(default_factory=Pace)
+    reading: int = 0  # reads given to this tier (queued for a worker or under way) and not finished
+
+    def page_seconds(self, nbytes: int, threads: int) -> float:
+        """Seconds one more page of ``nbytes`` adds to a read-up from this tier: the measured read time per page,
+        ``threads`` reading at once, and no less than its disk's pace gives a page (a paced disk reads one
+        page at a time at its rate, however many threads wait on it)."""
+        measured = self.counters.read_seconds_per_page / max(1, threads)
+        return max(measured, nbytes / self.read_pace.rate) if self.read_pace.rate > 0 else measured
+
+    def backlog_seconds(self, nbytes: int, threads: int) -> float:
+        """Seconds of reads this tier was given before a new one: a read-up waits its turn behind them."""
+        return self.reading * self.page_seconds(nbytes, threads)
 
     def observe_read(self, seconds: float) -> None:
         with self.lock:
@@ -158,12 +170,13 @@ class Level:
             avg = self.counters.read_seconds_per_page
             self.counters.read_seconds_per_page = seconds if avg == 0 else 0.8 * avg + 0.2 * seconds
 
-    def observe_readup(self, seconds: float, pages: int, threads: int) -> None:
-        """A read-up of ``pages`` pages from this tier into the pool took ``seconds``: its time beyond the pages'
-        reads (at the measured rate per page, ``threads`` at once) is the fixed cost of one."""
+    def observe_readup(self, seconds: float, pages: int, nbytes: int, threads: int, behind: float = 0.0) -> None:
+        """A read-up of ``pages`` pages of ``nbytes`` from this tier into the pool took ``seconds``, ``behind`` of
+        them waiting for the reads given to the tier before it: its time beyond that wait and the pages' reads
+        (:meth:`page_seconds`) is the fixed cost of one."""
         with self.lock:
             c = self.counters
-            fixed = max(0.0, seconds - pages * c.read_seconds_per_page / max(1, threads))
+            fixed = max(0.0, seconds - behind - pages * self.page_seconds(nbytes, threads))
             c.readup_seconds = fixed if c.readup_seconds == 0 else 0.8 * c.readup_seconds + 0.2 * fixed
 
     def observe_write(self, seconds: float) -> None:
@@ -403,6 +416,8 @@ class NamespaceTiers:
             self.admission.seen(keys, time.monotonic())
         out: list[tuple[str, int, float]] = []
         fixed = True  # one read-up brings every run below the pool: its fixed cost counts once, on the first
+        waited: set[int] = set()  # a tier's backlog (the reads it was given already) is waited for once
+        threads = self.stack.config.tier_threads
         for key in keys:
             if key in self.ns.pool:
                 name, cost = "pool", 0.0
@@ -414,9 +429,12 @@ class NamespaceTiers:
                     break
                 lv = self.levels[level - 1]
                 name = lv.name
-                cost = lv.counters.read_seconds_per_page / max(1, self.stack.config.tier_threads)
+                cost = lv.page_seconds(self.page_bytes, threads)
                 if fixed:
                     cost, fixed = cost + lv.counters.readup_seconds, False
+                if level not in waited:
+                    cost += lv.backlog_seconds(self.page_bytes, threads)
+                    waited.add(level)
             if out and out[-1][0] == name:
                 out[-1] = (name, out[-1][1] + 1, out[-1][2] + cost)
             else:
@@ -538,6 +556,8 @@ class NamespaceTiers:
         pool = self.ns.pool
         waits = []
         started = time.monotonic()
+        first = self.levels[0] if self.tiers else None
+        behind = first.backlog_seconds(self.page_bytes, self.stack.config.tier_threads) if first else 0.0
         mine = 0  # reads this call started on the first tier: only a read-up of those alone is timed
         for key in dict.fromkeys(keys):
             if key in pool:
@@ -555,7 +575,8 @@ class NamespaceTiers:
         if waits and (timeout is None or timeout > 0):
             done, _ = await asyncio.wait(waits, timeout=timeout)
             if mine and mine == len(waits) == len(done) and self.tiers:
-                self.levels[0].observe_readup(time.monotonic() - started, mine, self.stack.config.tier_threads)
+                self.levels[0].observe_readup(time.monotonic() - started, mine, self.page_bytes,
+                                              self.stack.config.tier_threads, behind)
         return sum(1 for k in keys if k in pool)
 
     async def _promote_one(self, key: bytes, i: int) -> bool:
@@ -607,7 +628,12 @@ class NamespaceTiers:
         for it (at most :data:`MOVE_WAIT_S`) and looks again."""
         end = time.monotonic() + MOVE_WAIT_S
         while time.monotonic() < end:
-            stored = await self._run(self.levels[i].readers, self._read, i, key, out)
+            level = self.levels[i]
+            level.reading += 1  # (the loop thread's count: a Lookup prices the queue by it)
+            try:
+                stored = await self._run(level.readers, self._read, i, key, out)
+            finally:
+                level.reading -= 1
             if stored is not None or self._closed or key in self.staged:
                 return stored
             await asyncio.sleep(0.001)
@@ -623,9 +649,10 @@ class NamespaceTiers:
         return self.level_of(key)
 
     def _read(self, i: int, key: bytes, out: memoryview) -> Stored | None:
-        """(worker) One page from tier ``i``, timed."""
-        start = time.perf_counter()
+        """(worker) One page from tier ``i``, its read timed (the wait for its disk's pace is
+        :meth:`Level.page_seconds`'s floor, not the read's time)."""
         self.levels[i].read_pace.take(out.nbytes)
+        start = time.perf_counter()
         stored = self.tiers[i].get_into(self.name, key, out)
         if stored is not None:
             self.levels[i].observe_read(time.perf_counter() - start)

@@ -318,6 +318,35 @@ def test_a_paced_disk_tier_reads_no_faster_than_its_rate(tmp_path: Path) -> None
         node.close()
 
 
+def test_a_paced_disk_run_costs_its_pace_per_page_and_waits_behind_the_reads_given_before(tmp_path: Path) -> None:
+    """A paced disk reads one page at a time at its rate however many threads wait on it: a run of n pages
+    is expected to take at least n pages at that rate (a per-page time divided by the threads would price
+    one page at a quarter of its read), and behind the reads the tier was given already (its queue), as
+    the simulated disk is priced."""
+    node = make_node(STACKS["host-pool+disk"], tier=[f"disk:{tmp_path}/d0:{64 * 8 * 1024 + 4096}"],
+                     tier_read_rate=50.0 * PB)
+
+    async def main() -> None:
+        keys = [key(i) for i in range(8)]
+        for i in range(8):
+            put(node, [keys[i]], [page(i)])
+        assert await below(node).settle()
+        assert await get(node, keys[:2]) == [page(0), page(1)]  # measured: a read, a read-up's fixed cost
+        level, fixed = node.tiers.levels[0], node.tiers.levels[0].counters.readup_seconds
+        (two,) = [r for r in node.tier_runs("ns", keys[2:4]) if r.tier == "disk0"]
+        assert two.pages == 2 and two.load_seconds == pytest.approx(fixed + 2 / 50.0)
+        level.reading = 3  # three reads given to the disk before this Lookup: its run waits for them too
+        try:
+            (queued,) = [r for r in node.tier_runs("ns", keys[2:4]) if r.tier == "disk0"]
+        finally:
+            level.reading = 0
+        assert queued.load_seconds == pytest.approx(fixed + (3 + 2) / 50.0)
+    try:
+        run(main)
+    finally:
+        node.close()
+
+
 def test_tier_admit_reused_writes_down_only_pages_read_since_stored(stack: Any) -> None:
     """--tier-admit reused: an evicted page never read is declined (counted, gone); one read since its store
     goes down and comes back."""
