@@ -87,7 +87,8 @@ class ConnectorConfig:
     claim_poll_ms: float = 20.0
     """Shortest re-lookup interval of a deferred request (a non-recording
     Lookup, one in flight at a time); it looks again about 8 times over what
-    it still expects to wait (``kvstore_client.claims.look_again_s``)."""
+    it still expects to wait, and once when a copy on its way here is due,
+    if that is sooner (``kvstore_client.claims.look_again_s``)."""
     max_claim_seconds: float = 600.0
     """Cap on ``claim_seconds``: at most the daemon's ``--max-claim-seconds``
     (a larger claim is refused, which the connector counts as a failed
