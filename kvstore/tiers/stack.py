@@ -160,9 +160,10 @@ class Level:
         measured = self.counters.read_seconds_per_page / max(1, threads)
         return max(measured, nbytes / self.read_pace.rate) if self.read_pace.rate > 0 else measured
 
-    def backlog_seconds(self, nbytes: int, threads: int) -> float:
-        """Seconds of reads this tier was given before a new one: a read-up waits its turn behind them."""
-        return self.reading * self.page_seconds(nbytes, threads)
+    def backlog_seconds(self, nbytes: int, threads: int, own: int = 0) -> float:
+        """Seconds of reads this tier was given before a new one, ``own`` of them the asker's own pages (read
+        for it already: no queue ahead of it): a read-up waits its turn behind the others."""
+        return max(0, self.reading - own) * self.page_seconds(nbytes, threads)
 
     def observe_read(self, seconds: float) -> None:
         with self.lock:
@@ -418,6 +419,9 @@ class NamespaceTiers:
         fixed = True  # one read-up brings every run below the pool: its fixed cost counts once, on the first
         waited: set[int] = set()  # a tier's backlog (the reads it was given already) is waited for once
         threads = self.stack.config.tier_threads
+        # read-ups of this prefix's own pages under way (a promotion ahead of a forecast burst, another
+        # Get): they are this Lookup's reads, not a queue ahead of them
+        own = Counter(self.level_of(k) for k in keys if k in self._inflight)
         for key in keys:
             if key in self.ns.pool:
                 name, cost = "pool", 0.0
@@ -433,7 +437,7 @@ class NamespaceTiers:
                 if fixed:
                     cost, fixed = cost + lv.counters.readup_seconds, False
                 if level not in waited:
-                    cost += lv.backlog_seconds(self.page_bytes, threads)
+                    cost += lv.backlog_seconds(self.page_bytes, threads, own.get(level, 0))
                     waited.add(level)
             if out and out[-1][0] == name:
                 out[-1] = (name, out[-1][1] + 1, out[-1][2] + cost)

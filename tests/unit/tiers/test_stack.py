@@ -341,6 +341,17 @@ def test_a_paced_disk_run_costs_its_pace_per_page_and_waits_behind_the_reads_giv
         finally:
             level.reading = 0
         assert queued.load_seconds == pytest.approx(fixed + (3 + 2) / 50.0)
+        # its own pages already being read up (a promotion ahead of a forecast burst): no queue ahead
+        promotion = asyncio.ensure_future(node.promote("ns", keys[2:4], 10.0))
+        for _ in range(1000):
+            if level.reading:
+                break
+            await asyncio.sleep(0.001)
+        assert level.reading > 0
+        (joined,) = [r for r in node.tier_runs("ns", keys[2:4]) if r.tier == "disk0"]
+        assert joined.load_seconds == pytest.approx(fixed + 2 / 50.0)
+        await promotion
+        assert await get(node, keys[2:4]) == [page(2), page(3)]
     try:
         run(main)
     finally:
