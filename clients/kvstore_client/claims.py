@@ -264,9 +264,9 @@ def look_again_s(nodes: Sequence[Any], me: str, local: int, wait: Wait, *, page_
     if wait.computing and wait.node != me and link_bytes_per_s > 0:
         copy = max(0, wait.length - local) * page_bytes / link_bytes_per_s
     look = max(floor_s, min(ready + copy, wait.prefill_s) / 8)
-    due = [float(e.ready_in_seconds) * time_scale for e in nodes
-           if e.node_id == me and e.pending and not e.computing and int(e.prefix_length) > local]
-    return due[0] if due and 0 < due[0] < look else look
+    due = next((float(e.ready_in_seconds) * time_scale for e in nodes
+                if e.node_id == me and e.pending and not e.computing and int(e.prefix_length) > local), 0.0)
+    return due if 0 < due < look else look
 
 
 def landed(nodes: Sequence[Any], me: str, local: int, length: int, claimant: str = "") -> bool:

@@ -421,7 +421,7 @@ class NamespaceTiers:
         threads = self.stack.config.tier_threads
         # read-ups of this prefix's own pages under way (a promotion ahead of a forecast burst, another
         # Get): they are this Lookup's reads, not a queue ahead of them
-        own = Counter(self.level_of(k) for k in keys if k in self._inflight)
+        own = Counter(self.level_of(k) for k in keys if k in self._inflight) if self._inflight else Counter()
         for key in keys:
             if key in self.ns.pool:
                 name, cost = "pool", 0.0

@@ -298,17 +298,27 @@ def test_a_pace_gives_out_the_device_in_turn_at_its_rate() -> None:
     assert Pace(0.0).delay(1 << 30, now=0.0) == 0.0            # no rate: unpaced
 
 
+def disk_node(tmp_path: Path, **overrides: Any) -> Node:
+    """A node with a host pool and one disk tier of 8 slots."""
+    return make_node(STACKS["host-pool+disk"], tier=[f"disk:{tmp_path}/d0:{64 * 8 * 1024 + 4096}"], **overrides)
+
+
+async def eight_on_disk(node: Node) -> list[bytes]:
+    """Eight pages put one at a time, the pool's overflow written down; returns their keys."""
+    keys = [key(i) for i in range(8)]
+    for i in range(8):
+        put(node, [keys[i]], [page(i)])
+    assert await below(node).settle()
+    return keys
+
+
 def test_a_paced_disk_tier_reads_no_faster_than_its_rate(tmp_path: Path) -> None:
     """--tier-read-rate: reading 4 pages back from disk at 8 pages/s takes at least half a second (a lower
     bound the pacing sleeps guarantee, however loaded the machine)."""
-    node = make_node(STACKS["host-pool+disk"], tier=[f"disk:{tmp_path}/d0:{64 * 8 * 1024 + 4096}"],
-                     tier_read_rate=8.0 * PB)
+    node = disk_node(tmp_path, tier_read_rate=8.0 * PB)
 
     async def main() -> None:
-        keys = [key(i) for i in range(8)]
-        for i in range(8):
-            put(node, [keys[i]], [page(i)])
-        assert await below(node).settle()
+        keys = await eight_on_disk(node)
         start = asyncio.get_running_loop().time()
         assert await get(node, keys[:POOL_PAGES]) == [page(i) for i in range(POOL_PAGES)]
         assert asyncio.get_running_loop().time() - start >= POOL_PAGES / 8.0 - 0.01
@@ -323,14 +333,10 @@ def test_a_paced_disk_run_costs_its_pace_per_page_and_waits_behind_the_reads_giv
     is expected to take at least n pages at that rate (a per-page time divided by the threads would price
     one page at a quarter of its read), and behind the reads the tier was given already (its queue), as
     the simulated disk is priced."""
-    node = make_node(STACKS["host-pool+disk"], tier=[f"disk:{tmp_path}/d0:{64 * 8 * 1024 + 4096}"],
-                     tier_read_rate=50.0 * PB)
+    node = disk_node(tmp_path, tier_read_rate=50.0 * PB)
 
     async def main() -> None:
-        keys = [key(i) for i in range(8)]
-        for i in range(8):
-            put(node, [keys[i]], [page(i)])
-        assert await below(node).settle()
+        keys = await eight_on_disk(node)
         assert await get(node, keys[:2]) == [page(0), page(1)]  # measured: a read, a read-up's fixed cost
         level, fixed = node.tiers.levels[0], node.tiers.levels[0].counters.readup_seconds
         (two,) = [r for r in node.tier_runs("ns", keys[2:4]) if r.tier == "disk0"]
@@ -408,13 +414,10 @@ def test_a_run_below_the_pool_costs_a_read_up_however_short(tmp_path: Path) -> N
     """The expected load time of a run on disk (what an engine weighs against computing its blocks) is its
     pages' reads at the measured rate plus the measured fixed cost of one read-up (a worker's turn, the
     promotion into the pool), counted once per Lookup: a one-page run costs more than one page's read."""
-    node = make_node(STACKS["host-pool+disk"], tier=[f"disk:{tmp_path}/d0:{64 * 8 * 1024 + 4096}"])
+    node = disk_node(tmp_path)
 
     async def main() -> None:
-        keys = [key(i) for i in range(8)]
-        for i in range(8):
-            put(node, [keys[i]], [page(i)])
-        assert await below(node).settle()
+        keys = await eight_on_disk(node)
         assert await get(node, keys[:2]) == [page(0), page(1)]  # two pages read up from disk
         counters = node.tiers.levels[0].counters
         fixed, per_page = counters.readup_seconds, counters.read_seconds_per_page
