@@ -95,6 +95,13 @@ class RequestRecord:
         return d
 
 
+def floor_s(r: RequestRecord, block_tokens: int) -> float:
+    """The least TTFT any placement gives ``r``: its cold prefill's share for the tokens past its reusable
+    prefix (the last token is always computed)."""
+    left = max(1, r.input_tokens - r.reusable * block_tokens)
+    return r.cold_prefill_s * min(1.0, left / r.input_tokens) if r.input_tokens > 0 else 0.0
+
+
 def pct(values: Sequence[float] | np.ndarray, q: float) -> float:
     """The ``q``-th percentile (linear), 0.0 for no values."""
     a = np.asarray(values, dtype=float)
@@ -138,9 +145,17 @@ def aggregate(records: Iterable[RequestRecord], cluster: dict[str, float] | None
         # computing those blocks would have: a tier that made a request slower than its own prefill
         "disk_slower_than_compute": sum(1 for r in done if r.disk and not r.remote and r.get_s > r.cold_prefill_s
                                         * min(1.0, r.disk * block_tokens / max(1, r.input_tokens))),
+        # the issue a user sees: requests that read from their node's disk (and pulled nothing) whose fetch,
+        # load and prefill took longer than prefilling the whole prompt cold would have
+        "tier_slower_than_cold": sum(1 for r in done if r.disk and not r.remote
+                                     and r.fetch_s + r.local_load_s + r.prefill_s > r.cold_prefill_s),
         "kv_errors": sum(1 for r in recs if r.kv_error),
     }
     out.update(_dist("ttft", [r.ttft_s for r in done]))
+    # what no router, copy, tier or capacity can beat: each request's prefill of the tokens no earlier
+    # request had, with nothing queued and nothing to load (an order statistic of TTFTs that are each at or
+    # above their floor is at or above the floors' same order statistic: a bound on every percentile)
+    out.update(_dist("ttft_floor", [floor_s(r, block_tokens) for r in done]))
     out.update(_dist("ttft_link", [r.ttft_link_s for r in done]))
     out.update(_dist("queue", [r.queue_s for r in done]))
     out.update(_dist("kv_fetch", [r.fetch_s for r in done]))

@@ -115,8 +115,9 @@ def tier_table(w: dict[str, Any]) -> str:
     order = {p: i for i, p in enumerate(POLICIES)}
     rows = ["Blocks by where they were found (% of all blocks) and the disk tiers' traffic (modelled bytes):", "",
             "| policy | router | pool % | disk % | other nodes % | engine cache % | computed % | "
-            "disk written GiB | declined GiB | disk read GiB | disk written / disk hit | repeat bursts in pool |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "disk written GiB | declined GiB | disk read GiB | disk written / disk hit | repeat bursts in pool | "
+            "slower than cold prefill (disk Get slower than its compute) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label in sorted(runs_of, key=lambda k: (order.get(k.split("|")[0], 9), k)):
         runs = runs_of[label]
         policy, router = label.split("|")
@@ -128,8 +129,15 @@ def tier_table(w: dict[str, Any]) -> str:
                     f"{100 * _med(runs, 'engine_cached_ratio'):.1f} | {100 * _med(runs, 'miss_ratio'):.1f} | "
                     f"{written * page / (1 << 30):.0f} | {declined * page / (1 << 30):.0f} | "
                     f"{read * page / (1 << 30):.0f} | "
-                    f"{written / hits if hits else float('inf'):.1f} | {_bursts(runs)} |")
+                    f"{written / hits if hits else float('inf'):.1f} | {_bursts(runs)} | "
+                    f"{_span(runs, 'tier_slower_than_cold')} ({_span(runs, 'disk_slower_than_compute')}) |")
     return "\n".join(rows)
+
+
+def _span(runs: list[dict[str, Any]], k: str) -> str:
+    """A count over the seeds: ``n`` or ``min-max``."""
+    v = [int(r.get(k, 0)) for r in runs]
+    return f"{min(v)}" if min(v) == max(v) else f"{min(v)}-{max(v)}"
 
 
 def _bursts(runs: list[dict[str, Any]]) -> str:
@@ -219,6 +227,12 @@ def vs_best_lines(w: dict[str, Any]) -> str:
         v = r["ttft_p99_s"]
         out.append(f"- `{k}` (same router): TTFT p99 {v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f}, "
                    f"{v['verdict']})")
+    floor = w.get("floor")
+    if floor:
+        f, r = floor["p99"], floor["vs_best"]
+        out.append(f"- floor: no configuration's TTFT p99 goes under {f['median']:.3f} s ({f['min']:.3f}-"
+                   f"{f['max']:.3f}), {r['median']:.2f}x the best baseline ({r['min']:.2f}-{r['max']:.2f}): each "
+                   f"request's prefill of the tokens no earlier request had, nothing queued or loaded")
     bound = w.get("oracle_bound") or {}
     if bound:
         worse = [k for k, v in bound.items() if not v["at_or_below"]]

@@ -100,6 +100,10 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 if key(base, router) in runs:
                     out["per_router"][f"{k} / {base}"] = {m: ratio_spread(v, runs[key(base, router)], m)
                                                           for m in RATIO_KEYS}
+    floors = [s["ttft_floor_p99_s"] for s in b if "ttft_floor_p99_s" in s]
+    if floors:  # the same for every configuration of a seed: what no configuration's p99 can go under
+        out["floor"] = {"p99": spread(floors), "vs_best": spread([f / s["ttft_p99_s"] for f, s in zip(floors, b)
+                                                                  if s["ttft_p99_s"] > 0])}
     oracle = runs.get(key("oracle", "plan"))
     if oracle:
         o = spread([s["ttft_p99_s"] for s in oracle])
