@@ -16,6 +16,7 @@ spent; then it loads what is held as usual.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ class LoadSpec:
     keys: list[bytes]
     block_ids: list[int]
     lease_id: str = ""
+    deadline_s: float = 0.0  # >0: of these pages, those only the node's tiers held are worth no more than
+    # computing them: its Get gives the node this long (what does not land in time, vLLM recomputes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +102,7 @@ class _Request:
     last_reply: pb.LookupResponse | None = None
     held_before: int = 0           # blocks the cluster held when the wait began
     pulls: bool = False            # its hit reads blocks another node holds (its load pulls them here)
+    below_blocks: int = 0          # of its hit, blocks only the node's tiers below the pool held
 
 
 class SchedulerCore:
@@ -200,6 +204,12 @@ class SchedulerCore:
             hit = self._worth_reading(req, reply)
         req.hit_blocks = min(hit, req.max_hit_blocks)
         req.pulls = req.hit_blocks > int(reply.prefix_length)
+        pooled = 0  # the leading blocks its node's pool (or staging) holds: the tiers' runs at no load time
+        for run in reply.tiers:
+            if run.load_seconds > 0:
+                break
+            pooled += int(run.pages)
+        req.below_blocks = 0 if req.pulls or not reply.tiers else max(0, req.hit_blocks - pooled)
         req.hints = [NodeHint(n.node_id, n.address, n.prefix_length, n.pending, n.expires_in_seconds)
                      for n in reply.nodes]
         # blocks the store already holds are not saved again
@@ -393,8 +403,10 @@ class SchedulerCore:
         count = req.load_tokens // self.block_size
         req.load_tokens = 0
         if count and first + count <= len(req.block_ids):
-            plan.loads.append(LoadSpec(req_id, req.keys[first:first + count],
-                                       req.block_ids[first:first + count], req.lease_id))
+            below = min(count, req.below_blocks)
+            deadline = claiming.prefill_s(below * self.block_size, self.config.prefill_tokens_per_s) if below else 0.0
+            plan.loads.append(LoadSpec(req_id, req.keys[first:first + count], req.block_ids[first:first + count],
+                                       req.lease_id, deadline if math.isfinite(deadline) else 0.0))
 
     def _plan_save(self, req_id: str, req: _Request, computed_after: int, plan: StepPlan) -> None:
         if not self.config.save:

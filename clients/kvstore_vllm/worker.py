@@ -122,12 +122,27 @@ class WorkerCore:
         for hook in self.on_load_start:
             hook(specs)
         out = self._staging_rows(len(load.keys))
-        load.future = self._load_pool.submit(self._get, load.keys, out)
+        load.future = self._load_pool.submit(self._get, specs, out)
         self._load = load
 
-    def _get(self, keys: list[bytes], out: np.ndarray) -> np.ndarray:
-        result = self._load_client.get(self.namespace, keys, out=out, timeout=self.config.load_timeout_s)
-        return result.found
+    def _get(self, specs: list[LoadSpec], out: np.ndarray) -> np.ndarray:
+        """The step's loads into ``out``: one Get for each run of loads without a deadline, one of its own
+        for each load with one (pages only the node's tiers held, worth no more than computing them: the
+        node reads what lands in time, vLLM recomputes the rest)."""
+        found = np.zeros(len(out), dtype=bool)
+        groups: list[tuple[list[bytes], float]] = []
+        for spec in specs:
+            if spec.deadline_s > 0 or not groups or groups[-1][1] > 0:
+                groups.append(([], min(spec.deadline_s, self.config.load_timeout_s) if spec.deadline_s > 0
+                               else 0.0))
+            groups[-1][0].extend(spec.keys)
+        at = 0
+        for keys, deadline in groups:
+            rows = slice(at, at + len(keys))
+            at += len(keys)
+            found[rows] = self._load_client.get(self.namespace, keys, out=out[rows],
+                                                timeout=deadline or self.config.load_timeout_s).found
+        return found
 
     def wait_layer(self, layer_name: str = "") -> None:
         """Block until this step's pages are in the engine's KV (all layers

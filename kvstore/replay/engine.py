@@ -243,7 +243,8 @@ class Engine:
             buf = self._buffer(fetch)
             buf[:fetch].fill(0)  # no page of an earlier Get can pass for one this Get did not write
             try:
-                got = await self.kv.get(cfg.namespace, op.keys, timeout=cfg.fetch_timeout_s, out=buf[:fetch])
+                timeout = op.deadline_s / S if op.deadline_s > 0 else cfg.fetch_timeout_s
+                got = await self.kv.get(cfg.namespace, op.keys, timeout=timeout, out=buf[:fetch])
                 found = got.found
                 cached = int(found.argmin()) if not found.all() else len(found)
                 return cached, bad_pages(got.pages[:cached], item.words[:cached]) if cfg.verify else 0

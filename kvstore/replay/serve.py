@@ -65,6 +65,8 @@ class Lookup:
 @dataclass(frozen=True, slots=True)
 class Get:
     keys: list[bytes]
+    deadline_s: float = 0.0  # trace seconds the node has to bring what only its tiers hold into the pool
+    # (0: the run's fetch timeout): the pages below the pool it reads are worth no more than computing them
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +206,11 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
             if fetch > local:
                 e.fetching[rec.idx] = (keys, fetch)
             try:
-                cached, rec.corrupt = yield Get(keys[:fetch])
+                # a Get of its own node's pages only: the node reads from its tiers what lands before
+                # computing it would end (its disk may have been given others' reads since the Lookup)
+                below = max(0, fetch - pool) if fetch <= local else 0
+                deadline = cost.prefill_s(below * cost.block_tokens) if below and step is None else 0.0
+                cached, rec.corrupt = yield Get(keys[:fetch], deadline)
             finally:
                 e.fetching.pop(rec.idx, None)
             rec.get_s = now() - t_get

@@ -129,7 +129,8 @@ class SimDriver:
             # daemons' clock and scaled bytes back to trace seconds and modelled bytes
             disk_pages=sum(t.capacity for t in dcfg.tier if t.kind == "disk") // cfg.cost.scaled_page_bytes,
             disk_read_rate=dcfg.tier_read_rate * cfg.cost.byte_scale / S, disk_admit=dcfg.tier_admit,
-            disk_write_budget=dcfg.tier_write_budget, disk_reuse_horizon=dcfg.tier_reuse_horizon)
+            disk_write_budget=dcfg.tier_write_budget, disk_reuse_horizon=dcfg.tier_reuse_horizon,
+            deadline_share=dcfg.deadline_share)
         self.cluster = SimCluster(self.sim, params)
         self.cluster.rpc_s = cfg.rpc_ms / 1e3
         self.coord: SimCoordinator | None = None
@@ -212,10 +213,12 @@ class SimDriver:
                 raise StoreError(KILLED)
             pool = cl.pools[n]
             cached = pool.prefix(op.keys)
+            if op.deadline_s > 0:  # only what its disk reads within the deadline
+                cached = cl.in_time(n, op.keys[:cached], op.deadline_s)
             yield cl.disk_read(n, pool.below(op.keys[:cached]))  # what only its disk holds comes up first
             if not cl.alive(n):
                 raise StoreError(KILLED)
-            cached = pool.prefix(op.keys)
+            cached = min(cached, pool.prefix(op.keys))
             pool.read(op.keys[:cached])
             pool.hits += cached
             pool.misses += len(op.keys) - cached

@@ -82,6 +82,7 @@ class ClusterParams:
     disk_admit: str = "all"       # kvstored --tier-admit
     disk_write_budget: float = 0.0  # ... predicted: its write budget, scaled bytes per daemon second
     disk_reuse_horizon: float = 600.0  # ... and its horizon, daemon seconds
+    deadline_share: float = 0.8   # kvstored --deadline-share: of a Get's deadline, what the node spends reading
 
 
 class SimPool:
@@ -422,6 +423,23 @@ class SimCluster:
                 outcome=0 if local >= depth else 1 if remote else 2, total_blocks=len(keys), local_blocks=local))
             self._access_t[i].append(self.dnow())
         return local, nodes, self.tier_runs(i, keys[:local]) if self.pools[i].disk_capacity else []
+
+    def in_time(self, i: int, held: Sequence[bytes], deadline_s: float) -> int:
+        """Of node ``i``'s prefix ``held``, how many leading pages a Get with ``deadline_s`` (trace s) brings
+        into its pool: those whose read from the disk, behind the reads it was given before, ends within the
+        deadline's share (the daemon's ``NamespaceTiers._in_time``)."""
+        rate = self.p.disk_read_rate
+        if rate <= 0:
+            return len(held)
+        pool, budget = self.pools[i], deadline_s * self.p.deadline_share
+        spent = max(0.0, self.disk_free_at[i] - self.sim.now)  # (counts only once a page is on disk)
+        for n, k in enumerate(held):
+            if pool.in_pool(k):
+                continue
+            spent += self.p.page_bytes / rate
+            if spent > budget:
+                return n
+        return len(held)
 
     def disk_read(self, i: int, pages: int) -> Event:
         """Node ``i`` reads ``pages`` from its disk tier: after the reads it was given before (fires when

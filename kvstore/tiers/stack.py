@@ -36,7 +36,7 @@ import mmap
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -416,6 +416,18 @@ class NamespaceTiers:
         if self.admission is not None:
             self.admission.seen(keys, time.monotonic())
         out: list[tuple[str, int, float]] = []
+        for _, name, cost in self._priced(keys):
+            if out and out[-1][0] == name:
+                out[-1] = (name, out[-1][1] + 1, out[-1][2] + cost)
+            else:
+                out.append((name, 1, cost))
+        return [TierRun(name, n, seconds) for name, n, seconds in out]
+
+    def _priced(self, keys: Sequence[bytes]) -> Iterator[tuple[bytes, str, float]]:
+        """The leading ``keys`` the node holds, each with where it is and its share of the expected time to
+        bring them into the pool: 0 in the pool or staging; below, its read (measured per page, shared by
+        the I/O threads, no less than a paced disk's pace), plus once the fixed cost of a read-up and once
+        per tier the reads that tier was given already."""
         fixed = True  # one read-up brings every run below the pool: its fixed cost counts once, on the first
         waited: set[int] = set()  # a tier's backlog (the reads it was given already) is waited for once
         threads = self.stack.config.tier_threads
@@ -424,26 +436,22 @@ class NamespaceTiers:
         own = Counter(self.level_of(k) for k in keys if k in self._inflight) if self._inflight else Counter()
         for key in keys:
             if key in self.ns.pool:
-                name, cost = "pool", 0.0
-            elif key in self.staged and key not in self.hidden:
-                name, cost = STAGING, 0.0
-            else:
-                level = self.level_of(key)
-                if level == 0:
-                    break
-                lv = self.levels[level - 1]
-                name = lv.name
-                cost = lv.page_seconds(self.page_bytes, threads)
-                if fixed:
-                    cost, fixed = cost + lv.counters.readup_seconds, False
-                if level not in waited:
-                    cost += lv.backlog_seconds(self.page_bytes, threads, own.get(level, 0))
-                    waited.add(level)
-            if out and out[-1][0] == name:
-                out[-1] = (name, out[-1][1] + 1, out[-1][2] + cost)
-            else:
-                out.append((name, 1, cost))
-        return [TierRun(name, n, seconds) for name, n, seconds in out]
+                yield key, "pool", 0.0
+                continue
+            if key in self.staged and key not in self.hidden:
+                yield key, STAGING, 0.0
+                continue
+            level = self.level_of(key)
+            if level == 0:
+                return
+            lv = self.levels[level - 1]
+            cost = lv.page_seconds(self.page_bytes, threads)
+            if fixed:
+                cost, fixed = cost + lv.counters.readup_seconds, False
+            if level not in waited:
+                cost += lv.backlog_seconds(self.page_bytes, threads, own.get(level, 0))
+                waited.add(level)
+            yield key, lv.name, cost
 
     # ---- down -----------------------------------------------------------------------------
     def demote(self, entries: list[Entry]) -> None:
@@ -558,6 +566,8 @@ class NamespaceTiers:
         """Bring the pages of ``keys`` held below into the pool; wait at most ``timeout`` seconds (None: until
         all landed). Returns how many of ``keys`` are in the pool now."""
         pool = self.ns.pool
+        if timeout is not None:  # read only what is expected to land in time: the rest is the caller's to
+            keys = self._in_time(keys, timeout)  # compute, and its reads would only queue others' behind them
         waits = []
         started = time.monotonic()
         first = self.levels[0] if self.tiers else None
@@ -582,6 +592,18 @@ class NamespaceTiers:
                 self.levels[0].observe_readup(time.monotonic() - started, mine, self.page_bytes,
                                               self.stack.config.tier_threads, behind)
         return sum(1 for k in keys if k in pool)
+
+    def _in_time(self, keys: Sequence[bytes], timeout: float) -> Sequence[bytes]:
+        """The leading ``keys`` whose expected load into the pool (:meth:`_priced`, priced at this moment,
+        with the reads given before) ends within ``timeout`` seconds: a Get's deadline is the time it has
+        before its caller computes the rest instead (the load-or-recompute rule decided at the Lookup; the
+        disk may have been given others' reads since)."""
+        spent = 0.0
+        for n, (_, _, cost) in enumerate(self._priced(keys)):
+            spent += cost
+            if spent > timeout:
+                return keys[:n]
+        return keys
 
     async def _promote_one(self, key: bytes, i: int) -> bool:
         if i < 0 and (i := await self._landed(key, time.monotonic() + MOVE_WAIT_S) - 1) < 0:

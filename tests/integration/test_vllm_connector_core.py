@@ -97,6 +97,31 @@ def test_saved_on_one_node_loaded_from_the_other(cluster) -> None:  # type: igno
             part.close()
 
 
+def test_loads_with_and_without_a_deadline_each_land_in_their_blocks(cluster) -> None:  # type: ignore[no-untyped-def]
+    """A step's loads: those with a deadline (pages from the node's tiers) get a Get of their own, the
+    others share one; every page lands in its own block either way."""
+    prompt = list(range(700, 700 + 4 * BS + 1))
+    kv_a, kv_b = engine(seed=5), engine()
+    sched_a, worker_a = make_pair(cluster["a"].address, kv_a, "dl-a")
+    _, worker_b = make_pair(cluster["a"].address, kv_b, "dl-b")
+    try:
+        run_prefill(sched_a, worker_a, "d", prompt, [1, 2, 3, 4, 5])
+        assert worker_a.flush(10)
+        from kvstore_vllm import LoadSpec
+
+        keys = block_keys(prompt, BS)
+        worker_b.start_load([LoadSpec("x", keys[:1], [20]), LoadSpec("y", keys[1:3], [21, 22], deadline_s=5.0),
+                             LoadSpec("z", keys[3:], [23])])
+        worker_b.wait_layer()
+        assert worker_b.take_load_errors() == set() and worker_b.stats.loaded_tokens == 4 * BS
+        for a, b in zip(kv_a, kv_b):
+            for src, dst in zip([1, 2, 3, 4], [20, 21, 22, 23]):
+                np.testing.assert_array_equal(b[dst], a[src])
+    finally:
+        for part in (worker_a, worker_b, sched_a):
+            part.close()
+
+
 def test_repeat_calls_are_idempotent_and_lookup_is_one_rpc(cluster) -> None:  # type: ignore[no-untyped-def]
     prompt = list(range(100, 100 + 3 * BS + 1))
     kv = engine(seed=2)

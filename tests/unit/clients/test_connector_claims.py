@@ -450,6 +450,14 @@ def test_the_connector_loads_its_own_tier_runs_only_where_loading_beats_computin
             "r", PROMPT, b"", 0) == 3 * BS
     assert core(ScriptedClient(lambda call: answer(1.0)), claims=False, prefill_tokens_per_s=0).matched_tokens(
         "r", PROMPT, b"", 0) == 8 * BS
+    # the load of the 5 from disk gives the node their prefill (160 ms) to bring them up: what its disk was
+    # given since the Lookup cannot keep the engine waiting longer than computing them (the pool's alone: none)
+    for disk_s, deadline in ((0.010, 5 * BS / TPS), (1.0, 0.0)):
+        c = core(ScriptedClient(lambda call: answer(disk_s)), claims=False)
+        ext = c.matched_tokens("r", PROMPT, b"", 0)
+        c.after_alloc("r", ext)
+        (load,) = c.build_plan([("r", list(range(9)), ext)], [], {"r": len(PROMPT) - ext}).loads
+        assert len(load.keys) == ext // BS and load.deadline_s == pytest.approx(deadline)
 
 
 def test_the_connector_joins_a_pull_another_request_of_its_engine_started() -> None:

@@ -153,6 +153,25 @@ def test_a_pool_with_a_disk_below_demotes_once_and_reads_back_up() -> None:
     assert b"b" in freq and freq.disk_writes == 1     # (its copy below stayed: no second write)
 
 
+def test_a_get_with_a_deadline_reads_from_disk_only_what_lands_before_it() -> None:
+    """The simulated node keeps the daemon's rule (kvstore.tiers.stack ``_in_time``): of a Get's pages
+    below the pool, it reads those whose read, behind the reads its disk was given before, ends within
+    the deadline's share; the pool's pages cost nothing."""
+    p = ClusterParams(nodes=1, namespace="m", page_bytes=10**8, scaled_page_bytes=4096, capacity_bytes=4096 * 2,
+                      policy="reactive", speedup=1.0, heartbeat_s=0.1, heartbeat_timeout_s=1.0,
+                      fetch_timeout_s=100.0, link_rate=GB, link_latency=0.0, disk_pages=8,
+                      disk_read_rate=10**9, deadline_share=0.5)  # a page read in 0.1 s
+    c = SimCluster(Sim(), p)
+    pool = c.pools[0]
+    pool.store([b"a", b"b", b"c", b"d"], PRIMARY)     # a and b go down; c and d stay in the pool
+    keys = [b"c", b"a", b"b", b"d"]
+    assert c.in_time(0, keys, 0.5) == 4               # 0.25 s to spend: a and b read in 0.2 s
+    assert c.in_time(0, keys, 0.3) == 2               # 0.15 s: a, not b
+    c.disk_read(0, 3)                                 # others' reads given before: 0.3 s ahead
+    assert c.in_time(0, keys, 0.5) == 1 and c.in_time(0, keys, 0.9) == 2 and c.in_time(0, keys, 1.1) == 4
+    assert c.in_time(0, [b"c", b"d"], 0.0) == 2      # all in the pool: nothing to wait for
+
+
 def test_a_copy_tree_finishes_in_log_waves() -> None:
     """The coordinator's copy tree (the planner's copy_tree edges, carried out by the simulated
     coordinator) over 1 + 7 nodes with fanout 1: 3 waves of one copy time, where a star from the

@@ -328,6 +328,37 @@ def test_a_paced_disk_tier_reads_no_faster_than_its_rate(tmp_path: Path) -> None
         node.close()
 
 
+def test_a_get_with_a_deadline_reads_from_disk_only_what_lands_before_it(tmp_path: Path) -> None:
+    """A Get's deadline is the time its caller gives the node before computing the rest: the node starts
+    no read expected to end after it (priced at the Get, behind the reads its disk was given since the
+    caller's Lookup), so such a read neither keeps the caller waiting nor queues others' reads behind it."""
+    node = disk_node(tmp_path, tier_read_rate=50.0 * PB)
+    pool = node.namespace("ns").pool
+
+    async def main() -> None:
+        keys = await eight_on_disk(node)
+        assert await get(node, keys[:2]) == [page(0), page(1)]  # measured: a read, a read-up's fixed cost
+        level = node.tiers.levels[0]
+        fixed = level.counters.readup_seconds
+        level.reading = 10  # others' reads given to the disk since: 10 pages at 50 a second are ahead
+        try:
+            # (each check after every read started has ended: what was not read was never started)
+            await node.promote("ns", keys[2:4], fixed + 0.15)  # its two pages would end at fixed + 0.24 s
+            assert await below(node).settle() and not any(k in pool for k in keys[2:4])
+            await node.promote("ns", keys[2:4], fixed + 0.23)  # the first would land in time, not the second
+            assert await below(node).settle() and keys[2] in pool and keys[3] not in pool
+        finally:
+            level.reading = 0
+        await node.promote("ns", keys[3:6], fixed + 3 / 50.0 + 0.01)  # nothing ahead: all three in time
+        assert await below(node).settle() and all(k in pool for k in keys[3:6])
+        await node.promote("ns", keys[6:8], None)  # no deadline (the coordinator's promotions): all of it
+        assert all(k in pool for k in keys[6:8])
+    try:
+        run(main)
+    finally:
+        node.close()
+
+
 def test_a_paced_disk_run_costs_its_pace_per_page_and_waits_behind_the_reads_given_before(tmp_path: Path) -> None:
     """A paced disk reads one page at a time at its rate however many threads wait on it: a run of n pages
     is expected to take at least n pages at that rate (a per-page time divided by the threads would price
