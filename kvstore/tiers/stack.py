@@ -36,11 +36,11 @@ import mmap
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import xxhash
@@ -65,6 +65,7 @@ class Node(Protocol):
 Namespace = Any  # kvstore.node.Namespace: name, layout, capacity, pool
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 IO_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 """Upper bounds (seconds) of the tier I/O latency histograms."""
@@ -583,7 +584,9 @@ class NamespaceTiers:
                     continue  # (while a cascading put runs, the page may be on its way down: _read_any)
                 if level == 1 and key not in self.staged:
                     mine += 1
-                job = self._inflight[key] = asyncio.ensure_future(self._promote_one(key, level - 1))
+                promotion = self._promote_one(key, level - 1)
+                job = self._inflight[key] = (self._given(level - 1, promotion) if level and key not in self.staged
+                                             else asyncio.ensure_future(promotion))
                 job.add_done_callback(lambda _, k=key: self._inflight.pop(k, None))
             waits.append(job)
         if waits and (timeout is None or timeout > 0):
@@ -654,12 +657,7 @@ class NamespaceTiers:
         for it (at most :data:`MOVE_WAIT_S`) and looks again."""
         end = time.monotonic() + MOVE_WAIT_S
         while time.monotonic() < end:
-            level = self.levels[i]
-            level.reading += 1  # (the loop thread's count: a Lookup prices the queue by it)
-            try:
-                stored = await self._run(level.readers, self._read, i, key, out)
-            finally:
-                level.reading -= 1
+            stored = await self._run(self.levels[i].readers, self._read, i, key, out)
             if stored is not None or self._closed or key in self.staged:
                 return stored
             await asyncio.sleep(0.001)
@@ -667,6 +665,19 @@ class NamespaceTiers:
             if i < 0:
                 return None
         return None
+
+    def _given(self, i: int, read: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+        """``read`` (of a page on tier ``i``) under way, counted as given to that tier from now until it ends:
+        a Lookup's price and a Get's deadline wait behind it from the moment it is given, not from when
+        its task first runs (a Get that comes in before then would see the tier idle)."""
+        level = self.levels[i]
+        level.reading += 1  # (the loop thread's count)
+        task = asyncio.ensure_future(read)
+
+        def ended(_: Any) -> None:
+            level.reading -= 1
+        task.add_done_callback(ended)
+        return task
 
     async def _landed(self, key: bytes, end: float) -> int:
         """:meth:`level_of` ``key``, once no cascading put may be moving it down (waiting until ``end``)."""
@@ -697,7 +708,7 @@ class NamespaceTiers:
                 continue
             level = self.level_of(key)
             if level:
-                jobs.append((i, key, self._read_any(level - 1, key, memoryview(out[i]))))
+                jobs.append((i, key, self._given(level - 1, self._read_any(level - 1, key, memoryview(out[i])))))
         results = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
         for (i, key, _), stored in zip(jobs, results):
             if isinstance(stored, Stored):

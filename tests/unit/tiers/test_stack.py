@@ -359,6 +359,32 @@ def test_a_get_with_a_deadline_reads_from_disk_only_what_lands_before_it(tmp_pat
         node.close()
 
 
+def test_reads_count_as_given_to_the_disk_the_moment_a_get_gives_them(tmp_path: Path) -> None:
+    """Two Gets arriving together: the first gives the disk three reads and waits; the second, handled
+    before those reads' tasks first run, prices its page behind them (0.06 s at 50 pages a second), so
+    with a deadline shorter than that it reads nothing (counted from the tasks' first step, the disk looked
+    idle and its page was read behind the others, past its deadline)."""
+    node = disk_node(tmp_path, tier_read_rate=50.0 * PB)
+    pool = node.namespace("ns").pool
+
+    async def main() -> None:
+        keys = await eight_on_disk(node)
+        assert await get(node, keys[:2]) == [page(0), page(1)]  # measured: a read, a read-up's fixed cost
+        fixed = node.tiers.levels[0].counters.readup_seconds
+        down = [k for k in keys if k not in pool]
+        first = asyncio.ensure_future(node.promote("ns", down[:3], None))
+        await asyncio.sleep(0)  # the first Get has given its reads; their tasks have not run yet
+        assert node.tiers.levels[0].reading == 3
+        await node.promote("ns", down[3:4], fixed + 0.05)  # alone it would land at fixed + 0.02 s
+        await first
+        assert await below(node).settle() and all(k in pool for k in down[:3]) and down[3] not in pool
+        assert node.tiers.levels[0].reading == 0
+    try:
+        run(main)
+    finally:
+        node.close()
+
+
 def test_a_paced_disk_run_costs_its_pace_per_page_and_waits_behind_the_reads_given_before(tmp_path: Path) -> None:
     """A paced disk reads one page at a time at its rate however many threads wait on it: a run of n pages
     is expected to take at least n pages at that rate (a per-page time divided by the threads would price
