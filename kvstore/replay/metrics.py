@@ -145,10 +145,6 @@ def aggregate(records: Iterable[RequestRecord], cluster: dict[str, float] | None
         # computing those blocks would have: a tier that made a request slower than its own prefill
         "disk_slower_than_compute": sum(1 for r in done if r.disk and not r.remote and r.get_s > r.cold_prefill_s
                                         * min(1.0, r.disk * block_tokens / max(1, r.input_tokens))),
-        # the issue a user sees: requests that read from their node's disk (and pulled nothing) whose fetch,
-        # load and prefill took longer than prefilling the whole prompt cold would have
-        "tier_slower_than_cold": sum(1 for r in done if r.disk and not r.remote
-                                     and r.fetch_s + r.local_load_s + r.prefill_s > r.cold_prefill_s),
         "kv_errors": sum(1 for r in recs if r.kv_error),
     }
     out.update(_dist("ttft", [r.ttft_s for r in done]))

@@ -116,7 +116,7 @@ def tier_table(w: dict[str, Any]) -> str:
     rows = ["Blocks by where they were found (% of all blocks) and the disk tiers' traffic (modelled bytes):", "",
             "| policy | router | pool % | disk % | other nodes % | engine cache % | computed % | "
             "disk written GiB | declined GiB | disk read GiB | disk written / disk hit | repeat bursts in pool | "
-            "slower than cold prefill (disk Get slower than its compute) |",
+            "disk Gets slower than computing |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label in sorted(runs_of, key=lambda k: (order.get(k.split("|")[0], 9), k)):
         runs = runs_of[label]
@@ -130,7 +130,7 @@ def tier_table(w: dict[str, Any]) -> str:
                     f"{written * page / (1 << 30):.0f} | {declined * page / (1 << 30):.0f} | "
                     f"{read * page / (1 << 30):.0f} | "
                     f"{written / hits if hits else float('inf'):.1f} | {_bursts(runs)} | "
-                    f"{_span(runs, 'tier_slower_than_cold')} ({_span(runs, 'disk_slower_than_compute')}) |")
+                    f"{_span(runs, 'disk_slower_than_compute')} |")
     return "\n".join(rows)
 
 
