@@ -11,7 +11,7 @@ VVENV   ?= .venv-vllm
 VBIN    := $(VVENV)/bin
 VSTAMP  := $(VVENV)/.installed
 
-.PHONY: install proto test test-gpu test-vllm bench run run-full run-sweep regimes demo kernels clean
+.PHONY: install proto test test-gpu test-vllm bench run run-full run-sweep regimes folds demo kernels clean
 
 install: $(STAMP)
 
@@ -113,6 +113,25 @@ REGIMES_ARGS ?= --sim --regimes --preset llama3-70b-tp8 \
   --routers round-robin,least-load,cache-aware --out kvstore-out/regimes
 regimes: $(STAMP)
 	$(BIN)/kvctl replay $(REGIMES_ARGS) $(ARGS)
+
+# The whole conversation trace in two folds (docs/benchmarks.md, "tiers at a node's real capacities"): a
+# burst model trained on each half of the trace (with every suite source not built from that trace), each
+# half replayed, simulated, at a node's real capacities with the model of the other half, so no replay
+# runs a model that saw what it replays (about 15 minutes on 2 cores).
+FOLD_OUT ?= kvstore-out/folds
+FOLD_HALF ?= 1768
+FOLD_SOURCES ?= --source azure_code --source synth --source agent-fanout --source recurring --source ramp \
+  --source tenants
+FOLD_ARGS ?= --sim --trace conversation --nodes 8 --preset llama3-70b-tp8 --capacity preset \
+  --policies none,reactive,predictive,predictive+claims --routers cache-aware,least-load \
+  --tier-policies single-tier,tiers-lru,tiers-freq,tiers-predictive --no-plots
+folds: $(STAMP)
+	$(BIN)/kvctl train $(FOLD_SOURCES) --trace conversation --window $(FOLD_HALF) --out $(FOLD_OUT)/model-first.json
+	$(BIN)/kvctl train $(FOLD_SOURCES) --trace conversation --start $(FOLD_HALF) --out $(FOLD_OUT)/model-second.json
+	$(BIN)/kvctl replay $(FOLD_ARGS) --window $(FOLD_HALF) \
+	  --kvstored-arg=--predictor-model=$(FOLD_OUT)/model-second.json --out $(FOLD_OUT)/first $(ARGS)
+	$(BIN)/kvctl replay $(FOLD_ARGS) --start $(FOLD_HALF) \
+	  --kvstored-arg=--predictor-model=$(FOLD_OUT)/model-first.json --out $(FOLD_OUT)/second $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvstore.workloads import SHIPPED, data_path, shapes
-from kvstore.workloads.traces import BLOCK_TOKENS, Request, load_mooncake, synth_fanout
+from kvstore.workloads.traces import BLOCK_TOKENS, Request, cut_window, load_mooncake, synth_fanout
 
 DEFAULT_TRACE = "conversation"  # the shipped Mooncake conversation trace (kvstore/workloads/data/README.md)
 
@@ -54,19 +54,6 @@ def resolve_path(path: str | Path) -> Path:
     if not p.is_file():
         raise ValueError(f"no trace file {str(path)!r} (shipped traces by name: {', '.join(SHIPPED)})")
     return p
-
-
-def cut_window(requests: Sequence[Request], start_s: float = 0.0, duration_s: float | None = None,
-               max_requests: int | None = None) -> list[Request]:
-    """Requests in ``[start_s, start_s + duration_s)``, at most ``max_requests``, times rebased to 0."""
-    end = math.inf if duration_s is None else start_s + duration_s
-    out = [r for r in requests if start_s <= r.t < end]
-    if max_requests is not None:
-        out = out[:max_requests]
-    if not out:
-        return []
-    t0 = start_s
-    return [replace(r, t=round(r.t - t0, 6)) for r in out]
 
 
 def mooncake_workload(path: str | Path, start_s: float = 0.0, duration_s: float | None = None,

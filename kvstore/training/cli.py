@@ -33,7 +33,8 @@ from kvstore.predict.model import BurstModel
 from kvstore.training.suite import (EVAL_SEEDS, RECENCY_TAU_S, TRAIN_FROM_S, TRAIN_SEEDS, VALID_SEED, Parts, Source,
                                    build_parts, default_sources, evaluate_suite, fit, score_part)
 from kvstore.training.trace import ROUTERS
-from kvstore.workloads.traces import load_trace
+from kvstore.workloads import SHIPPED, data_path
+from kvstore.workloads.traces import cut_window, load_trace
 from kvstore.predict.types import PredictorConfig
 
 
@@ -53,7 +54,13 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", action="append", default=None,
                    help="suite source (repeatable; default all): conversation, azure_code, synth, or a shape")
     p.add_argument("--trace", action="append", default=None,
-                   help="also a trace file as a window source (Mooncake jsonl or Azure csv), repeatable")
+                   help="also a trace as a window source (a Mooncake jsonl or Azure csv file, or a shipped trace by "
+                   "name: conversation), repeatable")
+    p.add_argument("--start", type=float, default=0.0,
+                   help="of each --trace, only requests from this trace second on (times rebased to 0)")
+    p.add_argument("--window", type=float, default=None,
+                   help="of each --trace, only this many trace seconds from --start: train on one half of a trace "
+                   "and replay the other with the model (kvctl replay --start/--window)")
     p.add_argument("--nodes", type=int, default=4, help="simulated nodes (default 4)")
     p.add_argument("--router", choices=ROUTERS, default=None, help="simulated router for every source "
                    "(default: round_robin for traces, cache_aware for shapes)")
@@ -107,7 +114,9 @@ def sources_from_args(args: argparse.Namespace, cfg: PredictorConfig | None = No
         if path.startswith("synth"):
             out += default_sources(["synth"])
             continue
-        reqs = load_trace(path, limit=args.limit, seed=0)
+        reqs = load_trace(data_path(path) if path in SHIPPED else path, limit=args.limit, seed=0)
+        if args.start or args.window is not None:
+            reqs = cut_window(reqs, args.start, args.window)
         out.append(Source(trace_name(path), lambda seed, r=reqs: r, "window", family=trace_name(path),
                           sample_every_s=trace_sampling(path, reqs, horizon), train_from_s=0.0))
     over: dict[str, Any] = {}

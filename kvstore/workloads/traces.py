@@ -17,7 +17,8 @@ import bisect
 import json
 import math
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 BLOCK_TOKENS = 512
@@ -170,6 +171,19 @@ def synth_fanout(bursts: int = 200, reqs_per_burst: int = 16, prefix_blocks: int
     return [Request(round(t, 3), len(ids) * BLOCK_TOKENS, 128, ids) for t, ids in reqs]
 
 
+
+
+def cut_window(requests: Sequence[Request], start_s: float = 0.0, duration_s: float | None = None,
+               max_requests: int | None = None) -> list[Request]:
+    """Requests in ``[start_s, start_s + duration_s)``, at most ``max_requests``, times rebased to 0."""
+    end = math.inf if duration_s is None else start_s + duration_s
+    out = [r for r in requests if start_s <= r.t < end]
+    if max_requests is not None:
+        out = out[:max_requests]
+    if not out:
+        return []
+    t0 = start_s
+    return [replace(r, t=round(r.t - t0, 6)) for r in out]
 
 
 def load_trace(path: str | Path, limit: int | None = None, seed: int = 0) -> list[Request]:

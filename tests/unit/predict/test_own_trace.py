@@ -93,3 +93,23 @@ def test_short_split_keeps_each_share_of_the_usable_time() -> None:
     assert train.max() <= 72 and 372 < valid.min() and valid.max() <= 396 and test.min() > 696
     assert train.size and valid.size and test.size
     assert (train.max() + 300 < valid.min()) and (valid.max() + 300 < test.min())  # no label crosses a boundary
+
+
+def test_train_on_a_window_of_a_trace(trace: Path) -> None:
+    """``--start``/``--window`` cut a --trace as the replay does (times rebased to 0): one half of a trace
+    for the model, the other half replayed with it; a shipped trace is named as the replay names it."""
+    import argparse
+
+    from kvstore.training.cli import add_common_args, config_from_args, sources_from_args
+    from kvstore.workloads.traces import load_mooncake
+
+    parser = argparse.ArgumentParser()
+    add_common_args(parser)
+    args = parser.parse_args(["--trace", str(trace), "--start", "300", "--window", "400", "--horizon", "60"])
+    [src] = sources_from_args(args, config_from_args(args))
+    every = load_mooncake(trace)
+    reqs = src.load(0)
+    assert len(reqs) == sum(1 for r in every if 300 <= r.t < 700) > 0
+    assert 0 <= reqs[0].t and reqs[-1].t < 400 and src.train_from_s == 0.0
+    [shipped] = sources_from_args(parser.parse_args(["--trace", "conversation", "--window", "1200"]))
+    assert shipped.name == "conversation" and 0 < len(shipped.load(0)) and shipped.load(0)[-1].t < 1200
