@@ -117,14 +117,15 @@ regimes: $(STAMP)
 # The whole conversation trace in two folds (docs/benchmarks.md, "tiers at a node's real capacities"): a
 # burst model trained on each half of the trace (with every suite source not built from that trace), each
 # half replayed, simulated, at a node's real capacities with the model of the other half, so no replay
-# runs a model that saw what it replays (about 15 minutes on 2 cores).
+# runs a model that saw what it replays (about 15 minutes on 2 cores: the predictive runs of a half take a
+# minute each).
 FOLD_OUT ?= kvstore-out/folds
 FOLD_HALF ?= 1768
 FOLD_SOURCES ?= --source azure_code --source synth --source agent-fanout --source recurring --source ramp \
   --source tenants
 FOLD_ARGS ?= --sim --trace conversation --nodes 8 --preset llama3-70b-tp8 --capacity preset \
-  --policies none,reactive,predictive,predictive+claims --routers cache-aware,least-load \
-  --tier-policies single-tier,tiers-lru,tiers-freq,tiers-predictive --no-plots
+  --policies none,reactive,predictive,predictive+claims --routers cache-aware \
+  --tier-policies single-tier,tiers-predictive --no-plots
 folds: $(STAMP)
 	$(BIN)/kvctl train $(FOLD_SOURCES) --trace conversation --window $(FOLD_HALF) --out $(FOLD_OUT)/model-first.json
 	$(BIN)/kvctl train $(FOLD_SOURCES) --trace conversation --start $(FOLD_HALF) --out $(FOLD_OUT)/model-second.json
