@@ -424,11 +424,11 @@ class NamespaceTiers:
                 out.append((name, 1, cost))
         return [TierRun(name, n, seconds) for name, n, seconds in out]
 
-    def _priced(self, keys: Sequence[bytes]) -> Iterator[tuple[bytes, str, float]]:
-        """The leading ``keys`` the node holds, each with where it is and its share of the expected time to
-        bring them into the pool: 0 in the pool or staging; below, its read (measured per page, shared by
-        the I/O threads, no less than a paced disk's pace), plus once the fixed cost of a read-up and once
-        per tier the reads that tier was given already."""
+    def _priced(self, keys: Sequence[bytes], prefix: bool = True) -> Iterator[tuple[bytes, str, float]]:
+        """The leading ``keys`` the node holds (``prefix`` False: every one it holds), each with where it is
+        and its share of the expected time to bring them into the pool: 0 in the pool or staging; below, its
+        read (measured per page, shared by the I/O threads, no less than a paced disk's pace), plus once the
+        fixed cost of a read-up and once per tier the reads that tier was given already."""
         fixed = True  # one read-up brings every run below the pool: its fixed cost counts once, on the first
         waited: set[int] = set()  # a tier's backlog (the reads it was given already) is waited for once
         threads = self.stack.config.tier_threads
@@ -444,7 +444,9 @@ class NamespaceTiers:
                 continue
             level = self.level_of(key)
             if level == 0:
-                return
+                if prefix:
+                    return
+                continue
             lv = self.levels[level - 1]
             cost = lv.page_seconds(self.page_bytes, threads)
             if fixed:
@@ -602,10 +604,10 @@ class NamespaceTiers:
         before its caller computes the rest instead (the load-or-recompute rule decided at the Lookup; the
         disk may have been given others' reads since)."""
         spent = 0.0
-        for n, (_, _, cost) in enumerate(self._priced(keys)):
+        for key, _, cost in self._priced(keys, prefix=False):
             spent += cost
             if spent > timeout:
-                return keys[:n]
+                return keys[:keys.index(key)]
         return keys
 
     async def _promote_one(self, key: bytes, i: int) -> bool:
