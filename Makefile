@@ -131,7 +131,7 @@ folds: $(STAMP)
 	$(BIN)/kvctl train $(FOLD_SOURCES) --trace conversation --start $(FOLD_HALF) --out $(FOLD_OUT)/model-second.json
 	$(BIN)/kvctl replay $(FOLD_ARGS) --window $(FOLD_HALF) \
 	  --kvstored-arg=--predictor-model=$(FOLD_OUT)/model-second.json --out $(FOLD_OUT)/first $(ARGS)
-	$(BIN)/kvctl replay $(FOLD_ARGS) --start $(FOLD_HALF) \
+	$(BIN)/kvctl replay $(FOLD_ARGS) --start $(FOLD_HALF) --window 100000 \
 	  --kvstored-arg=--predictor-model=$(FOLD_OUT)/model-first.json --out $(FOLD_OUT)/second $(ARGS)
 
 clean:
