@@ -567,16 +567,18 @@ class NamespaceTiers:
     # ---- up -------------------------------------------------------------------------------
     async def promote(self, keys: Sequence[bytes], timeout: float | None) -> int:
         """Bring the pages of ``keys`` held below into the pool; wait at most ``timeout`` seconds (None: until
-        all landed). Returns how many of ``keys`` are in the pool now."""
+        all landed), starting no read expected to land after it (:meth:`_in_time`). Returns how many of
+        ``keys`` are in the pool now."""
         pool = self.ns.pool
-        if timeout is not None:  # read only what is expected to land in time: the rest is the caller's to
-            keys = self._in_time(keys, timeout)  # compute, and its reads would only queue others' behind them
+        # with a deadline, read only what is expected to land in time: the rest is the caller's to compute,
+        # and its reads would only queue others' behind them
+        wanted = keys if timeout is None else self._in_time(keys, timeout)
         waits = []
         started = time.monotonic()
         first = self.levels[0] if self.tiers else None
         behind = first.backlog_seconds(self.page_bytes, self.stack.config.tier_threads) if first else 0.0
         mine = 0  # reads this call started on the first tier: only a read-up of those alone is timed
-        for key in dict.fromkeys(keys):
+        for key in dict.fromkeys(wanted):
             if key in pool:
                 continue
             job = self._inflight.get(key)
