@@ -117,8 +117,8 @@ regimes: $(STAMP)
 # The whole conversation trace in two folds (docs/benchmarks.md, "tiers at a node's real capacities"): a
 # burst model trained on each half of the trace (with every suite source not built from that trace), each
 # half replayed, simulated, at a node's real capacities with the model of the other half, so no replay
-# runs a model that saw what it replays (about 15 minutes on 2 cores: the predictive runs of a half take a
-# minute each).
+# runs a model that saw what it replays (about 25 minutes on 2 cores: the predictive runs of a half take
+# two to three minutes each).
 FOLD_OUT ?= kvstore-out/folds
 FOLD_HALF ?= 1768
 FOLD_SOURCES ?= --source azure_code --source synth --source agent-fanout --source recurring --source ramp \
