@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvstore.workloads import SHIPPED, data_path, shapes
+from kvstore.workloads import resolve_path, shapes
 from kvstore.workloads.traces import BLOCK_TOKENS, Request, cut_window, load_mooncake, synth_fanout
 
 DEFAULT_TRACE = "conversation"  # the shipped Mooncake conversation trace (kvstore/workloads/data/README.md)
@@ -44,16 +44,6 @@ class Workload:
                 "duration_s": round(self.duration_s, 3), "blocks": blocks,
                 "reusable_blocks": int(sum(reuse)),
                 "reusable_ratio": (sum(reuse) / blocks) if blocks else 0.0}
-
-
-def resolve_path(path: str | Path) -> Path:
-    """A shipped trace by name (``conversation``; :data:`kvstore.workloads.SHIPPED`), else a file path."""
-    if str(path) in SHIPPED:
-        return data_path(str(path))
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"no trace file {str(path)!r} (shipped traces by name: {', '.join(SHIPPED)})")
-    return p
 
 
 def mooncake_workload(path: str | Path, start_s: float = 0.0, duration_s: float | None = None,

@@ -33,7 +33,7 @@ from kvstore.predict.model import BurstModel
 from kvstore.training.suite import (EVAL_SEEDS, RECENCY_TAU_S, TRAIN_FROM_S, TRAIN_SEEDS, VALID_SEED, Parts, Source,
                                    build_parts, default_sources, evaluate_suite, fit, score_part)
 from kvstore.training.trace import ROUTERS
-from kvstore.workloads import SHIPPED, data_path
+from kvstore.workloads import resolve_path
 from kvstore.workloads.traces import cut_window, load_trace
 from kvstore.predict.types import PredictorConfig
 
@@ -114,7 +114,7 @@ def sources_from_args(args: argparse.Namespace, cfg: PredictorConfig | None = No
         if path.startswith("synth"):
             out += default_sources(["synth"])
             continue
-        reqs = load_trace(data_path(path) if path in SHIPPED else path, limit=args.limit, seed=0)
+        reqs = load_trace(resolve_path(path), limit=args.limit, seed=0)
         if args.start or args.window is not None:
             reqs = cut_window(reqs, args.start, args.window)
         out.append(Source(trace_name(path), lambda seed, r=reqs: r, "window", family=trace_name(path),

@@ -28,3 +28,13 @@ def data_path(name: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"no shipped trace {name!r} (shipped: {', '.join(SHIPPED)})")
     return path
+
+
+def resolve_path(path: str | Path) -> Path:
+    """A shipped trace by name (``conversation``; :data:`kvstore.workloads.SHIPPED`), else a file path."""
+    if str(path) in SHIPPED:
+        return data_path(str(path))
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"no trace file {str(path)!r} (shipped traces by name: {', '.join(SHIPPED)})")
+    return p
