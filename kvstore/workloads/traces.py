@@ -47,16 +47,69 @@ def key_hash(key: bytes) -> int:
     return int.from_bytes(key, "little")
 
 
+class TraceError(ValueError):
+    """A trace file that cannot be read: the message names the file, the line and the field."""
+
+
+def _field(path: str | Path, lineno: int, row: dict[str, object], name: str, default: object = None) -> object:
+    if name not in row:
+        if default is not None:
+            return default
+        raise TraceError(f"{path}:{lineno}: field {name!r} is missing")
+    return row[name]
+
+
+def _int(path: str | Path, lineno: int, name: str, value: object) -> int:
+    # bool is an int to Python, and a float would be truncated silently: neither is a count of tokens
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    raise TraceError(f"{path}:{lineno}: field {name!r} must be an integer, got {value!r}")
+
+
+def _number(path: str | Path, lineno: int, name: str, value: object) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise TraceError(f"{path}:{lineno}: field {name!r} must be a finite number, got {value!r}")
+
+
+def parse_mooncake_line(path: str | Path, lineno: int, line: str) -> Request:
+    """One Mooncake jsonl line as a :class:`Request`; :class:`TraceError` names the file, line and field."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{path}:{lineno}: not a JSON object ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise TraceError(f"{path}:{lineno}: not a JSON object (a {type(row).__name__})")
+    t = _number(path, lineno, "timestamp", _field(path, lineno, row, "timestamp"))
+    if t < 0:
+        raise TraceError(f"{path}:{lineno}: field 'timestamp' must not be negative, got {t:g}")
+    lengths = [_int(path, lineno, name, _field(path, lineno, row, name, 0))
+               for name in ("input_length", "output_length")]
+    if min(lengths) < 0:
+        raise TraceError(f"{path}:{lineno}: token lengths must not be negative, got {lengths}")
+    ids = _field(path, lineno, row, "hash_ids")
+    if not isinstance(ids, list):
+        raise TraceError(f"{path}:{lineno}: field 'hash_ids' must be a list of integers, got {ids!r}")
+    hash_ids = tuple(_int(path, lineno, f"hash_ids[{i}]", h) for i, h in enumerate(ids))
+    if any(h < 0 for h in hash_ids):
+        raise TraceError(f"{path}:{lineno}: field 'hash_ids' must hold non-negative integers")
+    return Request(t / 1000.0, lengths[0], lengths[1], hash_ids)
+
+
 def load_mooncake(path: str | Path, limit: int | None = None) -> list[Request]:
-    """Load a Mooncake-format jsonl trace (``timestamp`` in ms, ``hash_ids``)."""
+    """Load a Mooncake-format jsonl trace (``timestamp`` in ms, ``hash_ids``).
+
+    A line that is not a JSON object, or a field of the wrong type, raises :class:`TraceError` naming the
+    file, the line number and the field; nothing of a bad file is returned.
+    """
     out: list[Request] = []
     with open(path) as f:
-        for line in f:
+        for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            r = json.loads(line)
-            out.append(Request(r["timestamp"] / 1000.0, int(r.get("input_length", 0)),
-                               int(r.get("output_length", 0)), tuple(int(h) for h in r["hash_ids"])))
+            out.append(parse_mooncake_line(path, lineno, line))
             if limit is not None and len(out) >= limit:
                 break
     out.sort(key=lambda r: r.t)
@@ -96,11 +149,17 @@ def load_azure(path: str | Path, pool: int = 2000, zipf_s: float = 1.1, max_shar
         header = f.readline()
         if "TIMESTAMP" not in header.upper():
             raise ValueError(f"{path}: not an Azure LLM trace (header {header.strip()!r})")
-        for line in f:
+        for lineno, line in enumerate(f, 2):
             parts = line.strip().split(",")
             if len(parts) < 3:
                 continue
-            rows.append((_parse_azure_time(parts[0]), int(parts[1]), int(parts[2])))
+            try:
+                ts = _parse_azure_time(parts[0])
+            except ValueError:
+                raise TraceError(f"{path}:{lineno}: field 'TIMESTAMP' must be 'YYYY-MM-DD HH:MM:SS.f', "
+                                 f"got {parts[0]!r}") from None
+            rows.append((ts, _int(path, lineno, "ContextTokens", parts[1].strip()),
+                         _int(path, lineno, "GeneratedTokens", parts[2].strip())))
             if limit is not None and len(rows) >= limit:
                 break
     rows.sort()
