@@ -51,8 +51,9 @@ from kvstore.framing import (
     ChannelClosed, Conn, Stalled, WireError, accept_loop, drain, encode_header, expect_hello, listen, open_served,
     read_frame, recv_exact, refuse, reply_error, send_views, sendall, server_limits, skip_hello,
 )
+from kvstore.hostmem import populated_empty
 from kvstore.metrics import NodeMetrics
-from kvstore.node import Node, PutBatch, page_kind
+from kvstore.node import Namespace, Node, PutBatch, page_kind
 from kvstore.pool.movement import SOCKET
 from kvstore.pool.pool import PageKind
 from kvstore.security.tokens import Principal, namespace_for
@@ -282,17 +283,41 @@ class DataServer:
             await self._refuse(loop, conn, exc, op="get")
             return
         page_bytes = ns.layout.page_bytes
+        keys = list(header.keys)
         try:
+            left = None if timeout is None else max(0.0, timeout - (time.perf_counter() - start))
+            tiered = await self._from_tiers(ns, [k for k, hit in zip(keys, handle.found) if not hit], left)
+            found = [hit or k in tiered for k, hit in zip(keys, handle.found)]
             out = ns.pool.read_out(handle, SOCKET)
             try:
-                reply = pb.DataHeader(op=pb.DataHeader.RESULT, found=handle.found, page_bytes=page_bytes)
-                await send_views(loop, conn, reply, out.payload or [])
+                pooled = iter(out.payload or [])
+                views = [next(pooled) if hit else tiered[k] for k, hit in zip(keys, handle.found) if hit or k in tiered]
+                reply = pb.DataHeader(op=pb.DataHeader.RESULT, found=found, page_bytes=page_bytes)
+                await send_views(loop, conn, reply, views)
             finally:
                 out.release()
         finally:
             self._reader.end_read(ns, handle, fetched)
-        hits = len(handle.entries)
-        self._metrics.count_get("data", hits, len(handle.found) - hits, page_bytes, time.perf_counter() - start)
+        hits = sum(found)
+        self._metrics.count_get("data", hits, len(found) - hits, page_bytes, time.perf_counter() - start)
+
+    async def _from_tiers(self, ns: Namespace, missing: list[bytes], timeout: float | None) -> dict[bytes, memoryview]:
+        """The pages of ``missing`` (a Get's keys, repeats included, that its pool did not have) its tiers hold,
+        read straight from there (``NamespaceTiers.serve_into``) into one buffer of those pages: the reply's
+        header says which keys it answers before the first page is sent, so they are all read first."""
+        below = ns.below
+        if below is None or not missing:
+            return {}
+        wanted = below.unpromoted(missing, timeout)
+        if not wanted:
+            return {}
+        rows = populated_empty(len(wanted), ns.layout.page_bytes)
+        ok = await below.serve_into(wanted, rows, timeout)
+        got = {key: memoryview(rows[i]) for i, key in enumerate(wanted) if ok[i]}
+        n = sum(1 for k in missing if k in got)
+        ns.counters.hits += n
+        ns.counters.misses -= n
+        return got
 
     async def _drain(self, loop: asyncio.AbstractEventLoop, conn: Conn, nbytes: int) -> None:
         """Read and drop ``nbytes`` so the connection stays in step."""

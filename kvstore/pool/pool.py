@@ -135,6 +135,16 @@ class PagePool:
         return self.num_slots - len(self._free) - self._lent
 
     @property
+    def free_slots(self) -> int:
+        """Slots holding nothing and reserved by no one."""
+        return len(self._free)
+
+    def held(self, key: bytes) -> bool:
+        """Whether ``key``'s page is pinned or being read (never evicted then)."""
+        entry = self._table.get(key)
+        return entry is not None and bool(entry.pins or entry.readers)
+
+    @property
     def speculative_slots(self) -> int:
         return self._kinds[PageKind.SPECULATIVE]
 

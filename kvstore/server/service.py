@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -34,6 +34,7 @@ from kvstore.cluster.checks import check_claim_seconds
 from kvstore.framing import WIRE_VERSION
 from kvstore.errors import (DeadlineExceeded, InvalidArgument, KvError, ResourceExhausted, Unauthenticated, bounded,
                             shown)
+from kvstore.hostmem import populated_empty
 from kvstore.metrics import NodeMetrics
 from kvstore.node import MESSAGE_OVERHEAD, Namespace, Node, PutBatch, page_kind
 from kvstore.pool.layout import PageLayout
@@ -268,6 +269,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         if missing:
             remaining = context.time_remaining()
             budget = None
+            asked = time.monotonic()
             if remaining is not None:
                 budget = max(0.0, min(self.node.config.deadline_share * remaining, remaining - _SEND_MARGIN_S))
             try:
@@ -286,6 +288,17 @@ class KvStoreService(pb_grpc.KvStoreServicer):
                 self.agent.replicator.end_read(ns, handle, fetched)
             hits += len(handle.entries)
             missing = [k for k, hit in zip(missing, handle.found) if not hit]
+            if missing and ns.below is not None:  # held below, more than the pool took in: from their tiers
+                left = None if budget is None else max(0.0, budget - (time.monotonic() - asked))
+                served: Counter[bytes] = Counter()
+                async for msg in _from_tiers(ns, missing, left, per_msg, served):
+                    yield msg
+                if served:
+                    n = sum(served.values())
+                    hits += n
+                    ns.counters.hits += n
+                    ns.counters.misses -= n
+                    missing = [k for k in missing if k not in served]
         yield pb.GetResponse(missing_keys=missing)
         self.metrics.count_get("grpc", hits, len(keys) - hits, ns.layout.page_bytes, time.perf_counter() - start)
 
@@ -400,6 +413,30 @@ class KvStoreService(pb_grpc.KvStoreServicer):
             node_id=self.node.node_id, version=kvstore.__version__, device=self.node.ops.device,
             max_message_bytes=cfg.max_message_bytes, max_batch_pages=cfg.max_batch_pages,
             max_batch_bytes=cfg.max_batch_bytes, max_pin_ttl_seconds=cfg.max_pin_ttl, data_endpoints=endpoints)
+
+
+async def _from_tiers(ns: Namespace, missing: list[bytes], timeout: float | None, per_msg: int,
+                      served: Counter[bytes]) -> AsyncIterator[pb.GetResponse]:
+    """The pages of ``missing`` (a Get's keys, repeats included, that its pool did not have) its tiers hold,
+    read straight from there (``NamespaceTiers.serve_into``) as Get messages of at most ``per_msg`` pages, a
+    message's worth at a time through one buffer of that many pages; ``served`` counts the keys answered."""
+    below = ns.below
+    assert below is not None
+    wanted = below.unpromoted(missing, timeout)
+    if not wanted:
+        return
+    end = None if timeout is None else time.monotonic() + timeout
+    repeats = Counter(missing)
+    rows = populated_empty(min(per_msg, len(wanted)), ns.layout.page_bytes)
+    for i in range(0, len(wanted), len(rows)):
+        part = wanted[i:i + len(rows)]
+        ok = await below.serve_into(part, rows[:len(part)], None if end is None else max(0.0, end - time.monotonic()))
+        pages = [(key, j) for j, key in enumerate(part) if ok[j] for _ in range(repeats[key])]
+        for start in range(0, len(pages), per_msg):
+            chunk = pages[start:start + per_msg]
+            yield pb.GetResponse(keys=[key for key, _ in chunk], pages=[rows[j].tobytes() for _, j in chunk])
+        for key, _ in pages:
+            served[key] += 1
 
 
 def _messages(ns: Namespace, handle: Any, per_msg: int) -> Iterator[pb.GetResponse]:

@@ -47,6 +47,7 @@ import xxhash
 
 from kvstore.config import NodeConfig, TierSpec
 from kvstore.hostmem import as_bytes, copy_into
+from kvstore.pool.movement import page_checksum
 from kvstore.pool.pool import Entry, PageKind
 from kvstore.tiers.admission import Admission, admission_for
 from kvstore.tiers.base import PageId, PageTier, Stored
@@ -567,12 +568,16 @@ class NamespaceTiers:
     # ---- up -------------------------------------------------------------------------------
     async def promote(self, keys: Sequence[bytes], timeout: float | None) -> int:
         """Bring the pages of ``keys`` held below into the pool; wait at most ``timeout`` seconds (None: until
-        all landed), starting no read expected to land after it (:meth:`_in_time`). Returns how many of
-        ``keys`` are in the pool now."""
+        all landed), starting no read expected to land after it (:meth:`_in_time`). Only as many come up as
+        the pool takes in without evicting a page of ``keys`` (:meth:`room`), leading ones first: a Get of
+        more pages than that serves the rest straight from their tiers (:meth:`serve_into`). Returns how many
+        of ``keys`` are in the pool now."""
         pool = self.ns.pool
         # with a deadline, read only what is expected to land in time: the rest is the caller's to compute,
         # and its reads would only queue others' behind them
         wanted = keys if timeout is None else self._in_time(keys, timeout)
+        room = self.room(keys)
+        pool.touch(keys)  # the pool's evictions for these promotions take other pages before the asked ones
         waits = []
         started = time.monotonic()
         first = self.levels[0] if self.tiers else None
@@ -582,10 +587,13 @@ class NamespaceTiers:
             if key in pool:
                 continue
             job = self._inflight.get(key)
+            level = self.level_of(key) if job is None else 0
+            if job is None and level == 0 and not self._cascading:
+                continue  # (while a cascading put runs, the page may be on its way down: _read_any)
+            if room <= 0:
+                break  # the pool holds no more of them at once: the rest stays below
+            room -= 1
             if job is None:
-                level = self.level_of(key)
-                if level == 0 and not self._cascading:
-                    continue  # (while a cascading put runs, the page may be on its way down: _read_any)
                 if level == 1 and key not in self.staged:
                     mine += 1
                 promotion = self._promote_one(key, level - 1)
@@ -599,6 +607,13 @@ class NamespaceTiers:
                 self.levels[0].observe_readup(time.monotonic() - started, mine, self.page_bytes,
                                               self.stack.config.tier_threads, behind)
         return sum(1 for k in keys if k in pool)
+
+    def room(self, keys: Sequence[bytes]) -> int:
+        """How many pages the pool can take in without evicting a page of ``keys``: its free slots and the
+        pages it may evict (neither pinned nor being read) that are not among ``keys``."""
+        pool = self.ns.pool
+        own = sum(1 for k in dict.fromkeys(keys) if k in pool and not pool.held(k))
+        return pool.free_slots + pool.evictable() - own
 
     def _in_time(self, keys: Sequence[bytes], timeout: float) -> Sequence[bytes]:
         """The leading ``keys`` whose expected load into the pool (:meth:`_priced`, priced at this moment,
@@ -703,21 +718,69 @@ class NamespaceTiers:
         """The bytes and checksums of the pages of ``keys`` held below, read without promoting them (a peer's
         pull); pages not found (or corrupt) are left out."""
         out = np.empty((len(keys), self.page_bytes), dtype=np.uint8)
-        jobs, got = [], {}
+        read = await self._read_rows(keys, out)
+        return {key: (out[i], stored.checksum) for i, (key, stored) in enumerate(zip(keys, read))
+                if stored is not None}
+
+    def unpromoted(self, keys: Sequence[bytes], timeout: float | None) -> list[bytes]:
+        """Of ``keys`` (those a Get did not find in the pool), the distinct ones held below, in order, that
+        it serves straight from their tiers (:meth:`serve_into`): with a deadline ``timeout`` (seconds), the
+        leading ones expected to be read within it, priced as a promotion is (:meth:`_in_time`). While a
+        cascading put runs, a page on its way into the next tier counts as held (:meth:`_read_any`)."""
+        held = [k for k in dict.fromkeys(keys) if k not in self.ns.pool and (self._cascading or self.holds(k))]
+        return held if timeout is None else list(self._in_time(held, timeout))
+
+    async def serve_into(self, keys: Sequence[bytes], out: np.ndarray, timeout: float | None = None) -> list[bool]:
+        """Read the pages of ``keys`` held below into the rows of ``out`` (``keys[i]`` into ``out[i]``), without
+        promoting them: the pages of a Get that its pool cannot take in at once. Each page's bytes are checked
+        against the checksum the pool stored it with, as a promotion checks them: one that does not match is
+        never served (dropped below and counted). A page on its way into the next tier is waited for at most
+        ``timeout`` seconds (and :data:`MOVE_WAIT_S`). Returns per key whether its row holds its page. After a
+        cancelled call, worker threads may still write into ``out``: the caller does not reuse it."""
+        served = []
+        wait = MOVE_WAIT_S if timeout is None else min(MOVE_WAIT_S, timeout)
+        read = await self._read_rows(keys, out, moving=time.monotonic() + wait)
+        for i, (key, stored) in enumerate(zip(keys, read)):
+            ok = stored is not None and (not stored.checksum or page_checksum(out[i]) == stored.checksum)
+            if stored is not None and not ok and not self._closed:
+                level = self.level_of(key)
+                if level and key not in self.staged:
+                    self.levels[level - 1].counters.mismatched += 1
+                log.warning("tiers: %s page %s came back with other bytes than stored; dropped", self.name,
+                            key.hex())
+                self.remove([key])
+            served.append(ok)
+        return served
+
+    async def _read_rows(self, keys: Sequence[bytes], out: np.ndarray, moving: float = 0.0) -> list[Stored | None]:
+        """Per key of ``keys``, its page read into ``out``'s row (from staging or the tier holding it, the
+        tiers' reads in parallel) and what was stored with it (None: not found, or its record failed its
+        check). With ``moving`` (a monotonic time), a page in no tier while a cascading put runs is looked
+        for again once it landed (:meth:`_landed`), until then."""
+        jobs = []
+        got: list[Stored | None] = [None] * len(keys)
         for i, key in enumerate(keys):
             staged = self.staged.get(key)
             if staged is not None:
                 out[i] = staged.data
-                got[key] = (out[i], staged.checksum)
+                got[i] = Stored((self.name, key), staged.kind, staged.checksum)
                 continue
             level = self.level_of(key)
             if level:
-                jobs.append((i, key, self._given(level - 1, self._read_any(level - 1, key, memoryview(out[i])))))
-        results = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
-        for (i, key, _), stored in zip(jobs, results):
+                jobs.append((i, self._given(level - 1, self._read_any(level - 1, key, memoryview(out[i])))))
+            elif moving and self._cascading:
+                jobs.append((i, asyncio.ensure_future(self._read_landed(key, memoryview(out[i]), moving))))
+        results = await asyncio.gather(*(job for _, job in jobs), return_exceptions=True)
+        for (i, _), stored in zip(jobs, results):
             if isinstance(stored, Stored):
-                got[key] = (out[i], stored.checksum)
+                got[i] = stored
         return got
+
+    async def _read_landed(self, key: bytes, out: memoryview, end: float) -> Stored | None:
+        """The page of ``key``, in no tier for the moment while a cascading put moves it, once it landed (if it
+        did by ``end``, a monotonic time)."""
+        i = await self._landed(key, end) - 1
+        return None if i < 0 else await self._read_any(i, key, out)
 
     async def settle(self, timeout: float = 30.0) -> bool:
         """Wait until no page waits in staging, no promotion is in flight and no erase is under way (at most
