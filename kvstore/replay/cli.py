@@ -29,7 +29,8 @@ from kvstore.replay.config import (POLICIES, TIER_POLICIES, ReplayConfig, add_da
 from kvstore.replay.costmodel import LINKS, PRESETS, CostModel
 from kvstore.replay.engine import Driver, RunConfig
 from kvstore.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum, replica_gib_s
-from kvstore.replay.report import plot_cdf, plot_timeline, ratios, render, sweep_table
+from kvstore.replay.report import (capacity_table, plot_capacity, plot_cdf, plot_timeline, ratios, render,
+                                   sweep_table)
 from kvstore.replay.routers import ROUTERS
 from kvstore.replay.sim import run_policy_sim
 from kvstore.replay.sim_report import compare_section
@@ -92,6 +93,13 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--quiet", type=float, metavar="SECONDS", help="--trace recurring: its bursts this far apart "
                    "over a heavy background of long unique prompts (kvstore/workloads/shapes.py), so other traffic "
                    "pushes a prefix out of the pools between its bursts; 0: the compact default")
+    w.add_argument("--rate-scale", type=float, metavar="X",
+                   help="load: X times the workload's arrival rate (the same requests, X times closer together; "
+                        "the engines' costs unchanged), for every workload, simulated and live; composes with "
+                        "--speedup")
+    w.add_argument("--burstiness", type=float, help="synthetic arrivals (synth and the shapes): gamma "
+                   "inter-arrivals of this shape, the same mean rate; 1.0 is Poisson, under 1 burstier (as "
+                   "vllm bench serve --burstiness)")
     _synth_args(w, "synth-")
     c = p.add_argument_group("cluster and policies")
     c.add_argument("--nodes", type=int)
@@ -155,8 +163,11 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--pool-medium", choices=["auto", "host", "hbm"],
                    help="where a node's pool lives, for the modelled load of local pages into the engine: host "
                         "memory over PCIe or HBM (auto: hbm for a cuda device, else host)")
-    e.add_argument("--slo-factor", type=float, help="SLO: TTFT under this x the request's own "
-                   "cold prefill")
+    e.add_argument("--slo-factor", type=float, help="SLO: TTFT at most the larger of --slo-ttft and this x "
+                   "the request's own cold prefill")
+    e.add_argument("--slo-ttft", type=float, metavar="SECONDS", help="SLO: a TTFT every request may take, "
+                   "however short its prompt (an idle cluster meets it: a short prompt's TTFT is mostly round "
+                   "trips, not its prefill)")
     e.add_argument("--concurrency", type=int, help="slots (batch) per engine")
     e.add_argument("--fetch-timeout", type=float, help="Get deadline (real s)")
     e.add_argument("--data-connections", type=int,
@@ -174,6 +185,15 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--drain-timeout", type=float, help="real s to finish after the last arrival")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true")
+    k = p.add_argument_group("capacity")
+    k.add_argument("--search", choices=["capacity"], help="capacity: per configuration, the highest --rate-scale "
+                   "at which at least --slo-attainment of the requests meet the SLO, by bisection on the simulator "
+                   "(per seed; ratios to engine-only and to the best baseline); without --sim, each configuration "
+                   "then runs live once at the best baseline's capacity and once at the best configuration's")
+    k.add_argument("--jobs", type=int, help="capacity: searches run at once on the simulator (0: one per core)")
+    k.add_argument("--slo-attainment", type=float, help="capacity: the share of requests that must meet the SLO")
+    k.add_argument("--search-resolution", type=float, help="capacity: bisect until the bracket's upper end is "
+                   "within this share of its lower end")
     m = p.add_argument_group("simulation")
     m.add_argument("--sim", action="store_true", help="simulate the cluster instead of starting kvstored processes: "
                    "the same workloads, routers, cost model, predictor, planner, directory and link model on a "
@@ -199,17 +219,21 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
 def build_workloads(a: ReplayConfig, seed: int | None = None) -> list[Workload]:
     seed = a.seed if seed is None else seed
     out = []
+    bursty = {"burstiness": a.burstiness} if a.burstiness != 1.0 else {}
     for t in a.trace:
         if t == "synth":
             spec = _synth_spec(a, "synth-")
-            out.append(synth_workload(SynthSpec(**{**asdict(spec), "seed": seed})))
+            out.append(synth_workload(SynthSpec(**{**asdict(spec), "seed": seed}), burstiness=a.burstiness))
         elif t in SHAPES:
-            out.append(shape_workload(t, seed, **({"quiet_s": a.quiet} if t == "recurring" and a.quiet else {})))
+            out.append(shape_workload(t, seed, **({"quiet_s": a.quiet} if t == "recurring" and a.quiet else {}),
+                                      **bursty))
         else:
             wl = mooncake_workload(t, a.start, a.window, a.max_requests)
             if wl.name.startswith("mooncake_"):
                 wl.name = wl.name[len("mooncake_"):]
             out.append(wl)
+    if a.rate_scale != 1.0:
+        out = [w.at_rate(a.rate_scale) for w in out]
     names = [w.name for w in out]
     for i, w in enumerate(out):  # unique names
         if names.count(w.name) > 1:
@@ -247,7 +271,8 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
     summary = aggregate(result.records, cluster_summary(
         base, result.node_stats, coordinator_metrics, cost.scaled_page_bytes, cost.byte_scale,
         result.oracle.get("copied_pages", 0), result.placed_used_pages, link_bytes, link_of(a)[0]),
-        slo_factor=a.slo_factor, gpus=cost.gpus, block_tokens=cost.block_tokens)
+        slo_factor=a.slo_factor, gpus=cost.gpus, block_tokens=cost.block_tokens,
+        slo_ttft=a.slo_ttft)
     held = replica_gib_s(result.timeline, cost.page_bytes)
     summary.update(replica_gib_s_speculative=round(held["speculative"], 3), replica_gib_s=round(held["replica"], 3))
     summary.update(put_errors=result.put_errors, wall_s=round(result.wall_s, 2), oracle=result.oracle,
@@ -314,6 +339,8 @@ def _replay(a: ReplayConfig) -> int:
     for policy in policies:
         if policy == "oracle":
             plan.append((policy, ("plan", "least-load", balance[0])))
+        elif policy == "bound":  # every node holds every reusable block: the least work wins
+            plan.append((policy, ("least-work", "least-work", balance[0])))
         else:
             plan.extend((policy, rc) for rc in configs)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -326,6 +353,8 @@ def _replay(a: ReplayConfig) -> int:
                         "real_bytes_s": rate * a.speedup / cost.byte_scale},
                   cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version())
     results: dict[str, Any] = {"config": config, "workloads": {}}
+    if a.search == "capacity":
+        return _capacity(a, cost, workloads_by_seed, plan, results)
     if a.sim:
         results["simulated"] = True  # no kvstored ran: every number below comes from kvstore/replay/sim.py
     runner = run_policy_sim if a.sim else run_policy
@@ -392,6 +421,84 @@ def _replay(a: ReplayConfig) -> int:
     for name, w in results["workloads"].items():
         print(f"## {name} ({w['workload']['requests']} requests; times in trace seconds)")
         print(sweep_table(w))
+        print()
+    print(f"wrote {a.out / 'results.json'} and {a.out / 'report.md'} in {results['wall_s']:.0f}s")
+    problems = {f"{w}/{p}": v for w, e in results["workloads"].items() for p, v in e["problems"].items() if v}
+    if problems:
+        print(f"sanity problems: {problems}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _capacity(a: ReplayConfig, cost: CostModel, workloads_by_seed: dict[int, list[Workload]],
+              plan: list[tuple[str, tuple[str, str, float]]], results: dict[str, Any]) -> int:
+    """``--search capacity``: each configuration's capacity per seed on the simulator, then (without
+    ``--sim``) every configuration but the bound live once at the best baseline's knee and once at the best
+    configuration's, beside the simulated run at the same load (kvstore/replay/capacity.py)."""
+    from tqdm import tqdm
+
+    from kvstore.replay import capacity
+
+    seeds = sorted(workloads_by_seed)
+    results["simulated"] = bool(a.sim)  # the search is simulated; the live check, when run, says so itself
+    results["config"]["search"] = {"kind": "capacity", "slo_attainment": a.slo_attainment,
+                                   "resolution": a.search_resolution, "slo_ttft_s": a.slo_ttft,
+                                   "slo_factor": a.slo_factor}
+    started = time.perf_counter()
+    bar = tqdm(total=len(workloads_by_seed[seeds[0]]) * len(seeds) * len(plan), desc="capacity", unit="config",
+               disable=a.no_progress, dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
+
+    def simulate(wl: Workload, policy: str, rc: tuple[str, str, float]) -> dict[str, Any]:
+        return run_policy_sim(wl, policy, rc, a, cost)["summary"]
+
+    jobs = a.jobs or (os.cpu_count() or 1)
+
+    def step(desc: str) -> None:  # one configuration's search done
+        bar.set_description(desc)
+        bar.update(1)
+
+    try:
+        for wi, wl0 in enumerate(workloads_by_seed[seeds[0]]):
+            w_start = time.perf_counter()
+            entry: dict[str, Any] = {"workload": wl0.describe(), "problems": {}}
+            results["workloads"][wl0.name] = entry
+            entry["capacity"] = capacity.run_search(a, cost, workloads_by_seed, wi, plan, jobs, step)
+            cap = entry["capacity"]
+            entry["problems"] = {"bound": [f"capacity above the bound: {k}" for k in
+                                           capacity.over_bound(cap, a.search_resolution)]}
+            if not a.sim:  # the simulator's knees, checked on real daemons
+                live: dict[str, Any] = {}
+                wl = workloads_by_seed[seeds[0]][wi]
+                for name, x in capacity.knees(cap).items():
+                    for policy, rc in plan:
+                        if policy == capacity.BOUND:
+                            continue
+                        label = key(policy, rc[0])
+                        bar.set_description(f"{wl.name}/live {label} x{x:.3g}")
+                        run = run_policy(wl.at_rate(x), policy, rc, a, cost, None,
+                                         f"{wl.name}-{policy}-{rc[0]}-{name}")["summary"]
+                        twin = simulate(wl.at_rate(x), policy, rc)
+                        live.setdefault(name, {"rate_scale": x, "configs": {}})["configs"][label] = {
+                            "live": {k: run[k] for k in ("slo_attainment", "ttft_p50_s", "ttft_p99_s",
+                                                         "completed", "requests")},
+                            "simulated": {k: twin[k] for k in ("slo_attainment", "ttft_p50_s", "ttft_p99_s",
+                                                               "completed", "requests")}}
+                        _write(a.out / "results.json", results)
+                entry["live"] = live
+            entry["wall_s"] = time.perf_counter() - w_start
+            _write(a.out / "results.json", results)
+            if not a.no_plots:
+                plot_capacity(a.out / f"{wl0.name}_capacity.png", wl0.name, cap)
+    finally:
+        bar.close()
+        results["wall_s"] = time.perf_counter() - started
+        if results["workloads"]:
+            _write(a.out / "results.json", results)
+            (a.out / "report.md").write_text(render(results))
+    print()
+    for name, w in results["workloads"].items():
+        print(f"## {name} ({w['workload']['requests']} requests; capacity as a rate scale of the workload)")
+        print(capacity_table(w))
         print()
     print(f"wrote {a.out / 'results.json'} and {a.out / 'report.md'} in {results['wall_s']:.0f}s")
     problems = {f"{w}/{p}": v for w, e in results["workloads"].items() for p, v in e["problems"].items() if v}

@@ -30,7 +30,9 @@ from kvstore.replay.routers import ROUTERS, make_router
 from kvstore.replay.workload import DEFAULT_TRACE, SynthSpec
 from kvstore.units import parse_size
 
-POLICIES = ("none", "reactive", "full", "predictive", "oracle")
+POLICIES = ("none", "reactive", "full", "predictive", "oracle", "engine-only", "bound")
+# routes itself and runs single-tier only, without claims: the oracle's plan, the bound's least work
+SELF_ROUTED = ("oracle", "bound")
 
 
 # The replay's deliberate departures from kvstored's defaults, each a replay flag that carries the
@@ -89,9 +91,11 @@ class ReplayConfig:
     synth_suffix_tokens: int = _SYNTH.suffix_tokens
     synth_output_tokens: int = _SYNTH.output_tokens
     quiet: float = 0.0
+    rate_scale: float = 1.0
+    burstiness: float = 1.0
     # cluster and policies
     nodes: int = 4
-    policies: str = ",".join(POLICIES)
+    policies: str = "none,reactive,full,predictive,oracle"
     claim_margin: str = "auto"
     router: str = "cache-aware"
     routers: str | None = None
@@ -122,6 +126,11 @@ class ReplayConfig:
     link_gbs: float | None = None
     pool_medium: str = "auto"
     slo_factor: float = 2.0
+    slo_ttft: float = 1.0
+    slo_attainment: float = 0.9
+    search: str = ""
+    search_resolution: float = 0.05
+    jobs: int = 0
     concurrency: int = 8
     fetch_timeout: float = 5.0
     data_connections: int = 1
@@ -184,6 +193,17 @@ class ReplayConfig:
         margin_for(self.claim_margin)
         if self.quiet < 0:
             raise ValueError("--quiet must be >= 0 seconds")
+        if not self.rate_scale > 0 or not self.burstiness > 0:
+            raise ValueError("--rate-scale and --burstiness must be > 0")
+        if self.slo_ttft < 0 or not 0 < self.slo_attainment <= 1:
+            raise ValueError("--slo-ttft must be >= 0 seconds and --slo-attainment in (0, 1]")
+        if self.search not in ("", "capacity"):
+            raise ValueError(f"--search {self.search!r}: the one search is 'capacity'")
+        if not 0 < self.search_resolution < 1:
+            raise ValueError("--search-resolution must be in (0, 1), e.g. 0.05 for 5 %")
+        if not self.sim and not self.search and "bound" in (p.partition("+")[0] for p in self.policy_list()):
+            raise ValueError("the bound runs simulated only (--sim, or --search capacity, which searches on the "
+                             "simulator)")
         bad_t = [t for t in self.tier_policy_list() if t not in TIER_POLICIES]
         if bad_t or not self.tier_policy_list():
             raise ValueError(f"unknown tier policies {bad_t}; choose from {','.join(TIER_POLICIES)}")
@@ -207,7 +227,7 @@ class ReplayConfig:
         single-tier adds none; the oracle runs single-tier only)."""
         out: list[str] = []
         for p in (p.strip() for p in self.policies.split(",") if p.strip()):
-            if p.partition("+")[0] == "oracle":
+            if p.partition("+")[0] in (*SELF_ROUTED, "engine-only"):
                 out.append(p)
                 continue
             out.extend(p if t == TIER_POLICIES[0] else f"{p}+{t}" for t in self.tier_policy_list())
@@ -253,7 +273,7 @@ def _known_policy(name: str) -> bool:
         tier = tier_policy(name)
     except ValueError:
         return False
-    return base in POLICIES and not (base == "oracle" and (claims or tier != TIER_POLICIES[0]))
+    return base in POLICIES and not (base in (*SELF_ROUTED, "engine-only") and (claims or tier != TIER_POLICIES[0]))
 
 
 def parse_kills(specs: list[str], nodes: int) -> list[tuple[int, float]]:
@@ -288,7 +308,8 @@ def cluster_and_router(cfg: ReplayConfig, policy: str, router_cfg: tuple[str, st
     base, _ = split_policy(policy)
     tier = tier_policy(policy)
     disk = tier != TIER_POLICIES[0]
-    spec = ClusterSpec(nodes=cfg.nodes, policy="reactive" if base == "oracle" else base, namespace=cfg.preset,
+    daemon_policy = {"oracle": "reactive", "bound": "none", "engine-only": "none"}.get(base, base)
+    spec = ClusterSpec(nodes=cfg.nodes, policy=daemon_policy, namespace=cfg.preset,
                        page_bytes=cost.scaled_page_bytes, capacity=cfg.capacity, settings=daemon_settings(cfg),
                        extra=list(cfg.kvstored_arg),
                        network=cfg.network, link_rate=rate * cfg.speedup / cost.byte_scale,
@@ -302,7 +323,7 @@ def cluster_and_router(cfg: ReplayConfig, policy: str, router_cfg: tuple[str, st
                        disk_write_budget=cost.disk_write_budget_bytes_s * cfg.speedup / cost.byte_scale,
                        disk_reuse_horizon=REUSE_HORIZON_S / cfg.speedup)
     _, router_name, balance_abs = router_cfg
-    pull = None if base == "none" else cost.link_s  # under none a node recomputes what it lacks
+    pull = None if base in ("none", "engine-only") else cost.link_s  # under none a node recomputes what it lacks
     router = make_router(router_name, balance_abs, cfg.balance_rel, not cfg.no_hints, cfg.match_threshold,
                          cfg.hint_cover,
                          prefill_s=lambda blocks, cached: cost.prefill_s(

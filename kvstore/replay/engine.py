@@ -166,8 +166,9 @@ class Engine:
         self.prefill = asyncio.Lock()
         self.waiting = 0        # queued for a slot
         self.running = 0        # in a slot
-        self.state = EngineState(index, node_id, Rules(cfg.cost, cfg.speedup, claims=cfg.claims,
-                                                       claim_margin=cfg.claim_margin, link_bytes_s=cfg.link_bytes_s),
+        self.state = EngineState(index, node_id, Rules.of(cfg.policy, cfg.cost, cfg.speedup, claims=cfg.claims,
+                                                          claim_margin=cfg.claim_margin,
+                                                          link_bytes_s=cfg.link_bytes_s),
                                  held=held, oracle=result.oracle)
         self._on_done = on_done
         self.clock_start = 0.0  # perf_counter of trace time 0 (set by the driver)
@@ -313,6 +314,9 @@ class Driver:
                     continue
         for i in self.store_down:
             views[i].down = True
+        if self.cfg.router.needs_engine_cache:  # the engines' own caches, as their KV events tell a router
+            for v, e in zip(views, self.engines):
+                v.engine = e.state.prefix_ahead(keys)
         return views
 
     async def _watch_members(self) -> None:

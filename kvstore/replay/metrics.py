@@ -102,6 +102,12 @@ def floor_s(r: RequestRecord, block_tokens: int) -> float:
     return r.cold_prefill_s * min(1.0, left / r.input_tokens) if r.input_tokens > 0 else 0.0
 
 
+def meets_slo(r: RequestRecord, slo_factor: float, slo_ttft: float) -> bool:
+    """The SLO: a TTFT of at most ``slo_ttft`` or ``slo_factor`` x the request's own cold prefill, whichever
+    is larger (a short prompt's TTFT is mostly round trips, which no factor of its prefill covers)."""
+    return r.ttft_s <= max(slo_ttft, slo_factor * max(r.cold_prefill_s, 1e-9))
+
+
 def pct(values: Sequence[float] | np.ndarray, q: float) -> float:
     """The ``q``-th percentile (linear), 0.0 for no values."""
     a = np.asarray(values, dtype=float)
@@ -115,7 +121,8 @@ def _dist(prefix: str, values: Sequence[float]) -> dict[str, float]:
 
 
 def aggregate(records: Iterable[RequestRecord], cluster: dict[str, float] | None = None,
-              slo_factor: float = 2.0, gpus: int = 1, block_tokens: int = 512) -> dict[str, object]:
+              slo_factor: float = 2.0, gpus: int = 1, block_tokens: int = 512,
+              slo_ttft: float = 0.0) -> dict[str, object]:
     """One policy's summary: latency distributions, hit ratios, errors, and the cluster's byte counters.
 
     ``cluster`` carries what the nodes reported (``spec_bytes``,
@@ -173,8 +180,9 @@ def aggregate(records: Iterable[RequestRecord], cluster: dict[str, float] | None
     out["fetch_critical_s"] = float(sum(r.fetch_s for r in done))
     out["recomputed_cached_blocks"] = int(sum(r.recomputed_cached for r in done))
     out["recomputed_cached_tokens"] = out["recomputed_cached_blocks"] * block_tokens
-    slo = [r for r in done if r.ttft_s <= slo_factor * max(r.cold_prefill_s, 1e-9)]
+    slo = [r for r in done if meets_slo(r, slo_factor, slo_ttft)]
     out["slo_factor"] = slo_factor
+    out["slo_ttft_s"] = slo_ttft
     out["slo_attainment"] = len(slo) / len(recs) if recs else 0.0
     if done:
         span = max(r.first_token_at for r in done) - min(r.t for r in done)

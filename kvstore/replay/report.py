@@ -298,6 +298,7 @@ def render(results: dict[str, Any]) -> str:
                   f"{d['requests']} requests over {d['duration_s']:.0f} s of trace, {d['blocks']} blocks; "
                   f"at most {100 * d['reusable_ratio']:.1f} % of blocks are reusable (an earlier request had "
                   f"them). Wall time {w.get('wall_s', 0):.0f} s.", "",
+                  capacity_section(w, cfg) if "capacity" in w else
                   sweep_table(w) if w.get("runs") else table(w["policies"]), ""]
         problems = w.get("problems") or {}
         for policy, probs in problems.items():
@@ -306,7 +307,100 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _x(r: dict[str, float] | None, digits: int = 2) -> str:
+    """A ratio's median and its range over seeds, or '-'."""
+    if r is None:
+        return "-"
+    if r["n"] < 2 or r["min"] == r["max"]:
+        return f"{r['median']:.{digits}f}x"
+    return f"{r['median']:.{digits}f}x ({r['min']:.{digits}f}-{r['max']:.{digits}f})"
+
+
+def capacity_table(w: dict[str, Any]) -> str:
+    """One row per configuration of a capacity search (medians over seeds, ranges in brackets), best
+    first; the reference (engine-only's best router), the best baseline and the bound marked; the live
+    attainment at the two knees where the live cluster ran."""
+    cap = w["capacity"]
+    live = w.get("live") or {}
+    knee_cols = [(name, live[name]) for name in ("best_baseline", "best") if name in live]
+    head = ("| configuration | capacity (rate scale) | req/s | vs engine-only | vs best baseline | TTFT p50 s | "
+            "TTFT p99 s | attainment |" + "".join(f" live / sim attainment at {n.replace('_', ' ')}'s knee "
+                                                   f"(x{k['rate_scale']:.3g}) |" for n, k in knee_cols))
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    marks = [(cap.get("reference"), " (1.0x)"), (cap.get("best_baseline"), " **best baseline**"),
+             (cap.get("best"), " **best**"), (cap.get("bound"), " (bound)")]
+    order = sorted(cap["configs"], key=lambda k: -cap["configs"][k]["rate_scale"]["median"])
+    for label in order:
+        c = cap["configs"][label]
+        rs = c["rate_scale"]
+        rng = f"{rs['median']:.3g}" + (f" ({rs['min']:.3g}-{rs['max']:.3g})" if rs["n"] > 1 and
+                                       rs["min"] != rs["max"] else "") + ("+" if c["capped"] else "")
+        mark = "".join(m for k, m in marks if k == label)
+        row = (f"| `{label}`{mark} | {rng} | {c['requests_per_s']['median']:.3g} | {_x(c['vs_engine_only'])} | "
+               f"{_x(c['vs_best_baseline'])} | {c['ttft_p50']['median']:.3f} | {c['ttft_p99']['median']:.3f} | "
+               f"{100 * c['attainment']['median']:.0f} % |")
+        for _, k in knee_cols:
+            got = k["configs"].get(label)
+            row += (f" {100 * got['live']['slo_attainment']:.0f} / {100 * got['simulated']['slo_attainment']:.0f} % |"
+                    if got else " - |")
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def capacity_section(w: dict[str, Any], cfg: dict[str, Any]) -> str:
+    """The capacity table and what it is read against."""
+    s = cfg.get("search") or {}
+    cap = w["capacity"]
+    parts = [f"Capacity: the highest rate scale (the workload's requests that many times closer together) at "
+             f"which at least {100 * s.get('slo_attainment', 0.9):.0f} % of the requests have a TTFT of at most "
+             f"max({s.get('slo_ttft_s', 0):g} s, {s.get('slo_factor', 0):g} x their own cold prefill), "
+             f"searched on the simulator per seed to {100 * s.get('resolution', 0.05):.0f} %; medians over "
+             f"seeds, ranges in brackets. Ratios are per seed. `+`: met at the highest scale searched.", "",
+             capacity_table(w), ""]
+    if cap.get("bound"):
+        b = cap["configs"][cap["bound"]]
+        parts.append(f"- the bound (`{cap['bound']}`: every reusable block at hand for nothing on every node) "
+                     f"serves {b['rate_scale']['median']:.3g}x the workload's rate, "
+                     f"{_x(b['vs_engine_only'])} of engine-only's capacity: no configuration can exceed it.")
+    best, base = cap.get("best"), cap.get("best_baseline")
+    if best and base:
+        c = cap["configs"][best]
+        parts.append(f"- best configuration `{best}`: {_x(c['vs_best_baseline'])} the best baseline `{base}`, "
+                     f"{_x(c['vs_engine_only'])} engine-only.")
+    return "\n".join(parts)
+
+
 # ---- plots -------------------------------------------------------------------
+
+def plot_capacity(path: Path, workload: str, cap: dict[str, Any]) -> None:
+    """Two panels over the first seed's probes: SLO attainment and TTFT p99 against the rate scale, one
+    line per configuration (log x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for label, seeds in cap["per_seed"].items():
+        probes = sorted(seeds[0]["probes"], key=lambda p: p["rate_scale"])
+        x = [p["rate_scale"] for p in probes]
+        style = "--" if label.startswith("bound|") else "-"
+        a1.plot(x, [100 * p["attainment"] for p in probes], style, marker=".", label=label)
+        a2.plot(x, [max(p["ttft_p99_s"], 1e-4) for p in probes], style, marker=".", label=label)
+    for ax in (a1, a2):
+        ax.set_xscale("log")
+        ax.set_xlabel("rate scale (x the workload's arrival rate)")
+        ax.grid(True, which="both", alpha=0.3)
+    a1.set_ylabel("requests within the SLO (%)")
+    a2.set_ylabel("TTFT p99 (trace s)")
+    a2.set_yscale("log")
+    a1.set_title(f"{workload}: SLO attainment against load")
+    a2.set_title(f"{workload}: TTFT p99 against load")
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
 
 def plot_cdf(path: Path, title: str, ttft: dict[str, Sequence[float]]) -> None:
     """TTFT CDF, one line per policy (log x)."""

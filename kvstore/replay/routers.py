@@ -1,4 +1,6 @@
-"""Request routers: round-robin, least-load, cache-aware (SGLang style) and eta.
+"""Request routers: round-robin, least-load, cache-aware (SGLang style), eta, kv-router (the engines' own
+caches and queues, as llm-d's precise prefix router and Dynamo's KV router see them) and mooncake (Mooncake's
+Algorithm 1).
 
 A router sees one :class:`NodeView` per node: its load (requests queued or
 running on its engine, plus requests the oracle has already promised to it)
@@ -43,7 +45,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-ROUTERS = ("round-robin", "least-load", "cache-aware", "eta")
+ROUTERS = ("round-robin", "least-load", "cache-aware", "eta", "kv-router", "mooncake")
 
 
 @dataclass(slots=True)
@@ -56,6 +58,8 @@ class NodeView:
     hinted: int = 0        # leading blocks a pending or live speculative copy gives it
     down: bool = False     # its kvstored is not a live member: route elsewhere
     work_s: float = 0.0    # prefill (trace s) queued or running on its engine
+    engine: int = 0        # leading blocks its engine's own prefix cache holds, or computes for a request queued
+                           # ahead (routers with ``needs_engine_cache``: a KV router fed the engines' KV events)
 
 
 def up(views: Sequence[NodeView]) -> list[int]:
@@ -67,6 +71,7 @@ def up(views: Sequence[NodeView]) -> list[int]:
 class Router(Protocol):
     name: str
     needs_prefix: bool   # the driver asks the cluster for prefixes only if true
+    needs_engine_cache: bool  # the driver fills NodeView.engine only if true
 
     def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
         """Index of the chosen node and the reason (for the report)."""
@@ -88,6 +93,7 @@ class _Rotation:
 class RoundRobin:
     name = "round-robin"
     needs_prefix = False
+    needs_engine_cache = False
 
     def __init__(self) -> None:
         self._i = 0
@@ -102,6 +108,7 @@ class RoundRobin:
 class LeastLoad:
     name = "least-load"
     needs_prefix = False
+    needs_engine_cache = False
 
     def __init__(self) -> None:
         self._rot = _Rotation()
@@ -125,6 +132,7 @@ class CacheAware:
 
     name = "cache-aware"
     needs_prefix = True
+    needs_engine_cache = False
 
     def __init__(self, abs_threshold: float = 32.0, rel_threshold: float = 1.5, use_hints: bool = True,
                  match_threshold: float = 0.0, hint_cover: float = 0.5,
@@ -184,6 +192,7 @@ class Eta:
 
     name = "eta"
     needs_prefix = True
+    needs_engine_cache = False
 
     def __init__(self, prefill_s: Callable[[int, int], float], pull_s: Callable[[int], float] | None,
                  use_hints: bool = True, hint_cover: float = 0.5) -> None:
@@ -205,6 +214,80 @@ class Eta:
         return least_loaded(views, self._rot, [i for i in live if est[i] <= low + 1e-9]), "eta"
 
 
+class KvRouter:
+    """Where each engine's own prefix cache is, and the work queued on it: the best router a fleet runs without
+    a shared store (llm-d's precise prefix-cache scorer with its load scorer, Dynamo's KV router). Per node,
+    the prefill already queued there plus this request's prefill of what that engine's cache lacks; the
+    smallest wins (ties: lower load, rotation). ``prefill_s(blocks, cached)`` as :class:`Eta`'s."""
+
+    name = "kv-router"
+    needs_prefix = False
+    needs_engine_cache = True
+
+    def __init__(self, prefill_s: Callable[[int, int], float]) -> None:
+        self._prefill_s = prefill_s
+        self._rot = _Rotation()
+
+    def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
+        live = up(views)
+        est = [v.work_s + self._prefill_s(blocks, min(blocks, v.engine)) for v in views]
+        low = min(est[i] for i in live)
+        return least_loaded(views, self._rot, [i for i in live if est[i] <= low + 1e-9]), "kv-router"
+
+
+class Mooncake:
+    """Mooncake's global scheduler (FAST'25, Algorithm 1) as published: per prefill instance, its queue plus
+    the cheaper of computing what it holds not (its store's prefix or its engine's cache, the longer) and
+    pulling the longest prefix the cluster holds then computing the rest; the smallest wins. A hot prefix
+    gets copied as a side effect of the pulls. ``pull_s`` None (a policy that does not pull): computing only.
+
+    Where it differs from :class:`CacheAware`: cache-aware goes to the longest prefix unless the cluster is
+    imbalanced by request counts; this weighs each node's queued prefill work against what it would compute
+    or pull. From :class:`Eta`: eta credits every node with the pull of the longest prefix whether or not
+    pulling beats computing, and ignores the engines' own caches. Left out: the paper's
+    ``kvcache_balancing_threshold`` for proactive hot-spot migration (kvstore's coordinator decides copies)."""
+
+    name = "mooncake"
+    needs_prefix = True
+    needs_engine_cache = True
+
+    def __init__(self, prefill_s: Callable[[int, int], float], pull_s: Callable[[int], float] | None) -> None:
+        self._prefill_s, self._pull_s = prefill_s, pull_s
+        self._rot = _Rotation()
+
+    def estimate(self, views: Sequence[NodeView], blocks: int) -> list[float]:
+        have = [min(blocks, max(v.prefix, v.engine)) for v in views]
+        best = max(have)
+        out = []
+        for v, h in zip(views, have):
+            compute = self._prefill_s(blocks, h)
+            pull = self._pull_s(best - h) + self._prefill_s(blocks, best) if self._pull_s is not None else compute
+            out.append(v.work_s + min(compute, pull))
+        return out
+
+    def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
+        live = up(views)
+        est = self.estimate(views, blocks)
+        low = min(est[i] for i in live)
+        return least_loaded(views, self._rot, [i for i in live if est[i] <= low + 1e-9]), "mooncake"
+
+
+class LeastWork:
+    """The node with the least prefill queued (the bound's router: every node holds every reusable block)."""
+
+    name = "least-work"
+    needs_prefix = False
+    needs_engine_cache = False
+
+    def __init__(self) -> None:
+        self._rot = _Rotation()
+
+    def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
+        live = up(views)
+        low = min(views[i].work_s for i in live)
+        return least_loaded(views, self._rot, [i for i in live if views[i].work_s <= low + 1e-9]), "least-work"
+
+
 def make_router(name: str, abs_threshold: float = 32.0, rel_threshold: float = 1.5, use_hints: bool = True,
                 match_threshold: float = 0.0, hint_cover: float = 0.5,
                 prefill_s: Callable[[int, int], float] | None = None,
@@ -219,6 +302,12 @@ def make_router(name: str, abs_threshold: float = 32.0, rel_threshold: float = 1
         if prefill_s is None:
             raise ValueError("the eta router needs the cost model's prefill_s")
         return Eta(prefill_s, pull_s, use_hints, hint_cover)
+    if name in ("kv-router", "mooncake"):
+        if prefill_s is None:
+            raise ValueError(f"the {name} router needs the cost model's prefill_s")
+        return KvRouter(prefill_s) if name == "kv-router" else Mooncake(prefill_s, pull_s)
+    if name == "least-work":
+        return LeastWork()
     raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)}")
 
 

@@ -44,6 +44,10 @@ class StoreError(Exception):
     """A Lookup or Get failed (the node is gone); the message is what the request records."""
 
 
+class _NoStore(Exception):
+    """The engine runs without a store (engine-only, the bound): it asks nothing of it."""
+
+
 @dataclass(frozen=True, slots=True)
 class Sleep:
     seconds: float  # trace seconds
@@ -93,6 +97,13 @@ class Rules:
     claims: bool = False           # +claims: claim this engine's prefills, wait for others' (claiming.py)
     claim_margin: float = 1.0
     link_bytes_s: float = 12.5e9   # unscaled bytes per trace second of the modelled link (the wait rule)
+    store: bool = True             # engine-only: False, the engine neither asks nor tells the store anything
+    free_reuse: bool = False       # the bound: every reusable block is at hand, at no cost (no store)
+
+    @classmethod
+    def of(cls, policy: str, cost: CostModel, speedup: float, **kw: Any) -> Rules:
+        """The rules of a base policy: ``engine-only`` and ``bound`` leave the store out."""
+        return cls(cost, speedup, store=policy not in ("engine-only", "bound"), free_reuse=policy == "bound", **kw)
 
 
 @dataclass(slots=True, eq=False)
@@ -160,7 +171,11 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
         if not (yield WaitHeld(keys[:step.depth], max(0.0, late) + cost.prefill_s(step.depth * cost.block_tokens))):
             e.oracle["late_waits"] = e.oracle.get("late_waits", 0) + 1  # the prefix never came: compute it
     local = cluster_max = cached = pool = 0
+    if rules.free_reuse:  # the bound: what an earlier request had is here, loaded, for nothing
+        local = cached = cluster_max = pool = min(rec.reusable, len(keys))
     try:
+        if not rules.store:  # engine-only and the bound: no store to ask (the engine's own cache still serves)
+            raise _NoStore
         # the claim covers what the engine would compute knowing nothing cached (it learns its prefix from
         # this Lookup); the node claims from the cluster's prefix on (the agent)
         claim = claiming.claim_seconds(cost, rec.input_tokens, 0, e.backlog(now()), S) if rules.claims else 0.0
@@ -215,6 +230,8 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
                 e.fetching.pop(rec.idx, None)
             rec.get_s = now() - t_get
             rec.get_real_s = rec.get_s / S
+    except _NoStore:
+        pass
     except StoreError as exc:  # the node is gone (--kill): the engine recomputes
         rec.kv_error = str(exc)[:200]
         local = cluster_max = cached = 0
@@ -231,7 +248,7 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
     if e.held is not None:
         e.held.mark(e.index, keys[:cached])
     rec.link_s = cost.link_s(rec.remote)
-    rec.local_load_s = cost.local_load_s(local)
+    rec.local_load_s = 0.0 if rules.free_reuse else cost.local_load_s(local)
     rec.prefill_s = cost.prefill_s(cost.uncached_tokens(rec.input_tokens, cached))
     rec.decode_s = cost.decode_s(rec.input_tokens, rec.output_tokens)
     # -- prefill: one at a time per engine --
@@ -268,7 +285,7 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
     rec.queue_s = slot_wait + prefill_wait
     rec.first_token_at = now()
     # -- store the KV this node lacked, then decode in the slot --
-    if cached < len(keys):
+    if cached < len(keys) and rules.store:
         stored, rec.put_s = yield Put(cached, keys[cached:])
         if stored:
             e.own.update(keys[cached:])

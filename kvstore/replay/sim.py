@@ -140,7 +140,8 @@ class SimDriver:
             if cfg.policy == "predictive":  # the coordinator copies a landed claim to its waiters as a tree
                 self.cluster.claims.tree_fanout = self.coord.core.plan_cfg.fanout
                 self.cluster.claims.tree_parts = self.coord.core.relay_parts
-        rules = Rules(cfg.cost, S, claims=cfg.claims, claim_margin=cfg.claim_margin, link_bytes_s=cfg.link_rate)
+        rules = Rules.of(cfg.policy, cfg.cost, S, claims=cfg.claims, claim_margin=cfg.claim_margin,
+                         link_bytes_s=cfg.link_rate)
         self.oracle: dict[str, Any] = {}
         self.engines = [SimEngine(self.sim, cfg.concurrency, EngineState(
             i, self.cluster.ids[i], rules, oracle=self.oracle, on_hits=self._remote_hits(i))) for i in range(cfg.nodes)]
@@ -168,6 +169,8 @@ class SimDriver:
         views = views_from_lookup(self.cluster.ids, loads, entries, work)
         for i, v in enumerate(views):  # a fleet router watching Status: down a heartbeat timeout after a kill
             v.down = not self.cluster.known_alive(i)
+            if self.cfg.router.needs_engine_cache:  # the engines' own caches, as their KV events tell a router
+                v.engine = self.engines[i].state.prefix_ahead(keys)
         return views, self.cfg.rpc_ms / 1e3 if asks else 0.0
 
     def _arrive(self, i: int, keys: list[bytes], step: Step | None) -> None:
@@ -367,7 +370,8 @@ def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float]
     summary = aggregate(result.records, cluster_summary(
         base, result.node_stats, result.coordinator_metrics, cost.scaled_page_bytes, cost.byte_scale,
         result.oracle.get("copied_pages", 0), result.placed_used_pages, result.link_bytes, rate),
-        slo_factor=a.slo_factor, gpus=cost.gpus, block_tokens=cost.block_tokens)
+        slo_factor=a.slo_factor, gpus=cost.gpus, block_tokens=cost.block_tokens,
+        slo_ttft=a.slo_ttft)
     network = driver.cluster.net.describe() if not free else {"kind": "none"}
     held = replica_gib_s(result.timeline, cost.page_bytes)
     summary.update(replica_gib_s_speculative=round(held["speculative"], 3), replica_gib_s=round(held["replica"], 3))

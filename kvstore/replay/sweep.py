@@ -7,8 +7,8 @@ Pure logic over per-run summaries (``results.json`` entries), no I/O.
   routes itself: ``oracle|plan``.
 * With ``--repeats N`` each configuration runs with N seeds; a statistic of a
   configuration is reported as its median over the seeds, with min and max.
-* The **best baseline** of a workload is the configuration of ``none`` or
-  ``reactive`` (with or without claims, under any tier policy but
+* The **best baseline** of a workload is the configuration of ``engine-only``,
+  ``none`` or ``reactive`` (with or without claims, under any tier policy but
   ``tiers-predictive``) with the
   lowest median TTFT p99 over every router and threshold that ran: the best
   a user could do without prediction.
@@ -62,16 +62,16 @@ def verdict(s: dict[str, float]) -> str:
 
 
 def best_baseline(runs: dict[str, list[dict[str, Any]]]) -> str | None:
-    """The configuration key of ``none``/``reactive`` with the lowest median TTFT p99."""
+    """The configuration key of ``engine-only``/``none``/``reactive`` with the lowest median TTFT p99."""
     cands = [(spread([s["ttft_p99_s"] for s in v])["median"], k) for k, v in runs.items()
              if is_baseline(k.split("|")[0]) and v]
     return min(cands)[1] if cands else None
 
 
 def is_baseline(policy: str) -> bool:
-    """Runs without prediction: ``none`` or ``reactive``, with or without claims, under any tier policy but
-    ``tiers-predictive``."""
-    return split_policy(policy)[0] in ("none", "reactive") and tier_policy(policy) != "tiers-predictive"
+    """Runs without prediction: ``engine-only`` (no store), ``none`` or ``reactive``, with or without claims,
+    under any tier policy but ``tiers-predictive``."""
+    return split_policy(policy)[0] in ("none", "reactive", "engine-only") and tier_policy(policy) != "tiers-predictive"
 
 
 def ratio_spread(num: list[dict[str, Any]], den: list[dict[str, Any]], k: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvstore.workloads import resolve_path, shapes
-from kvstore.workloads.traces import BLOCK_TOKENS, Request, cut_window, load_mooncake, synth_fanout
+from kvstore.workloads.traces import BLOCK_TOKENS, Request, cut_window, load_mooncake, scale_rate, synth_fanout
 
 DEFAULT_TRACE = "conversation"  # the shipped Mooncake conversation trace (kvstore/workloads/data/README.md)
 
@@ -36,6 +36,12 @@ class Workload:
     @property
     def duration_s(self) -> float:
         return self.requests[-1].t if self.requests else 0.0
+
+    def at_rate(self, factor: float) -> Workload:
+        """This workload at ``factor`` times its arrival rate (:func:`~kvstore.workloads.traces.scale_rate`)."""
+        if factor == 1.0:
+            return self
+        return Workload(self.name, scale_rate(self.requests, factor), {**self.source, "rate_scale": factor})
 
     def describe(self) -> dict[str, object]:
         blocks = sum(len(r.hash_ids) for r in self.requests)
@@ -81,18 +87,20 @@ class SynthSpec:
         return max(1, math.ceil(self.suffix_tokens / BLOCK_TOKENS))
 
 
-def synth_requests(spec: SynthSpec) -> list[Request]:
+def synth_requests(spec: SynthSpec, burstiness: float = 1.0) -> list[Request]:
     """``kvstore.workloads.traces.synth_fanout`` with the spec's sizes; output lengths set to ``output_tokens``."""
     reqs = synth_fanout(bursts=spec.bursts, reqs_per_burst=spec.requests, prefix_blocks=spec.prefix_blocks,
                         window_s=spec.window_s, decoys=spec.decoys, background_rate=spec.background,
-                        seed=spec.seed, duration_s=spec.duration_s, suffix_blocks=spec.suffix_blocks)
+                        seed=spec.seed, duration_s=spec.duration_s, suffix_blocks=spec.suffix_blocks,
+                        burstiness=burstiness)
     return [replace(r, output_length=spec.output_tokens) for r in reqs]
 
 
-def synth_workload(spec: SynthSpec, name: str = "synth-fanout") -> Workload:
+def synth_workload(spec: SynthSpec, name: str = "synth-fanout", burstiness: float = 1.0) -> Workload:
     from dataclasses import asdict
 
-    return Workload(name, synth_requests(spec), {"kind": "synth", **asdict(spec)})
+    extra = {"burstiness": burstiness} if burstiness != 1.0 else {}
+    return Workload(name, synth_requests(spec, burstiness), {"kind": "synth", **asdict(spec), **extra})
 
 
 def write_mooncake(requests: Sequence[Request], path: str | Path) -> int:
@@ -147,6 +155,8 @@ def shape_requests(name: str, seed: int = 0, base: Sequence[Request] | None = No
         return shapes.ramp(**kw)  # type: ignore[arg-type]
     if name == "tenants":
         return shapes.tenants(**kw)  # type: ignore[arg-type]
+    if name == "tool-agent":
+        return shapes.tool_agent(**kw)  # type: ignore[arg-type]
     if name == "mixed":
         if base is None:
             base = cut_window(load_mooncake(resolve_path(DEFAULT_TRACE)), 0.0, 120.0)

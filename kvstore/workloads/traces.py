@@ -37,6 +37,27 @@ class Request:
     hash_ids: tuple[int, ...]
 
 
+def arrival_gap(rng: random.Random, rate: float, burstiness: float = 1.0) -> float:
+    """Seconds to the next arrival of a process at ``rate`` per second: gamma inter-arrivals of shape
+    ``burstiness`` and the same mean (1.0 is Poisson; under 1 burstier, over 1 more regular), as
+    ``vllm bench serve --burstiness`` draws them."""
+    if burstiness == 1.0:
+        return rng.expovariate(rate)
+    if not burstiness > 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    return rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+def scale_rate(requests: Sequence[Request], factor: float) -> list[Request]:
+    """The same requests ``factor`` times closer together: the arrival rate times ``factor``, each request's
+    prompt, output and place in the order unchanged."""
+    if not factor > 0:
+        raise ValueError(f"rate scale must be > 0, got {factor}")
+    if factor == 1.0:
+        return list(requests)
+    return [replace(r, t=round(r.t / factor, 6)) for r in requests]
+
+
 def hash_key(h: int) -> bytes:
     """The store key of a trace block id: 8-byte little-endian."""
     return int(h).to_bytes(8, "little")
@@ -184,7 +205,7 @@ def load_azure(path: str | Path, pool: int = 2000, zipf_s: float = 1.1, max_shar
 
 def synth_fanout(bursts: int = 200, reqs_per_burst: int = 16, prefix_blocks: int = 8, window_s: float = 60.0,
                  decoys: int = 200, background_rate: float = 1.0, seed: int = 0,
-                 duration_s: float = 3600.0, suffix_blocks: int = 2) -> list[Request]:
+                 duration_s: float = 3600.0, suffix_blocks: int = 2, burstiness: float = 1.0) -> list[Request]:
     """A synthetic agent fan-out trace in the Mooncake request format.
 
     * ``bursts`` bursts at uniform random times: a new shared prefix of
@@ -195,7 +216,8 @@ def synth_fanout(bursts: int = 200, reqs_per_burst: int = 16, prefix_blocks: int
     * ``decoys`` prefixes that look like the start of a burst (two requests
       0.5-5 s apart) and are never requested again.
     * background: unique single-use prompts (1..prefix_blocks+suffix_blocks
-      blocks after block 0) at ``background_rate`` req/s (Poisson).
+      blocks after block 0) at ``background_rate`` req/s (Poisson; gamma
+      inter-arrivals of shape ``burstiness`` otherwise, :func:`arrival_gap`).
 
     Times are rounded to 1 ms; lengths are whole blocks.
     """
@@ -222,7 +244,7 @@ def synth_fanout(bursts: int = 200, reqs_per_burst: int = 16, prefix_blocks: int
             reqs.append((start + k * rng.uniform(0.5, 5.0), tuple(prefix + fresh(suffix_blocks))))
     t = 0.0
     while background_rate > 0:
-        t += rng.expovariate(background_rate)
+        t += arrival_gap(rng, background_rate, burstiness)
         if t >= duration_s:
             break
         reqs.append((t, tuple([0] + fresh(rng.randint(1, prefix_blocks + suffix_blocks)))))
