@@ -11,7 +11,7 @@ VVENV   ?= .venv-vllm
 VBIN    := $(VVENV)/bin
 VSTAMP  := $(VVENV)/.installed
 
-.PHONY: install proto test test-gpu test-vllm bench run run-full run-sweep regimes folds demo kernels clean
+.PHONY: install proto test test-gpu test-vllm bench run run-load run-full run-sweep regimes folds demo kernels clean
 
 install: $(STAMP)
 
@@ -66,14 +66,25 @@ test-vllm: $(VSTAMP)
 bench: $(STAMP)
 	$(BIN)/kvctl bench micro $(ARGS)
 
-# The main job (docs/benchmarks.md): trace replays on local 8-node clusters of real kvstored processes
-# (CPU pools), every byte between nodes over a shaped 12.5 GB/s link (eth-100g) inside TTFT,
-# Llama-3-70B TP8. First the agent-fanout shape in real time (--speedup 1: at 4 the harness's own CPU
-# time -- one process driving eight engines on two cores -- is counted 4x in trace time, and its
-# backlog, not the store, made the tail), none/reactive+claims/predictive+claims/oracle under the
-# least-load and cache-aware routers; then the shipped Mooncake conversation window at --speedup 4,
-# none/reactive/predictive with and without in-flight prefill claims. Each names its best baseline,
-# prints its table and writes kvstore-out/replay/<workload>/{results.json,report.md,*.png}.
+# The main job (docs/benchmarks.md, "Results: capacity at an SLO"): how many more requests a fleet serves
+# within its TTFT SLO with kvstore than without it. For a window of the shipped Mooncake conversation trace
+# and the agent-fanout shape, on 8 modelled Llama-3-70B TP8 engines at a node's real host memory, each
+# configuration's capacity -- the highest rate scale at which 90 % of the requests meet the SLO -- is
+# searched on the simulator; then engine-only, the best baseline and the best configuration run on 8 real
+# kvstored processes (CPU pools, every byte between nodes over a shaped 12.5 GB/s link) at the knees. The
+# configurations: engine-only (no kvstore) under least-load and a KV router, local offload (none), a
+# Mooncake-style shared store (reactive under Mooncake's scheduler), kvstore with claims and with the
+# forecast, the oracle and the bound. Prints one table; writes kvstore-out/replay/capacity/.
+RUN_CONFIGS ?= engine-only|least-load,engine-only|kv-router,none|mooncake,reactive|mooncake,\
+reactive+claims|cache-aware,predictive+claims|cache-aware,predictive|mooncake,oracle,bound
+RUN_ARGS ?= --search capacity --trace conversation --window 300 --trace agent-fanout --speedup 2 \
+  --nodes 8 --preset llama3-70b-tp8 --capacity preset --network shaped --link eth-100g \
+  --out kvstore-out/replay/capacity
+run: $(STAMP)
+	$(BIN)/kvctl replay --device cpu $(RUN_ARGS) --configs '$(RUN_CONFIGS)' $(ARGS)
+
+# The replay at the traces' own load (what make run did before it searched capacity): agent-fanout in real
+# time and the conversation window at --speedup 4, every policy under least-load and cache-aware.
 RUN_FANOUT_ARGS ?= --trace agent-fanout --speedup 1 --nodes 8 --preset llama3-70b-tp8 \
   --policies none,reactive+claims,predictive+claims,oracle --routers least-load,cache-aware \
   --network shaped --link eth-100g --out kvstore-out/replay/agent-fanout
@@ -81,7 +92,7 @@ RUN_CONV_ARGS ?= --trace conversation --window 60 --speedup 4 \
   --nodes 8 --preset llama3-70b-tp8 \
   --policies none,reactive,reactive+claims,predictive,predictive+claims,oracle \
   --routers least-load,cache-aware --network shaped --link eth-100g --out kvstore-out/replay/conversation
-run: $(STAMP)
+run-load: $(STAMP)
 	$(BIN)/kvctl replay --device cpu $(RUN_FANOUT_ARGS) $(ARGS)
 	$(BIN)/kvctl replay --device cpu $(RUN_CONV_ARGS) $(ARGS)
 

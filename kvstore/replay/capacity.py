@@ -15,8 +15,10 @@ Read against:
 * the **best baseline**: the configuration that does not predict (``engine-only``, ``none`` and
   ``reactive`` with or without claims and tiers but ``tiers-predictive``) with the highest median
   capacity;
-* the **bound**: ``bound|least-work``, every reusable block at hand for nothing on every node (the
-  floor's physics, with queueing): no configuration's capacity exceeds it.
+* the **bound**: ``bound|plan``, every reusable block at hand for nothing on every node (the floor's
+  physics, with queueing), each request routed where the oracle's plan sends it: every request's work is
+  no more than under the oracle. That no configuration's capacity exceeds it is checked
+  (:func:`over_bound`), not proven: another router could in principle place work better.
 
 Pure logic over run summaries (the caller runs the simulator); no I/O.
 """

@@ -29,8 +29,8 @@ from kvstore.replay.config import (POLICIES, TIER_POLICIES, ReplayConfig, add_da
 from kvstore.replay.costmodel import LINKS, PRESETS, CostModel
 from kvstore.replay.engine import Driver, RunConfig
 from kvstore.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum, replica_gib_s
-from kvstore.replay.report import (capacity_table, plot_capacity, plot_cdf, plot_timeline, ratios, render,
-                                   sweep_table)
+from kvstore.replay.report import (capacity_summary, capacity_table, plot_capacity, plot_cdf, plot_timeline,
+                                   ratios, render, sweep_table)
 from kvstore.replay.routers import ROUTERS
 from kvstore.replay.sim import run_policy_sim
 from kvstore.replay.sim_report import compare_section
@@ -110,6 +110,10 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                         "the wait < this x its own queue + prefill (with prefill queued; 1 with none); auto: 1.0 "
                         "(wait only where it is expected to be faster). Pulls take no margin: a prefix another "
                         "node holds is pulled only where the pull beats computing it")
+    c.add_argument("--configs", metavar="POLICY|ROUTER,...", help="the configurations to run, instead of every "
+                   "--policies under every --routers: e.g. 'engine-only|kv-router,reactive|mooncake,"
+                   "predictive+claims|cache-aware@32,bound' (cache-aware@N: its --balance-abs; the oracle and the "
+                   "bound route themselves)")
     c.add_argument("--router", choices=ROUTERS, help="the router (see --routers)")
     c.add_argument("--routers", help="comma list of routers; every policy runs under each "
                    "(the oracle routes itself). Default: --router")
@@ -188,8 +192,9 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     k = p.add_argument_group("capacity")
     k.add_argument("--search", choices=["capacity"], help="capacity: per configuration, the highest --rate-scale "
                    "at which at least --slo-attainment of the requests meet the SLO, by bisection on the simulator "
-                   "(per seed; ratios to engine-only and to the best baseline); without --sim, each configuration "
-                   "then runs live once at the best baseline's capacity and once at the best configuration's")
+                   "(per seed; ratios to engine-only and to the best baseline); without --sim, engine-only's best "
+                   "router, the best baseline and the best configuration then run live (first seed) once at the "
+                   "best baseline's capacity and once at the best configuration's")
     k.add_argument("--jobs", type=int, help="capacity: searches run at once on the simulator (0: one per core)")
     k.add_argument("--slo-attainment", type=float, help="capacity: the share of requests that must meet the SLO")
     k.add_argument("--search-resolution", type=float, help="capacity: bisect until the bracket's upper end is "
@@ -335,14 +340,10 @@ def _replay(a: ReplayConfig) -> int:
     from tqdm import tqdm
 
     configs = router_configs(a.router_list(), balance)
-    plan: list[tuple[str, tuple[str, str, float]]] = []  # (policy, router config) per run
-    for policy in policies:
-        if policy == "oracle":
-            plan.append((policy, ("plan", "least-load", balance[0])))
-        elif policy == "bound":  # every node holds every reusable block: the least work wins
-            plan.append((policy, ("least-work", "least-work", balance[0])))
-        else:
-            plan.extend((policy, rc) for rc in configs)
+    plan = a.run_plan()  # (policy, router config) per run
+    if a.configs:
+        policies = list(dict.fromkeys(p for p, _ in plan))
+        configs = list(dict.fromkeys(rc for _, rc in plan if rc[0] != "plan")) or configs
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "requests").mkdir(exist_ok=True)
     config = a.to_json()
@@ -433,8 +434,9 @@ def _replay(a: ReplayConfig) -> int:
 def _capacity(a: ReplayConfig, cost: CostModel, workloads_by_seed: dict[int, list[Workload]],
               plan: list[tuple[str, tuple[str, str, float]]], results: dict[str, Any]) -> int:
     """``--search capacity``: each configuration's capacity per seed on the simulator, then (without
-    ``--sim``) every configuration but the bound live once at the best baseline's knee and once at the best
-    configuration's, beside the simulated run at the same load (kvstore/replay/capacity.py)."""
+    ``--sim``) engine-only's best router, the best baseline and the best configuration live, on the first
+    seed, once at the best baseline's knee and once at the best configuration's, beside the simulated run at
+    the same load (kvstore/replay/capacity.py)."""
     from tqdm import tqdm
 
     from kvstore.replay import capacity
@@ -469,11 +471,16 @@ def _capacity(a: ReplayConfig, cost: CostModel, workloads_by_seed: dict[int, lis
             if not a.sim:  # the simulator's knees, checked on real daemons
                 live: dict[str, Any] = {}
                 wl = workloads_by_seed[seeds[0]][wi]
+                checked = {cap.get(k) for k in ("reference", "best_baseline", "best")} - {None}
                 for name, x in capacity.knees(cap).items():
+                    same = next((v for v in live.values() if v["rate_scale"] == x), None)
+                    if same is not None:  # both knees at one load: the same runs
+                        live[name] = same
+                        continue
                     for policy, rc in plan:
-                        if policy == capacity.BOUND:
-                            continue
                         label = key(policy, rc[0])
+                        if label not in checked:
+                            continue
                         bar.set_description(f"{wl.name}/live {label} x{x:.3g}")
                         run = run_policy(wl.at_rate(x), policy, rc, a, cost, None,
                                          f"{wl.name}-{policy}-{rc[0]}-{name}")["summary"]
@@ -500,6 +507,9 @@ def _capacity(a: ReplayConfig, cost: CostModel, workloads_by_seed: dict[int, lis
         print(f"## {name} ({w['workload']['requests']} requests; capacity as a rate scale of the workload)")
         print(capacity_table(w))
         print()
+    print("## capacity against engine-only (no kvstore), every workload")
+    print(capacity_summary(results))
+    print()
     print(f"wrote {a.out / 'results.json'} and {a.out / 'report.md'} in {results['wall_s']:.0f}s")
     problems = {f"{w}/{p}": v for w, e in results["workloads"].items() for p, v in e["problems"].items() if v}
     if problems:

@@ -27,11 +27,12 @@ from kvstore.replay.claiming import (REUSE_HORIZON_S, TIER_ADMIT, TIER_POLICIES,
 from kvstore.replay.cluster import ClusterSpec
 from kvstore.replay.costmodel import LINKS, MODELLED_CAPACITY, CostModel, auto_byte_scale
 from kvstore.replay.routers import ROUTERS, make_router
+from kvstore.replay.sweep import router_configs
 from kvstore.replay.workload import DEFAULT_TRACE, SynthSpec
 from kvstore.units import parse_size
 
 POLICIES = ("none", "reactive", "full", "predictive", "oracle", "engine-only", "bound")
-# routes itself and runs single-tier only, without claims: the oracle's plan, the bound's least work
+# route themselves (the oracle's plan) and run single-tier only, without claims
 SELF_ROUTED = ("oracle", "bound")
 
 
@@ -99,6 +100,7 @@ class ReplayConfig:
     claim_margin: str = "auto"
     router: str = "cache-aware"
     routers: str | None = None
+    configs: str = ""
     balance_abs: str = "32"
     balance_rel: float = 1.5
     match_threshold: float = 0.0
@@ -201,7 +203,8 @@ class ReplayConfig:
             raise ValueError(f"--search {self.search!r}: the one search is 'capacity'")
         if not 0 < self.search_resolution < 1:
             raise ValueError("--search-resolution must be in (0, 1), e.g. 0.05 for 5 %")
-        if not self.sim and not self.search and "bound" in (p.partition("+")[0] for p in self.policy_list()):
+        plan = self.run_plan()
+        if not self.sim and not self.search and any(p.partition("+")[0] == "bound" for p, _ in plan):
             raise ValueError("the bound runs simulated only (--sim, or --search capacity, which searches on the "
                              "simulator)")
         bad_t = [t for t in self.tier_policy_list() if t not in TIER_POLICIES]
@@ -222,6 +225,41 @@ class ReplayConfig:
                 raise ValueError("--network netns needs --transport tcp (UCX shared memory would bypass tc)")
 
     # ---- derived values -------------------------------------------------------------
+    def run_plan(self) -> list[tuple[str, tuple[str, str, float]]]:
+        """``(policy, (label, router, balance_abs))`` of every configuration to run: ``--configs`` as given,
+        else every policy under every router (cache-aware once per ``--balance-abs``); the oracle routes
+        itself (``plan``), and so does the bound (the oracle's routes, every reusable block free)."""
+        balance = self.balances()
+        own = {"oracle": ("plan", "least-load", balance[0]), "bound": ("plan", "least-load", balance[0])}
+        if self.configs:
+            out = []
+            for item in (c.strip() for c in self.configs.split(",") if c.strip()):
+                policy, _, router = item.partition("|")
+                base = policy.partition("+")[0]
+                if not _known_policy(policy):
+                    raise ValueError(f"--configs {item!r}: unknown policy {policy!r}; choose from "
+                                     f"{','.join(POLICIES)}")
+                if base in own:
+                    out.append((policy, own[base]))
+                    continue
+                name, _, threshold = router.partition("@")
+                if name not in ROUTERS:
+                    raise ValueError(f"--configs {item!r}: expected POLICY|ROUTER with a router of "
+                                     f"{','.join(ROUTERS)}")
+                try:
+                    b = float(threshold) if threshold else balance[0]
+                except ValueError:
+                    raise ValueError(f"--configs {item!r}: cache-aware@N takes a number") from None
+                label = f"cache-aware@{b:g}" if name == "cache-aware" else name
+                out.append((policy, (label, name, b)))
+            return out
+        configs = router_configs(self.router_list(), balance)
+        plan: list[tuple[str, tuple[str, str, float]]] = []
+        for policy in self.policy_list():
+            base = policy.partition("+")[0]
+            plan.extend([(policy, own[base])] if base in own else [(policy, rc) for rc in configs])
+        return plan
+
     def policy_list(self) -> list[str]:
         """Every policy to run: each of --policies under each of --tier-policies (a suffix, as +claims;
         single-tier adds none; the oracle runs single-tier only)."""

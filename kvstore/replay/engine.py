@@ -104,7 +104,7 @@ class RunResult:
 class _Req:
     """A request with its keys and page words, ready to serve."""
 
-    __slots__ = ("i", "req", "keys", "words", "rec", "t_enq", "step")
+    __slots__ = ("i", "req", "keys", "words", "rec", "t_enq", "step", "est")
 
     def __init__(self, i: int, req: Any, rec: RequestRecord) -> None:
         self.i, self.req, self.rec = i, req, rec
@@ -112,6 +112,7 @@ class _Req:
         self.keys = [hash_key(h) for h in req.hash_ids]
         self.words = page_words(ids)
         self.t_enq = 0.0
+        self.est = 0.0  # its prefill as admitted to its engine's slot queue (EngineState.admit)
         self.step: Step | None = None  # oracle: its planned node, depth and copy
 
 
@@ -181,6 +182,7 @@ class Engine:
 
     def submit(self, item: _Req) -> None:
         item.t_enq = time.perf_counter()
+        item.est = self.state.admit(item.keys, item.rec.input_tokens)
         self.waiting += 1
         self.queue.put_nowait(item)
 
@@ -197,6 +199,7 @@ class Engine:
             item = await self.queue.get()
             if item is None:
                 return
+            self.state.seated(item.est)
             self.waiting -= 1
             self.running += 1
             try:
@@ -314,8 +317,9 @@ class Driver:
                     continue
         for i in self.store_down:
             views[i].down = True
-        if self.cfg.router.needs_engine_cache:  # the engines' own caches, as their KV events tell a router
-            for v, e in zip(views, self.engines):
+        for v, e in zip(views, self.engines):
+            v.queued_s = e.state.queued_s(e.load, self.cfg.concurrency)
+            if self.cfg.router.needs_engine_cache:  # the engines' own caches, as their KV events tell a router
                 v.engine = e.state.prefix_ahead(keys)
         return views
 

@@ -292,6 +292,8 @@ def render(results: dict[str, Any]) -> str:
              f"{cfg['cost']['page_bytes_scaled'] / 1024:.0f} KiB stored (byte scale {cfg['byte_scale']}), "
              f"speedup {cfg['speedup']}, concurrency {cfg['concurrency']} per engine. "
              f"All times in trace seconds.", "", MEASURED_NOTE]
+    if any("capacity" in w for w in results["workloads"].values()):
+        parts += ["## Capacity against engine-only, every workload", "", capacity_summary(results), ""]
     for name, w in results["workloads"].items():
         d = w["workload"]
         parts += [f"## {name}", "",
@@ -343,6 +345,34 @@ def capacity_table(w: dict[str, Any]) -> str:
             got = k["configs"].get(label)
             row += (f" {100 * got['live']['slo_attainment']:.0f} / {100 * got['simulated']['slo_attainment']:.0f} % |"
                     if got else " - |")
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def capacity_summary(results: dict[str, Any]) -> str:
+    """One table over every workload of a capacity search: per configuration, its capacity as a ratio to
+    engine-only's (median, range over seeds), the bound's ratio beside it, and the live attainment (live /
+    simulated) at the best configuration's knee where the live cluster ran."""
+    names = [n for n, w in results["workloads"].items() if "capacity" in w]
+    labels: list[str] = []
+    for n in names:
+        labels += [k for k in results["workloads"][n]["capacity"]["configs"] if k not in labels]
+    live_any = any(results["workloads"][n].get("live") for n in names)
+    head = "| configuration |" + "".join(f" {n}: capacity vs engine-only |" + (" live / sim at the knee |"
+                                                                              if live_any else "") for n in names)
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for label in labels:
+        row = f"| `{label}` |"
+        for n in names:
+            w = results["workloads"][n]
+            c = w["capacity"]["configs"].get(label)
+            tags = [t for t, k in (("best baseline", "best_baseline"), ("best", "best"))
+                    if w["capacity"].get(k) == label]
+            row += f" {_x(c['vs_engine_only']) if c else '-'}{' (' + ', '.join(tags) + ')' if tags else ''} |"
+            if live_any:
+                got = ((w.get("live") or {}).get("best") or {}).get("configs", {}).get(label)
+                row += (f" {100 * got['live']['slo_attainment']:.0f} / "
+                        f"{100 * got['simulated']['slo_attainment']:.0f} % |" if got else " - |")
         lines.append(row)
     return "\n".join(lines)
 

@@ -58,6 +58,8 @@ class NodeView:
     hinted: int = 0        # leading blocks a pending or live speculative copy gives it
     down: bool = False     # its kvstored is not a live member: route elsewhere
     work_s: float = 0.0    # prefill (trace s) queued or running on its engine
+    queued_s: float = 0.0  # trace s a newcomer waits for a slot: the queued requests' prefill, or the decodes
+                           # ahead of it where every slot is taken (EngineState.queued_s)
     engine: int = 0        # leading blocks its engine's own prefix cache holds, or computes for a request queued
                            # ahead (routers with ``needs_engine_cache``: a KV router fed the engines' KV events)
 
@@ -217,8 +219,9 @@ class Eta:
 class KvRouter:
     """Where each engine's own prefix cache is, and the work queued on it: the best router a fleet runs without
     a shared store (llm-d's precise prefix-cache scorer with its load scorer, Dynamo's KV router). Per node,
-    the prefill already queued there plus this request's prefill of what that engine's cache lacks; the
-    smallest wins (ties: lower load, rotation). ``prefill_s(blocks, cached)`` as :class:`Eta`'s."""
+    the prefill queued there (on its prefill unit and in the requests waiting for a slot) plus this request's
+    prefill of what that engine's cache lacks; the smallest wins (ties: lower load, rotation).
+    ``prefill_s(blocks, cached)`` as :class:`Eta`'s."""
 
     name = "kv-router"
     needs_prefix = False
@@ -230,13 +233,14 @@ class KvRouter:
 
     def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
         live = up(views)
-        est = [v.work_s + self._prefill_s(blocks, min(blocks, v.engine)) for v in views]
+        est = [v.work_s + v.queued_s + self._prefill_s(blocks, min(blocks, v.engine)) for v in views]
         low = min(est[i] for i in live)
         return least_loaded(views, self._rot, [i for i in live if est[i] <= low + 1e-9]), "kv-router"
 
 
 class Mooncake:
-    """Mooncake's global scheduler (FAST'25, Algorithm 1) as published: per prefill instance, its queue plus
+    """Mooncake's global scheduler (FAST'25, Algorithm 1) as published: per prefill instance, its queued
+    prefill (on its prefill unit and waiting for a slot) plus
     the cheaper of computing what it holds not (its store's prefix or its engine's cache, the longer) and
     pulling the longest prefix the cluster holds then computing the rest; the smallest wins. A hot prefix
     gets copied as a side effect of the pulls. ``pull_s`` None (a policy that does not pull): computing only.
@@ -262,7 +266,7 @@ class Mooncake:
         for v, h in zip(views, have):
             compute = self._prefill_s(blocks, h)
             pull = self._pull_s(best - h) + self._prefill_s(blocks, best) if self._pull_s is not None else compute
-            out.append(v.work_s + min(compute, pull))
+            out.append(v.work_s + v.queued_s + min(compute, pull))
         return out
 
     def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
@@ -270,22 +274,6 @@ class Mooncake:
         est = self.estimate(views, blocks)
         low = min(est[i] for i in live)
         return least_loaded(views, self._rot, [i for i in live if est[i] <= low + 1e-9]), "mooncake"
-
-
-class LeastWork:
-    """The node with the least prefill queued (the bound's router: every node holds every reusable block)."""
-
-    name = "least-work"
-    needs_prefix = False
-    needs_engine_cache = False
-
-    def __init__(self) -> None:
-        self._rot = _Rotation()
-
-    def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
-        live = up(views)
-        low = min(views[i].work_s for i in live)
-        return least_loaded(views, self._rot, [i for i in live if views[i].work_s <= low + 1e-9]), "least-work"
 
 
 def make_router(name: str, abs_threshold: float = 32.0, rel_threshold: float = 1.5, use_hints: bool = True,
@@ -306,8 +294,6 @@ def make_router(name: str, abs_threshold: float = 32.0, rel_threshold: float = 1
         if prefill_s is None:
             raise ValueError(f"the {name} router needs the cost model's prefill_s")
         return KvRouter(prefill_s) if name == "kv-router" else Mooncake(prefill_s, pull_s)
-    if name == "least-work":
-        return LeastWork()
     raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)}")
 
 

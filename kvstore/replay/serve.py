@@ -116,6 +116,8 @@ class EngineState:
     held: Any = None                 # oracle: which pages each node holds (``mark(node, keys)``), or None
     oracle: dict[str, Any] = field(default_factory=dict)  # the run's oracle counters (late_waits)
     backlog_s: float = 0.0           # trace s of prefill queued for or on the prefill unit
+    slot_queue_s: float = 0.0        # trace s of prefill of the requests waiting for a slot (as admitted)
+    decode_avg_s: float = 0.0        # trace s a decode held its slot, a moving average of the engine's last ones
     running: RequestRecord | None = None  # the request whose prefill is on the unit now
     running_end: float = 0.0         # when that one ends (trace s)
     own: set[bytes] = field(default_factory=set)          # keys this node got by its own Put or Get's fetch
@@ -148,6 +150,25 @@ class EngineState:
         """Leading blocks of ``keys`` the node holds (``local``) or that a Get of another request on this
         engine is bringing to it now: the connectors' rule (:func:`kvstore_client.claims.joined`)."""
         return claiming.joined(keys, local, self.fetching.values())
+
+    def admit(self, keys: Sequence[bytes], input_tokens: int) -> float:
+        """A request joins the queue for a slot: its prefill as it looks now (what the engine's cache or a
+        request ahead of it will hold served), counted in :attr:`slot_queue_s` until :meth:`seated`."""
+        cost = self.rules.cost
+        est = cost.prefill_s(cost.uncached_tokens(input_tokens, self.prefix_ahead(keys)))
+        self.slot_queue_s += est
+        return est
+
+    def seated(self, est: float) -> None:
+        """The request admitted with ``est`` has its slot."""
+        self.slot_queue_s = max(0.0, self.slot_queue_s - est)
+
+    def queued_s(self, load: int, slots: int) -> float:
+        """What a request joining now waits before its own prefill, as the engine's metrics tell a router:
+        the prefill of the requests waiting for a slot, or, where every slot is taken, the decodes ahead of
+        it at their recent mean length, shared by the slots (the longer)."""
+        busy = max(0, load + 1 - slots) * self.decode_avg_s / max(1, slots)
+        return max(self.slot_queue_s, busy)
 
     def remember(self, keys: Sequence[bytes]) -> None:
         for k in keys:
@@ -294,6 +315,7 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
         else:
             e.put_errors += 1
     yield Sleep(rec.decode_s)
+    e.decode_avg_s = rec.decode_s if not e.decode_avg_s else 0.9 * e.decode_avg_s + 0.1 * rec.decode_s
     rec.done = True
 
 

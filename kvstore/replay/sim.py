@@ -164,11 +164,13 @@ class SimDriver:
     def _views(self, keys: list[bytes]) -> tuple[list[NodeView], float]:
         loads = [float(e.load) for e in self.engines]
         work = [e.state.backlog_s for e in self.engines]
+        queued = [e.state.queued_s(e.load, self.cfg.concurrency) for e in self.engines]
         asks = self.cfg.router.needs_prefix and self.cluster.alive(0)
         entries = self.cluster.prefixes(keys) if asks else ()
         views = views_from_lookup(self.cluster.ids, loads, entries, work)
         for i, v in enumerate(views):  # a fleet router watching Status: down a heartbeat timeout after a kill
             v.down = not self.cluster.known_alive(i)
+            v.queued_s = queued[i]
             if self.cfg.router.needs_engine_cache:  # the engines' own caches, as their KV events tell a router
                 v.engine = self.engines[i].state.prefix_ahead(keys)
         return views, self.cfg.rpc_ms / 1e3 if asks else 0.0
@@ -176,20 +178,21 @@ class SimDriver:
     def _arrive(self, i: int, keys: list[bytes], step: Step | None) -> None:
         rec = self.records[i]
         if step is not None and self.oracle_plan is not None:
-            node, reason, route_s = step.node, f"oracle-{self.oracle_plan.name}", 0.0
+            node, reason, route_s = step.node, f"{self.cfg.policy}-{self.oracle_plan.name}", 0.0
         else:
             views, route_s = self._views(keys)
             node, reason = self.cfg.router.choose(views, len(keys))
         rec.route_s, rec.node, rec.route_reason = route_s, self.cluster.ids[node], reason
         eng = self.engines[node]
         eng.waiting += 1
-        self.sim.process(self._serve(node, rec, keys, step))
+        self.sim.process(self._serve(node, rec, keys, step, eng.state.admit(keys, rec.input_tokens)))
 
-    def _serve(self, n: int, rec: RequestRecord, keys: list[bytes], step: Step | None) -> Process:
+    def _serve(self, n: int, rec: RequestRecord, keys: list[bytes], step: Step | None, est: float) -> Process:
         """The engine's slot, then :func:`~kvstore.replay.serve.serve` on the simulated clock."""
         sim, eng = self.sim, self.engines[n]
         t_enq = sim.now
         yield eng.slots.acquire()
+        eng.state.seated(est)
         eng.waiting -= 1
         eng.running += 1
         yield from step_through(serve(eng.state, rec, keys, step, sim.now - t_enq, lambda: sim.now),
@@ -295,9 +298,10 @@ class SimDriver:
         cfg, reqs, sim = self.cfg, self.workload.requests, self.sim
         wall = time.perf_counter()
         reusable = reusable_blocks(reqs)
-        if cfg.policy == "oracle":
+        if cfg.policy in ("oracle", "bound"):  # the bound takes the oracle's routes, and every reuse for nothing
             self.oracle_plan = plan(reqs, reusable, cfg.nodes, cfg.concurrency, cfg.cost, cfg.oracle_lead_s,
                                     cfg.oracle_rpc_s * cfg.speedup, down=dict(cfg.kills))
+        if cfg.policy == "oracle":
             self.held = Held(sim, cfg.nodes)
             for e in self.engines:
                 e.state.held = self.held
@@ -311,7 +315,7 @@ class SimDriver:
             self.records.append(RequestRecord.of(i, r, reusable[i]))
             step = self.oracle_plan.steps[i] if self.oracle_plan is not None else None
             sim.at(r.t, self._arrive, i, keys_of[i], step)
-            if step is not None and step.source >= 0:
+            if step is not None and step.source >= 0 and self.held is not None:
                 sim.at(step.copy_at, lambda s=step, k=keys_of[i]: sim.process(self._copy(s, k)))
         for i, t in cfg.kills:
             sim.at(t, self._kill, i)

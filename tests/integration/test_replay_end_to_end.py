@@ -180,3 +180,31 @@ def test_tiers_hit_ratios_agree_live_and_simulated(tmp_path) -> None:  # type: i
         assert abs(real[k] - sim[k]) <= 0.05, (k, real[k], sim[k])
     print(f"tiers p99: real {real['ttft_p99_s']:.3f} s, simulated {sim['ttft_p99_s']:.3f} s")
     assert (out / "logs").is_dir() and not list(out.rglob("tiers"))  # the modelled disks are removed
+
+
+def test_capacity_search_checks_the_knees_on_real_daemons(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--search capacity`` without ``--sim``: the search on the simulator, then engine-only, the best
+    baseline and the best configuration on 2 real nodes at the knees, each beside its simulated twin."""
+    from kvstore.replay.cli import replay_main
+
+    out = tmp_path / "capacity"
+    rc = replay_main(["--search", "capacity", "--trace", "synth", "--synth-bursts", "2", "--synth-requests", "8",
+                      "--synth-prefix-tokens", "8192", "--synth-window", "2", "--synth-decoys", "1",
+                      "--synth-background", "0.5", "--synth-duration", "10", "--synth-output-tokens", "64",
+                      "--nodes", "2", "--configs", "engine-only|least-load,reactive|cache-aware,bound",
+                      "--search-resolution", "0.25", "--jobs", "1", "--speedup", "4", "--byte-scale", "16384",
+                      "--network", "shaped", "--capacity", "16MiB", "--heartbeat", "0.1", "--drain-timeout",
+                      "30", "--no-progress", "--no-plots", "--out", str(out)])
+    assert rc == 0
+    assert not _kvstored_children(), "daemons left behind"
+    w = json.loads((out / "results.json").read_text())["workloads"]["synth-fanout"]
+    cap = w["capacity"]
+    assert cap["reference"] == "engine-only|least-load" and cap["bound"] == "bound|plan"
+    assert set(w["live"]) == {"best_baseline", "best"}
+    for knee in w["live"].values():
+        assert knee["rate_scale"] > 0
+        assert "bound|plan" not in knee["configs"]  # the bound has no live twin
+        for label, got in knee["configs"].items():
+            assert got["live"]["completed"] == got["live"]["requests"] == got["simulated"]["requests"], label
+            assert 0 <= got["live"]["slo_attainment"] <= 1
+    assert "live / sim attainment" in (out / "report.md").read_text()

@@ -15,7 +15,7 @@ from kvstore.replay import capacity
 from kvstore.replay.cli import replay_main
 from kvstore.replay.costmodel import CostModel
 from kvstore.replay.metrics import RequestRecord, meets_slo
-from kvstore.replay.routers import KvRouter, LeastWork, Mooncake, NodeView, make_router
+from kvstore.replay.routers import KvRouter, Mooncake, NodeView, make_router
 from kvstore.replay.workload import Workload, shape_requests
 from kvstore.workloads.traces import Request, arrival_gap, scale_rate
 
@@ -109,12 +109,12 @@ def _cap(x: float) -> dict[str, object]:
 def test_summary_reads_every_capacity_against_engine_only_the_best_baseline_and_the_bound() -> None:
     per = {"engine-only|least-load": [_cap(1.0), _cap(1.2)], "engine-only|kv-router": [_cap(2.0), _cap(2.0)],
            "none|cache-aware@32": [_cap(3.0), _cap(2.0)], "predictive|cache-aware@32": [_cap(4.0), _cap(3.0)],
-           "oracle|plan": [_cap(5.0), _cap(5.0)], "bound|least-work": [_cap(6.0), _cap(5.0)]}
+           "oracle|plan": [_cap(5.0), _cap(5.0)], "bound|plan": [_cap(6.0), _cap(5.0)]}
     s = capacity.summarize(per)
     assert s["reference"] == "engine-only|kv-router"      # engine-only's best router is the 1.0x
     assert s["best_baseline"] == "none|cache-aware@32"    # the best that does not predict
     assert s["best"] == "predictive|cache-aware@32"       # neither the oracle nor the bound
-    assert s["bound"] == "bound|least-work"
+    assert s["bound"] == "bound|plan"
     p = s["configs"]["predictive|cache-aware@32"]
     assert p["vs_engine_only"] == {"median": 1.75, "min": 1.5, "max": 2.0, "n": 2}
     assert p["vs_best_baseline"]["median"] == pytest.approx((4 / 3 + 1.5) / 2)
@@ -150,7 +150,6 @@ def test_mooncakes_scheduler_pulls_only_where_the_pull_beats_computing() -> None
     assert r.choose(views, 33)[0] == 1
     no_pull = Mooncake(_prefill, None)  # a policy that does not pull: each node computes what it lacks
     assert no_pull.estimate(views, 33)[1] == pytest.approx(_prefill(33, 0))
-    assert LeastWork().choose([NodeView("a", load=0, work_s=2.0), NodeView("b", load=5, work_s=1.0)], 4)[0] == 1
 
 
 # ---- the simulator, end to end --------------------------------------------------------------------
@@ -165,7 +164,7 @@ def test_engine_only_asks_the_store_nothing_and_the_bound_serves_every_reusable_
     res = _replay(tmp_path, "--trace", "tool-agent", "--policies", "engine-only,none,bound", "--routers",
                   "kv-router", "--rate-scale", "0.25")
     w = res["workloads"]["tool-agent"]
-    eng, bound = w["runs"]["engine-only|kv-router"][0], w["runs"]["bound|least-work"][0]
+    eng, bound = w["runs"]["engine-only|kv-router"][0], w["runs"]["bound|plan"][0]
     assert eng["local_blocks"] == eng["remote_blocks"] == 0 and eng["engine_cached_blocks"] > 0
     assert eng["kv_fetch_p99_s"] == 0.0 and eng["route_p99_s"] == 0.0
     assert bound["miss_blocks"] == bound["blocks"] - round(bound["reusable_ratio"] * bound["blocks"])
@@ -178,11 +177,11 @@ def test_engine_only_asks_the_store_nothing_and_the_bound_serves_every_reusable_
 
 def test_capacity_search_end_to_end_no_configuration_exceeds_the_bound(tmp_path: Path) -> None:
     res = _replay(tmp_path, "--search", "capacity", "--trace", "agent-fanout", "--policies",
-                  "engine-only,none,reactive,predictive,bound", "--routers", "least-load,cache-aware,mooncake",
+                  "engine-only,none,reactive,predictive,oracle,bound", "--routers", "least-load,cache-aware,mooncake",
                   "--search-resolution", "0.1", "--jobs", "2")
     w = res["workloads"]["agent-fanout"]
     cap = w["capacity"]
-    assert cap["reference"].startswith("engine-only|") and cap["bound"] == "bound|least-work"
+    assert cap["reference"].startswith("engine-only|") and cap["bound"] == "bound|plan"
     assert capacity.over_bound(cap, 0.1) == [] and not any(w["problems"].values())
     for label, c in cap["configs"].items():
         assert 0 < c["rate_scale"]["median"] < capacity.HIGHEST, label
