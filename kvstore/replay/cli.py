@@ -423,12 +423,7 @@ def _replay(a: ReplayConfig) -> int:
         print(f"## {name} ({w['workload']['requests']} requests; times in trace seconds)")
         print(sweep_table(w))
         print()
-    print(f"wrote {a.out / 'results.json'} and {a.out / 'report.md'} in {results['wall_s']:.0f}s")
-    problems = {f"{w}/{p}": v for w, e in results["workloads"].items() for p, v in e["problems"].items() if v}
-    if problems:
-        print(f"sanity problems: {problems}", file=sys.stderr)
-        return 1
-    return 0
+    return _finish(a, results)
 
 
 def _capacity(a: ReplayConfig, cost: CostModel, workloads_by_seed: dict[int, list[Workload]],
@@ -469,7 +464,7 @@ def _capacity(a: ReplayConfig, cost: CostModel, workloads_by_seed: dict[int, lis
             entry["problems"] = {"bound": [f"capacity above the bound: {k}" for k in
                                            capacity.over_bound(cap, a.search_resolution)]}
             if not a.sim:  # the simulator's knees, checked on real daemons
-                live: dict[str, Any] = {}
+                live: dict[str, Any] = entry.setdefault("live", {})
                 wl = workloads_by_seed[seeds[0]][wi]
                 checked = {cap.get(k) for k in ("reference", "best_baseline", "best")} - {None}
                 for name, x in capacity.knees(cap).items():
@@ -485,13 +480,11 @@ def _capacity(a: ReplayConfig, cost: CostModel, workloads_by_seed: dict[int, lis
                         run = run_policy(wl.at_rate(x), policy, rc, a, cost, None,
                                          f"{wl.name}-{policy}-{rc[0]}-{name}")["summary"]
                         twin = simulate(wl.at_rate(x), policy, rc)
+                        keys = ("slo_attainment", "ttft_p50_s", "ttft_p99_s", "completed", "requests",
+                                "queue_p99_s", "kv_fetch_p99_s", "lag_p99_s")
                         live.setdefault(name, {"rate_scale": x, "configs": {}})["configs"][label] = {
-                            "live": {k: run[k] for k in ("slo_attainment", "ttft_p50_s", "ttft_p99_s",
-                                                         "completed", "requests")},
-                            "simulated": {k: twin[k] for k in ("slo_attainment", "ttft_p50_s", "ttft_p99_s",
-                                                               "completed", "requests")}}
+                            "live": {k: run[k] for k in keys}, "simulated": {k: twin[k] for k in keys}}
                         _write(a.out / "results.json", results)
-                entry["live"] = live
             entry["wall_s"] = time.perf_counter() - w_start
             _write(a.out / "results.json", results)
             if not a.no_plots:
@@ -510,6 +503,11 @@ def _capacity(a: ReplayConfig, cost: CostModel, workloads_by_seed: dict[int, lis
     print("## capacity against engine-only (no kvstore), every workload")
     print(capacity_summary(results))
     print()
+    return _finish(a, results)
+
+
+def _finish(a: ReplayConfig, results: dict[str, Any]) -> int:
+    """Say where the results went; exit 1 if a run had sanity problems."""
     print(f"wrote {a.out / 'results.json'} and {a.out / 'report.md'} in {results['wall_s']:.0f}s")
     problems = {f"{w}/{p}": v for w, e in results["workloads"].items() for p, v in e["problems"].items() if v}
     if problems:
