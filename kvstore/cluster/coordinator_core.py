@@ -191,7 +191,15 @@ class CoordinatorCore:
 
     # ---- inputs ---------------------------------------------------------------
     def _holders_count(self, namespace: str, key: bytes) -> int:
-        return len(self.directory.holders(namespace, key))
+        """The predictor's ``holders`` feature: the nodes holding the page other than as a speculative replica
+        no request has read yet (a read one is a replica like any other). The model learns the feature from
+        the nodes that served a prefix. Counted, the coordinator's own unread copies would lower a prefix's
+        score as soon as they land; the review would drop them as decayed, the score would rise again with
+        them gone, and the planner would copy them once more, every few ticks for as long as no request
+        goes to them."""
+        held = self.directory.holders(namespace, key)
+        unread = self.directory.speculative.get((namespace, key))
+        return len(held.difference(unread)) if unread else len(held)
 
     def observe(self, node: str, event: pb.AccessEvent) -> None:
         """One recorded request (from a heartbeat or from this node)."""

@@ -141,6 +141,7 @@ class Predictor:
         self._online_ok: bool | None = None
         self.retrains = 0
         self.train_error: str | None = None
+        self.single_class = False  # the last retrain window had one class only: the model in place was kept
         self.last_train_s = 0.0
         self.last_score_ms = 0.0
         self.loop_stretches: tuple[float, ...] = ()  # seconds the last score_async held the loop, stretch by stretch
@@ -358,7 +359,11 @@ class Predictor:
         return self._thread is not None and self._thread.is_alive()
 
     def maybe_retrain(self, now: float | None = None, force: bool = False) -> bool:
-        """Start a background retrain when due (every ``retrain_every_s``, >= ``min_train_rows``)."""
+        """Start a background retrain when due (every ``retrain_every_s``, >= ``min_train_rows``).
+
+        A window whose training rows are all of one class (a quiet cluster where no prefix came back, or
+        one where every one did) has nothing to learn from: the model in place stays, the predictor says
+        so once (again only after a window with both classes) and tries the next window when due."""
         now = self.clock() if now is None else float(now)
         if self.training or self._closed:
             return False
@@ -374,6 +379,15 @@ class Predictor:
         purged = tr[self._t[tr] + self.cfg.horizon_s <= t_cut]  # no label window reaches validation
         if purged.size >= pos.size // 2:
             tr = purged
+        y = self._y_remote[tr]
+        if not y.size or y.min() == y.max():
+            if not self.single_class:
+                kept = "current model" if self._slot.model is not None else "momentum rule"
+                log.warning("predictor retrain skipped: the %d labelled rows of its window have a single class; "
+                            "keeping the %s", y.size, kept)
+            self.single_class = True
+            return False
+        self.single_class = False
         age = self._t[tr] - self._t[pos[-1]]
         weight = np.exp(age / self.cfg.recency_tau_s) if self.cfg.recency_tau_s > 0 else np.ones(tr.size)
         job = (self._X[tr].copy(), self._y_remote[tr].copy(), self._X[va].copy(), self._y_remote[va].copy(),
@@ -436,6 +450,7 @@ class Predictor:
             "online": dict(self._online), "tracked_prefixes": len(self.fs), "labelled_rows": self.labelled_rows,
             "pending_samples": len(self._pending), "events_logged": len(self._events), "training": self.training,
             "retrains": self.retrains, "last_train_s": self.last_train_s, "train_error": self.train_error,
+            "single_class": self.single_class,
             "load_error": self.load_error, "last_score_ms": self.last_score_ms,
             "base_model": self._base is not None,
             "dropped_idle": self.fs.dropped_idle, "dropped_full": self.fs.dropped_full,

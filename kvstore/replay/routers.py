@@ -177,14 +177,28 @@ class CacheAware:
 
     def worth_following(self, views: Sequence[NodeView], tied: list[int], best: int) -> list[int]:
         """Of the nodes credited with ``best`` blocks, those worth routing to: every real holder, and a
-        hinted node only where its queued prefill plus the pull of the blocks it lacks ends before the
-        least-busy holder's queued prefill (all of ``tied`` without a link estimate or a real holder)."""
+        hinted node only where following it is expected to pay (all of ``tied`` without a link estimate or
+        a real holder):
+
+        * its queue (its queued prefill and the wait for a slot, ``work_s + queued_s``) plus the pull of
+          the blocks it lacks ends before the least-busy holder's queue; or
+        * a burst is under way on the holders: the least-loaded one already carries more than
+          ``rel_threshold`` times the requests the hinted node would carry with this one, and the hinted
+          node's queue is no longer than the least-busy holder's. The hinted node, once its first request
+          pulled what the copy lacks, holds the prefix for the burst's next requests, before the holder's
+          slots fill.
+
+        A hint to an idle node beside a holder serving one request with nothing queued changes no route:
+        the pull would only delay this request."""
         holders = [i for i in tied if views[i].prefix >= best]
         if self._pull_s is None or not holders or len(holders) == len(tied):
             return tied
-        floor = min(views[i].work_s for i in holders)
+        queue = [v.work_s + v.queued_s for v in views]
+        floor = min(queue[i] for i in holders)
+        busy = min(views[i].load for i in holders)
         return [i for i in tied
-                if views[i].prefix >= best or views[i].work_s + self._pull_s(best - views[i].prefix) < floor]
+                if views[i].prefix >= best or queue[i] + self._pull_s(best - views[i].prefix) < floor
+                or (busy > self.rel_threshold * (views[i].load + 1) and queue[i] <= floor)]
 
 
 class Eta:

@@ -231,3 +231,27 @@ def test_calibration_puts_the_operating_point_at_one_half() -> None:
     out = model.calibrate(p)
     assert np.allclose(out, [0.0, 0.25, 0.5, 0.75, 1.0])
     assert np.all(np.diff(out) > 0)  # ranking (and so ROC/PR-AUC) unchanged
+
+
+def test_a_retrain_window_of_one_class_keeps_the_model_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    p = Predictor(ONLINE)
+    t = drive(p, 240.0)
+    assert p.maybe_retrain(t) and p.wait_retrain(20.0) and p.model_version == 1
+    model, labels = p.model, p._y_remote.copy()
+    p._y_remote[:] = 0                                  # a quiet window: no prefix came back on a node lacking it
+    with caplog.at_level("WARNING", logger=online.__name__):
+        for i in range(3):                              # due every time: one line, not one a tick
+            assert p.maybe_retrain(t + i, force=True) is False
+    said = [r for r in caplog.records if "single class" in r.getMessage()]
+    assert len(said) == 1 and "keeping the current model" in said[0].getMessage()
+    assert p.model is model and p.model_version == 1 and not p.training
+    assert p.train_error is None and p.stats()["single_class"] is True
+    p._y_remote[:] = labels                             # both classes again: it retrains, and says it anew later
+    assert p.maybe_retrain(t + 10, force=True) and p.wait_retrain(20.0)
+    assert p.model_version == 2 and p.stats()["single_class"] is False and p.train_error is None
+    p._y_remote[:] = 1
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=online.__name__):
+        assert p.maybe_retrain(t + 20, force=True) is False
+    assert len([r for r in caplog.records if "single class" in r.getMessage()]) == 1 and p.model_version == 2
+    p.close()

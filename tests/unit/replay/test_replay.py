@@ -238,6 +238,34 @@ def test_cache_aware_follows_a_hint_only_where_its_pull_beats_the_holders_queue(
     assert ca.choose(live, 16) == (1, "affinity-hint")
 
 
+def test_cache_aware_follows_a_hint_where_a_burst_queues_on_the_holder_beyond_its_prefill() -> None:
+    # the ramp's moment: n0 holds the 32-block prefix and carries requests waiting for a slot or decoding
+    # (its queued prefill is one short suffix); n1 has a live copy of 16 blocks and nothing to do
+    ca = CacheAware(pull_s=lambda n: 0.0134 * n)  # 16 blocks pulled: 0.21 s, more than the holder's prefill
+
+    def views(holder_load: float, hinted_load: float = 0, hinted_work: float = 0.0, holder_slots_s: float = 0.0,
+              hinted_slots_s: float = 0.0) -> list[NodeView]:
+        return [NodeView("n0", load=holder_load, prefix=32, work_s=0.037, queued_s=holder_slots_s),
+                NodeView("n1", load=hinted_load, prefix=16, hinted=16, work_s=hinted_work, queued_s=hinted_slots_s)]
+
+    # one request on the holder, no queue: the pull would only delay this one
+    assert ca.choose(views(1), 34) == (0, "affinity")
+    # two on the holder, more than 1.5 x what the idle node would carry with this one: the hint is followed
+    assert ca.choose(views(2), 34) == (1, "affinity-hint")
+    assert ca.choose(views(10), 34) == (1, "affinity-hint")
+    # the hinted node's own load counts with this request: 3 against 1 + 1 is not enough, 4 is
+    assert ca.choose(views(3, hinted_load=1), 34) == (0, "affinity")
+    assert ca.choose(views(4, hinted_load=1), 34) == (1, "affinity-hint")
+    # a hinted node with more queued than the holder is no way round the holder's queue
+    assert ca.choose(views(10, hinted_work=0.5), 34) == (0, "affinity")
+    assert ca.choose(views(10, hinted_slots_s=0.5), 34) == (0, "affinity")
+    # a holder whose newcomer waits for a slot longer than the pull: followed whatever the loads
+    assert ca.choose(views(5, hinted_load=3, holder_slots_s=0.3), 34) == (1, "affinity-hint")
+    assert ca.choose(views(5, hinted_load=3, holder_slots_s=0.1), 34) == (0, "affinity")
+    # under the imbalance thresholds the least-loaded node wins anyway
+    assert CacheAware(abs_threshold=2).choose(views(10) + [NodeView("n2")], 34)[1] == "imbalance"
+
+
 # ---- oracle --------------------------------------------------------------------
 
 def _burst(prefix_blocks: int, followers: int, gap: float) -> list[Request]:
