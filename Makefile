@@ -77,7 +77,7 @@ bench: $(STAMP)
 # forecast, the oracle and the bound. Prints one table; writes kvstore-out/replay/capacity/.
 RUN_CONFIGS ?= engine-only|least-load,engine-only|kv-router,none|mooncake,reactive|mooncake,\
 reactive+claims|cache-aware,predictive+claims|cache-aware,predictive|mooncake,oracle,bound
-RUN_ARGS ?= --search capacity --trace conversation --window 300 --trace agent-fanout --speedup 2 \
+RUN_ARGS ?= --search capacity --trace conversation --window 300 --trace agent-fanout --speedup 1 \
   --nodes 8 --preset llama3-70b-tp8 --capacity preset --network shaped --link eth-100g \
   --out kvstore-out/replay/capacity
 run: $(STAMP)

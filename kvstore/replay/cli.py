@@ -488,7 +488,7 @@ def _capacity(a: ReplayConfig, cost: CostModel, workloads_by_seed: dict[int, lis
             entry["wall_s"] = time.perf_counter() - w_start
             _write(a.out / "results.json", results)
             if not a.no_plots:
-                plot_capacity(a.out / f"{wl0.name}_capacity.png", wl0.name, cap)
+                plot_capacity(a.out / f"{wl0.name}_capacity.png", wl0.name, cap, a.slo_attainment)
     finally:
         bar.close()
         results["wall_s"] = time.perf_counter() - started

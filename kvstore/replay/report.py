@@ -402,15 +402,19 @@ def capacity_section(w: dict[str, Any], cfg: dict[str, Any]) -> str:
 
 # ---- plots -------------------------------------------------------------------
 
-def plot_capacity(path: Path, workload: str, cap: dict[str, Any]) -> None:
-    """Two panels over the first seed's probes: SLO attainment and TTFT p99 against the rate scale, one
-    line per configuration (log x)."""
+def plot_capacity(path: Path, workload: str, cap: dict[str, Any], target: float | None = None) -> None:
+    """Two panels over the first seed's probes: SLO attainment (with the ``target`` line) and TTFT p99
+    against the rate scale, one line per configuration (log x)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    xs = [p["rate_scale"] for seeds in cap["per_seed"].values() for p in seeds[0]["probes"]] or [1.0]
+    ticks = [t for t in (1 / 64, 1 / 16, 1 / 8, 0.25, 0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
+             if min(xs) <= t <= max(xs)]
     for label, seeds in cap["per_seed"].items():
         probes = sorted(seeds[0]["probes"], key=lambda p: p["rate_scale"])
         x = [p["rate_scale"] for p in probes]
@@ -419,11 +423,18 @@ def plot_capacity(path: Path, workload: str, cap: dict[str, Any]) -> None:
         a2.plot(x, [max(p["ttft_p99_s"], 1e-4) for p in probes], style, marker=".", label=label)
     for ax in (a1, a2):
         ax.set_xscale("log")
+        ax.set_xticks(ticks)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("rate scale (x the workload's arrival rate)")
         ax.grid(True, which="both", alpha=0.3)
+    if target is not None:
+        a1.axhline(100 * target, color="black", lw=0.8, ls=":", label=f"target {100 * target:.0f} %")
     a1.set_ylabel("requests within the SLO (%)")
     a2.set_ylabel("TTFT p99 (trace s)")
     a2.set_yscale("log")
+    a2.yaxis.set_major_formatter(ScalarFormatter())
+    a2.yaxis.set_minor_formatter(ScalarFormatter())
     a1.set_title(f"{workload}: SLO attainment against load")
     a2.set_title(f"{workload}: TTFT p99 against load")
     a2.legend(fontsize=7)
