@@ -209,3 +209,28 @@ def test_regimes_cells_beside_their_live_runs(tmp_path: Path) -> None:
                 "--routers", "round-robin")
     assert_ratio(runs.ratio("predictive+claims|round-robin"), "0.92", "0.70", "1.00")
     assert stated(runs.ratio("oracle|plan")[0], "0.68")
+
+
+# ---- "Results: capacity at an SLO", shapes on seed 0 (docs/benchmarks.md) ---------------------------
+
+CAPACITY = ["--sim", "--search", "capacity", "--nodes", "8", "--preset", "llama3-70b-tp8", "--link", "eth-100g",
+            "--capacity", "preset", "--jobs", "1", "--no-plots", "--no-progress"]
+
+
+def _capacities(out: Path, trace: str, configs: str) -> dict[str, float]:
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert replay_main([*CAPACITY, "--trace", trace, "--configs", configs, "--out", str(out)]) == 0
+    (w,) = json.loads((out / "results.json").read_text())["workloads"].values()
+    return {k: v[0]["rate_scale"] for k, v in w["capacity"]["per_seed"].items()}
+
+
+def test_agent_fanout_capacities_seed_0(tmp_path: Path) -> None:
+    got = _capacities(tmp_path, "agent-fanout", "engine-only|least-load,reactive|mooncake,"
+                                                "predictive+claims|cache-aware,bound")
+    assert got == pytest.approx({"engine-only|least-load": 5.9073, "reactive|mooncake": 2.0,
+                                 "predictive+claims|cache-aware@32": 5.9073, "bound|plan": 14.05}, abs=1e-4)
+
+
+def test_tool_agent_capacities_seed_0(tmp_path: Path) -> None:
+    got = _capacities(tmp_path, "tool-agent", "engine-only|kv-router,reactive|mooncake")
+    assert got == pytest.approx({"engine-only|kv-router": 10.834, "reactive|mooncake": 11.3137}, abs=1e-4)
