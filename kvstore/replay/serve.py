@@ -44,10 +44,6 @@ class StoreError(Exception):
     """A Lookup or Get failed (the node is gone); the message is what the request records."""
 
 
-class _NoStore(Exception):
-    """The engine runs without a store (engine-only, the bound): it asks nothing of it."""
-
-
 @dataclass(frozen=True, slots=True)
 class Sleep:
     seconds: float  # trace seconds
@@ -195,64 +191,61 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
     if rules.free_reuse:  # the bound: what an earlier request had is here, loaded, for nothing
         local = cached = cluster_max = pool = min(rec.reusable, len(keys))
     try:
-        if not rules.store:  # engine-only and the bound: no store to ask (the engine's own cache still serves)
-            raise _NoStore
-        # the claim covers what the engine would compute knowing nothing cached (it learns its prefix from
-        # this Lookup); the node claims from the cluster's prefix on (the agent)
-        claim = claiming.claim_seconds(cost, rec.input_tokens, 0, e.backlog(now()), S) if rules.claims else 0.0
-        local, nodes, runs = yield Lookup(keys, record=True, claim_s=claim)
-        local = claiming.loadable(runs, local, cost, S)  # what its tiers hold only where loading beats computing
-        pool = claiming.pooled(nodes, e.node_id, local)
-        cluster_max = claiming.held(nodes, local)
-        # pull only what beats computing, and nothing a request ahead of this one on the engine computes
-        # (its prefix cache serves it when this one's prefill starts)
-        ahead = e.prefix_ahead(keys)
-        read = claiming.readable(nodes, e.node_id, local, cost, rules.link_bytes_s)
-        if ahead >= read:
-            read = local
-        # a pull of its prefix another request on this engine started is joined, not raced or recomputed
-        # (computing it would also put a whole prefill ahead of that request's short one)
-        joined = e.prefix_fetching(keys, local)
-        if joined > max(read, ahead):
-            read = joined
-        wait = claiming.choose(nodes, e.node_id, local, cost, S, rules.link_bytes_s, e.backlog(now()),
-                               rules.claim_margin) if rules.claims else None
-        if wait is not None and max(ahead, joined) >= wait.length:
-            wait = None  # queued behind this engine's own prefill of it, or its pull: no wait for another's
-        if wait is not None:  # another request is computing this prefix: wait for it, then read it
-            rec.claim_wait = True
-            t_wait, held_before = now(), cluster_max
-            while True:  # re-look about 8 times over what is left
-                yield Sleep(claiming.look_again(nodes, e.node_id, local, wait, cost, S, rules.link_bytes_s))
-                local, nodes, runs = yield Lookup(keys)
-                local = claiming.loadable(runs, local, cost, S)
-                pool = claiming.pooled(nodes, e.node_id, local)
-                came = claiming.landed(nodes, e.node_id, local, wait.length, wait.node)
-                if (came or now() - t_wait >= wait.budget_s
-                        or not claiming.still_coming(nodes, e.node_id, wait.length, wait.node)):
-                    break
-            cluster_max = read = claiming.readable_after(wait, came, nodes, local, held_before, cost,
-                                                         rules.link_bytes_s)
-            rec.wait_real_s = (now() - t_wait) / S
-            rec.wait_end = claiming.wait_end(came, now() - t_wait, wait)
-            rec.wait_ready_s = wait.ready_in_s
-        fetch = read if step is None else max(local, step.depth)  # the oracle gets what its plan says
-        if fetch > 0:
-            t_get = now()
-            if fetch > local:
-                e.fetching[rec.idx] = (keys, fetch)
-            try:
-                # a Get of its own node's pages only: the node reads from its tiers what lands before
-                # computing it would end (its disk may have been given others' reads since the Lookup)
-                below = max(0, fetch - pool) if fetch <= local else 0
-                deadline = cost.prefill_s(below * cost.block_tokens) if below and step is None else 0.0
-                cached, rec.corrupt = yield Get(keys[:fetch], deadline)
-            finally:
-                e.fetching.pop(rec.idx, None)
-            rec.get_s = now() - t_get
-            rec.get_real_s = rec.get_s / S
-    except _NoStore:
-        pass
+        if rules.store:  # engine-only and the bound ask no store (the engine's own cache still serves)
+            # the claim covers what the engine would compute knowing nothing cached (it learns its prefix from
+            # this Lookup); the node claims from the cluster's prefix on (the agent)
+            claim = claiming.claim_seconds(cost, rec.input_tokens, 0, e.backlog(now()), S) if rules.claims else 0.0
+            local, nodes, runs = yield Lookup(keys, record=True, claim_s=claim)
+            local = claiming.loadable(runs, local, cost, S)  # what its tiers hold only where loading beats computing
+            pool = claiming.pooled(nodes, e.node_id, local)
+            cluster_max = claiming.held(nodes, local)
+            # pull only what beats computing, and nothing a request ahead of this one on the engine computes
+            # (its prefix cache serves it when this one's prefill starts)
+            ahead = e.prefix_ahead(keys)
+            read = claiming.readable(nodes, e.node_id, local, cost, rules.link_bytes_s)
+            if ahead >= read:
+                read = local
+            # a pull of its prefix another request on this engine started is joined, not raced or recomputed
+            # (computing it would also put a whole prefill ahead of that request's short one)
+            joined = e.prefix_fetching(keys, local)
+            if joined > max(read, ahead):
+                read = joined
+            wait = claiming.choose(nodes, e.node_id, local, cost, S, rules.link_bytes_s, e.backlog(now()),
+                                   rules.claim_margin) if rules.claims else None
+            if wait is not None and max(ahead, joined) >= wait.length:
+                wait = None  # queued behind this engine's own prefill of it, or its pull: no wait for another's
+            if wait is not None:  # another request is computing this prefix: wait for it, then read it
+                rec.claim_wait = True
+                t_wait, held_before = now(), cluster_max
+                while True:  # re-look about 8 times over what is left
+                    yield Sleep(claiming.look_again(nodes, e.node_id, local, wait, cost, S, rules.link_bytes_s))
+                    local, nodes, runs = yield Lookup(keys)
+                    local = claiming.loadable(runs, local, cost, S)
+                    pool = claiming.pooled(nodes, e.node_id, local)
+                    came = claiming.landed(nodes, e.node_id, local, wait.length, wait.node)
+                    if (came or now() - t_wait >= wait.budget_s
+                            or not claiming.still_coming(nodes, e.node_id, wait.length, wait.node)):
+                        break
+                cluster_max = read = claiming.readable_after(wait, came, nodes, local, held_before, cost,
+                                                             rules.link_bytes_s)
+                rec.wait_real_s = (now() - t_wait) / S
+                rec.wait_end = claiming.wait_end(came, now() - t_wait, wait)
+                rec.wait_ready_s = wait.ready_in_s
+            fetch = read if step is None else max(local, step.depth)  # the oracle gets what its plan says
+            if fetch > 0:
+                t_get = now()
+                if fetch > local:
+                    e.fetching[rec.idx] = (keys, fetch)
+                try:
+                    # a Get of its own node's pages only: the node reads from its tiers what lands before
+                    # computing it would end (its disk may have been given others' reads since the Lookup)
+                    below = max(0, fetch - pool) if fetch <= local else 0
+                    deadline = cost.prefill_s(below * cost.block_tokens) if below and step is None else 0.0
+                    cached, rec.corrupt = yield Get(keys[:fetch], deadline)
+                finally:
+                    e.fetching.pop(rec.idx, None)
+                rec.get_s = now() - t_get
+                rec.get_real_s = rec.get_s / S
     except StoreError as exc:  # the node is gone (--kill): the engine recomputes
         rec.kv_error = str(exc)[:200]
         local = cluster_max = cached = 0
