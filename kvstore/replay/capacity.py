@@ -26,14 +26,13 @@ Pure logic over run summaries (the caller runs the simulator); no I/O.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvstore.replay.claiming import split_policy
-from kvstore.replay.sweep import is_baseline
+from kvstore.replay.sweep import is_baseline, spread
 
 LOWEST = 1 / 64     # rate scales searched: from 1/64 of the workload's rate ...
 HIGHEST = 256.0     # ... to 256 times it
@@ -74,11 +73,10 @@ class Capacity:
         return self.knee.rate_scale if self.knee is not None else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        knee = asdict(self.knee) if self.knee is not None else None
-        return {"rate_scale": self.rate_scale, "requests_per_s": knee["requests_per_s"] if knee else 0.0,
-                "attainment": knee["attainment"] if knee else 0.0,
-                "ttft_p50": knee["ttft_p50_s"] if knee else 0.0, "ttft_p99": knee["ttft_p99_s"] if knee else 0.0,
-                "capped": self.capped, "probes": [asdict(p) for p in self.probes]}
+        k = self.knee or Probe(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+        return {"rate_scale": k.rate_scale, "requests_per_s": k.requests_per_s, "attainment": k.attainment,
+                "ttft_p50": k.ttft_p50_s, "ttft_p99": k.ttft_p99_s, "capped": self.capped,
+                "probes": [asdict(p) for p in self.probes]}
 
 
 def search(run: Callable[[float], dict[str, Any]], target: float, resolution: float, base_rps: float,
@@ -124,17 +122,12 @@ def search(run: Callable[[float], dict[str, Any]], target: float, resolution: fl
     return Capacity(knee, probes)
 
 
-def _median(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)} \
-        if values else {"median": 0.0, "min": 0.0, "max": 0.0, "n": 0}
-
-
 def summarize(per_config: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per configuration (``policy|router`` -> one :meth:`Capacity.to_json` per seed, seeds in the same
     order): the median capacity and its range, and per-seed ratios to the reference (``engine-only``'s best
     router), to the best baseline and to the bound. Returns ``{"configs": {...}, "reference": label,
     "best_baseline": label, "best": label, "bound": label}`` (a label None where no such run)."""
-    med = {k: _median([c["rate_scale"] for c in v]) for k, v in per_config.items()}
+    med = {k: spread([c["rate_scale"] for c in v]) for k, v in per_config.items()}
 
     def best(labels: list[str]) -> str | None:
         return max(labels, key=lambda k: (med[k]["median"], med[k]["min"])) if labels else None
@@ -150,15 +143,15 @@ def summarize(per_config: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             return None
         vals = [a["rate_scale"] / b["rate_scale"] for a, b in zip(per_config[k], per_config[den])
                 if b["rate_scale"] > 0]
-        return _median(vals) if vals else None
+        return spread(vals) if vals else None
 
     configs = {}
     for k, v in per_config.items():
         configs[k] = {"rate_scale": med[k],
-                      "requests_per_s": _median([c["requests_per_s"] for c in v]),
-                      "attainment": _median([c["attainment"] for c in v]),
-                      "ttft_p50": _median([c["ttft_p50"] for c in v]),
-                      "ttft_p99": _median([c["ttft_p99"] for c in v]),
+                      "requests_per_s": spread([c["requests_per_s"] for c in v]),
+                      "attainment": spread([c["attainment"] for c in v]),
+                      "ttft_p50": spread([c["ttft_p50"] for c in v]),
+                      "ttft_p99": spread([c["ttft_p99"] for c in v]),
                       "vs_engine_only": ratio(k, reference), "vs_best_baseline": ratio(k, baseline),
                       "vs_bound": ratio(k, bound), "capped": any(c["capped"] for c in v)}
     return {"configs": configs, "reference": reference, "best_baseline": baseline, "best": best_config,

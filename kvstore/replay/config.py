@@ -32,8 +32,8 @@ from kvstore.replay.workload import DEFAULT_TRACE, SynthSpec
 from kvstore.units import parse_size
 
 POLICIES = ("none", "reactive", "full", "predictive", "oracle", "engine-only", "bound")
-# route themselves (the oracle's plan) and run single-tier only, without claims
-SELF_ROUTED = ("oracle", "bound")
+SELF_ROUTED = ("oracle", "bound")  # route themselves, by the oracle's plan
+SINGLE = (*SELF_ROUTED, "engine-only")  # run single-tier only, without claims
 
 
 # The replay's deliberate departures from kvstored's defaults, each a replay flag that carries the
@@ -230,7 +230,7 @@ class ReplayConfig:
         else every policy under every router (cache-aware once per ``--balance-abs``); the oracle routes
         itself (``plan``), and so does the bound (the oracle's routes, every reusable block free)."""
         balance = self.balances()
-        own = {"oracle": ("plan", "least-load", balance[0]), "bound": ("plan", "least-load", balance[0])}
+        own = {p: ("plan", "least-load", balance[0]) for p in SELF_ROUTED}
         if self.configs:
             out = []
             for item in (c.strip() for c in self.configs.split(",") if c.strip()):
@@ -265,7 +265,7 @@ class ReplayConfig:
         single-tier adds none; the oracle runs single-tier only)."""
         out: list[str] = []
         for p in (p.strip() for p in self.policies.split(",") if p.strip()):
-            if p.partition("+")[0] in (*SELF_ROUTED, "engine-only"):
+            if p.partition("+")[0] in SINGLE:
                 out.append(p)
                 continue
             out.extend(p if t == TIER_POLICIES[0] else f"{p}+{t}" for t in self.tier_policy_list())
@@ -311,7 +311,7 @@ def _known_policy(name: str) -> bool:
         tier = tier_policy(name)
     except ValueError:
         return False
-    return base in POLICIES and not (base in (*SELF_ROUTED, "engine-only") and (claims or tier != TIER_POLICIES[0]))
+    return base in POLICIES and not (base in SINGLE and (claims or tier != TIER_POLICIES[0]))
 
 
 def parse_kills(specs: list[str], nodes: int) -> list[tuple[int, float]]:

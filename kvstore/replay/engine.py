@@ -318,9 +318,7 @@ class Driver:
         for i in self.store_down:
             views[i].down = True
         for v, e in zip(views, self.engines):
-            v.queued_s = e.state.queued_s(e.load, self.cfg.concurrency)
-            if self.cfg.router.needs_engine_cache:  # the engines' own caches, as their KV events tell a router
-                v.engine = e.state.prefix_ahead(keys)
+            e.state.show(v, e.load, self.cfg.concurrency, keys, self.cfg.router.needs_engine_cache)
         return views
 
     async def _watch_members(self) -> None:

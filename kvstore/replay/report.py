@@ -309,13 +309,13 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(parts) + "\n"
 
 
-def _x(r: dict[str, float] | None, digits: int = 2) -> str:
-    """A ratio's median and its range over seeds, or '-'."""
+def _x(r: dict[str, float] | None, fmt: str = ".2f", unit: str = "x") -> str:
+    """A statistic's median and its range over seeds (a ratio by default), or '-'."""
     if r is None:
         return "-"
     if r["n"] < 2 or r["min"] == r["max"]:
-        return f"{r['median']:.{digits}f}x"
-    return f"{r['median']:.{digits}f}x ({r['min']:.{digits}f}-{r['max']:.{digits}f})"
+        return f"{r['median']:{fmt}}{unit}"
+    return f"{r['median']:{fmt}}{unit} ({r['min']:{fmt}}-{r['max']:{fmt}})"
 
 
 def capacity_table(w: dict[str, Any]) -> str:
@@ -335,8 +335,7 @@ def capacity_table(w: dict[str, Any]) -> str:
     for label in order:
         c = cap["configs"][label]
         rs = c["rate_scale"]
-        rng = f"{rs['median']:.3g}" + (f" ({rs['min']:.3g}-{rs['max']:.3g})" if rs["n"] > 1 and
-                                       rs["min"] != rs["max"] else "") + ("+" if c["capped"] else "")
+        rng = _x(rs, ".3g", "") + ("+" if c["capped"] else "")
         mark = "".join(m for k, m in marks if k == label)
         row = (f"| `{label}`{mark} | {rng} | {c['requests_per_s']['median']:.3g} | {_x(c['vs_engine_only'])} | "
                f"{_x(c['vs_best_baseline'])} | {c['ttft_p50']['median']:.3f} | {c['ttft_p99']['median']:.3f} | "

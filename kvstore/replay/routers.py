@@ -129,6 +129,13 @@ def least_loaded(views: Sequence[NodeView], rot: _Rotation, among: Iterable[int]
     return rot.pick([i for i in tied if views[i].prefix == longest], len(views))
 
 
+def lowest(views: Sequence[NodeView], estimate: Sequence[float], rot: _Rotation) -> int:
+    """The live node with the lowest ``estimate`` (ties: :func:`least_loaded`)."""
+    live = up(views)
+    low = min(estimate[i] for i in live)
+    return least_loaded(views, rot, [i for i in live if estimate[i] <= low + 1e-9])
+
+
 class CacheAware:
     """SGLang-style cache-aware routing with balance thresholds and hint use."""
 
@@ -224,10 +231,7 @@ class Eta:
         return [v.work_s + self._pull_s(held - e) + self._prefill_s(blocks, held) for v, e in zip(views, eff)]
 
     def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
-        live = up(views)
-        est = self.estimate(views, blocks)
-        low = min(est[i] for i in live)
-        return least_loaded(views, self._rot, [i for i in live if est[i] <= low + 1e-9]), "eta"
+        return lowest(views, self.estimate(views, blocks), self._rot), "eta"
 
 
 class KvRouter:
@@ -246,17 +250,15 @@ class KvRouter:
         self._rot = _Rotation()
 
     def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
-        live = up(views)
         est = [v.work_s + v.queued_s + self._prefill_s(blocks, min(blocks, v.engine)) for v in views]
-        low = min(est[i] for i in live)
-        return least_loaded(views, self._rot, [i for i in live if est[i] <= low + 1e-9]), "kv-router"
+        return lowest(views, est, self._rot), "kv-router"
 
 
 class Mooncake:
     """Mooncake's global scheduler (FAST'25, Algorithm 1) as published: per prefill instance, its queued
-    prefill (on its prefill unit and waiting for a slot) plus
-    the cheaper of computing what it holds not (its store's prefix or its engine's cache, the longer) and
-    pulling the longest prefix the cluster holds then computing the rest; the smallest wins. A hot prefix
+    prefill (on its prefill unit and waiting for a slot) plus the cheaper of computing what it holds not (its
+    store's prefix or its engine's cache, the longer) and pulling the longest prefix the cluster holds then
+    computing the rest; the smallest wins. A hot prefix
     gets copied as a side effect of the pulls. ``pull_s`` None (a policy that does not pull): computing only.
 
     Where it differs from :class:`CacheAware`: cache-aware goes to the longest prefix unless the cluster is
@@ -284,10 +286,7 @@ class Mooncake:
         return out
 
     def choose(self, views: Sequence[NodeView], blocks: int) -> tuple[int, str]:
-        live = up(views)
-        est = self.estimate(views, blocks)
-        low = min(est[i] for i in live)
-        return least_loaded(views, self._rot, [i for i in live if est[i] <= low + 1e-9]), "mooncake"
+        return lowest(views, self.estimate(views, blocks), self._rot), "mooncake"
 
 
 def make_router(name: str, abs_threshold: float = 32.0, rel_threshold: float = 1.5, use_hints: bool = True,

@@ -166,6 +166,13 @@ class EngineState:
         busy = max(0, load + 1 - slots) * self.decode_avg_s / max(1, slots)
         return max(self.slot_queue_s, busy)
 
+    def show(self, view: Any, load: int, slots: int, keys: Sequence[bytes], cache: bool) -> None:
+        """Fill a router's ``NodeView`` of this engine with what its metrics tell (:meth:`queued_s`) and, with
+        ``cache``, what its KV events tell (its prefix of ``keys``, :meth:`prefix_ahead`)."""
+        view.queued_s = self.queued_s(load, slots)
+        if cache:
+            view.engine = self.prefix_ahead(keys)
+
     def remember(self, keys: Sequence[bytes]) -> None:
         for k in keys:
             self.cache[k] = None

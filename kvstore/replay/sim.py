@@ -164,15 +164,13 @@ class SimDriver:
     def _views(self, keys: list[bytes]) -> tuple[list[NodeView], float]:
         loads = [float(e.load) for e in self.engines]
         work = [e.state.backlog_s for e in self.engines]
-        queued = [e.state.queued_s(e.load, self.cfg.concurrency) for e in self.engines]
         asks = self.cfg.router.needs_prefix and self.cluster.alive(0)
         entries = self.cluster.prefixes(keys) if asks else ()
         views = views_from_lookup(self.cluster.ids, loads, entries, work)
         for i, v in enumerate(views):  # a fleet router watching Status: down a heartbeat timeout after a kill
             v.down = not self.cluster.known_alive(i)
-            v.queued_s = queued[i]
-            if self.cfg.router.needs_engine_cache:  # the engines' own caches, as their KV events tell a router
-                v.engine = self.engines[i].state.prefix_ahead(keys)
+            e = self.engines[i]
+            e.state.show(v, e.load, self.cfg.concurrency, keys, self.cfg.router.needs_engine_cache)
         return views, self.cfg.rpc_ms / 1e3 if asks else 0.0
 
     def _arrive(self, i: int, keys: list[bytes], step: Step | None) -> None:
