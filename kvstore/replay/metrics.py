@@ -73,6 +73,7 @@ class RequestRecord:
     wait_ready_s: float = 0.0  # +claims: the ready_in (trace s) the wait was decided on
     done: bool = False
     error: str = ""
+    ready: tuple[float, ...] = ()  # the bound: when its first n reusable blocks can exist (not in rows)
 
     @classmethod
     def of(cls, idx: int, r: Any, reusable: int) -> RequestRecord:
@@ -90,6 +91,7 @@ class RequestRecord:
 
     def row(self) -> dict[str, object]:
         d = asdict(self)
+        del d["ready"]
         d["ttft_s"] = self.ttft_s
         d["ttft_link_s"] = self.ttft_link_s
         return d

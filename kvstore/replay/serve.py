@@ -181,6 +181,22 @@ class EngineState:
             self.cache.popitem(last=False)
 
 
+def bound_reuse(rec: RequestRecord, reusable: int, cost: CostModel, t: float) -> tuple[int, float]:
+    """The bound's reuse for ``rec`` at trace time ``t``: how many of its ``reusable`` leading blocks it takes
+    for nothing, and how long it waits for them first. Each block is at hand from the earliest moment any
+    computation of it could have ended (``rec.ready``, :func:`kvstore.replay.workload.reuse_ready`; always,
+    without it); of every prefix length, the one whose wait plus the prefill of the rest ends first."""
+    ready = rec.ready
+    if not ready:
+        return reusable, 0.0
+    best, best_end = 0, cost.prefill_s(cost.uncached_tokens(rec.input_tokens, 0))
+    for n in range(1, reusable + 1):
+        end = max(0.0, ready[n - 1] - t) + cost.prefill_s(cost.uncached_tokens(rec.input_tokens, n))
+        if end <= best_end:
+            best, best_end = n, end
+    return best, max(0.0, ready[best - 1] - t) if best else 0.0
+
+
 def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step | None, slot_wait: float,
           now: Callable[[], float]) -> Serve:
     """Serve one request on engine ``e`` (see the module doc); ``slot_wait``: trace seconds it queued for
@@ -195,8 +211,11 @@ def serve(e: EngineState, rec: RequestRecord, keys: Sequence[bytes], step: Step 
         if not (yield WaitHeld(keys[:step.depth], max(0.0, late) + cost.prefill_s(step.depth * cost.block_tokens))):
             e.oracle["late_waits"] = e.oracle.get("late_waits", 0) + 1  # the prefix never came: compute it
     local = cluster_max = cached = pool = 0
-    if rules.free_reuse:  # the bound: what an earlier request had is here, loaded, for nothing
-        local = cached = cluster_max = pool = min(rec.reusable, len(keys))
+    if rules.free_reuse:  # the bound: what an earlier request had is here, loaded, for nothing, once it can exist
+        n, wait = bound_reuse(rec, min(rec.reusable, len(keys)), cost, now())
+        if wait > 0:
+            yield Sleep(wait)
+        local = cached = cluster_max = pool = n
     try:
         if rules.store:  # engine-only and the bound ask no store (the engine's own cache still serves)
             # the claim covers what the engine would compute knowing nothing cached (it learns its prefix from

@@ -39,7 +39,7 @@ from kvstore.replay.routers import NodeView, Router, views_from_lookup
 from kvstore.replay.sim_cluster import PRIMARY, SPECULATIVE, ClusterParams, SimCluster
 from kvstore.replay.sim_coord import SimCoordinator, node_config
 from kvstore.replay.sim_kernel import Event, Process, Semaphore, Sim
-from kvstore.replay.workload import Workload, reusable_blocks
+from kvstore.replay.workload import Workload, reusable_blocks, reuse_ready
 from kvstore.workloads.traces import hash_key
 from kvstore.units import parse_size
 
@@ -309,8 +309,13 @@ class SimDriver:
                                planned_copies=sum(s.source >= 0 for s in op.steps),
                                planned_waits=sum(s.depth > 0 for s in op.steps))
         keys_of = [[hash_key(h) for h in r.hash_ids] for r in reqs]
+        cost = cfg.cost
+        ready = reuse_ready(reqs, reusable, lambda blocks: cost.prefill_s(blocks * cost.block_tokens)) \
+            if cfg.policy == "bound" else None
         for i, r in enumerate(reqs):
             self.records.append(RequestRecord.of(i, r, reusable[i]))
+            if ready is not None:
+                self.records[-1].ready = ready[i]
             step = self.oracle_plan.steps[i] if self.oracle_plan is not None else None
             sim.at(r.t, self._arrive, i, keys_of[i], step)
             if step is not None and step.source >= 0 and self.held is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -131,6 +131,28 @@ def reusable_blocks(requests: Sequence[Request]) -> list[int]:
             n += 1
         out.append(n)
         seen.update(r.hash_ids)
+    return out
+
+
+def reuse_ready(requests: Sequence[Request], reusable: Sequence[int],
+                compute_s: Callable[[int], float]) -> list[tuple[float, ...]]:
+    """Per request (in time order): for ``n`` = 1 .. its reusable blocks, the earliest trace time at which
+    its first ``n`` blocks can be held anywhere (``ready[n - 1]``).
+
+    A block exists once the first request that has it could have computed it: that request's arrival plus
+    ``compute_s`` of the blocks from its own reusable prefix through that block (as if the prefix were at
+    hand on an idle engine the moment it arrived), so no cluster can hold it sooner: the bound's clock.
+    """
+    first: dict[int, float] = {}
+    out = []
+    for r, n in zip(requests, reusable):
+        ready, t = [], float("-inf")
+        for h in r.hash_ids[:n]:
+            t = max(t, first[h])
+            ready.append(t)
+        for j in range(n, len(r.hash_ids)):
+            first.setdefault(r.hash_ids[j], r.t + compute_s(j + 1 - n))
+        out.append(tuple(ready))
     return out
 
 

@@ -152,6 +152,39 @@ def test_mooncakes_scheduler_pulls_only_where_the_pull_beats_computing() -> None
     assert no_pull.estimate(views, 33)[1] == pytest.approx(_prefill(33, 0))
 
 
+# ---- the bound's clock: a block is at hand once its first computation could have ended ----------------
+
+def test_a_block_is_ready_once_the_first_request_that_has_it_could_have_computed_it() -> None:
+    from kvstore.replay.workload import reusable_blocks, reuse_ready
+
+    reqs = [Request(t=0.0, input_length=4 * 512, output_length=1, hash_ids=[1, 2, 3, 4]),
+            Request(t=0.5, input_length=3 * 512, output_length=1, hash_ids=[1, 2, 9]),    # a follower of the first
+            Request(t=9.0, input_length=5 * 512, output_length=1, hash_ids=[1, 2, 9, 7, 8])]
+    ready = reuse_ready(reqs, reusable_blocks(reqs), lambda blocks: 1.0 * blocks)
+    assert ready[0] == ()
+    assert ready[1] == (1.0, 2.0)            # the first's blocks 1 and 2, one second a block from its arrival
+    # block 9 could exist at 1.5 (the second's arrival plus one block), but the prefix through it at 2.0
+    assert ready[2] == (1.0, 2.0, 2.0)
+
+
+def test_the_bound_waits_for_a_prefix_only_where_that_ends_before_computing_it() -> None:
+    from kvstore.replay.serve import bound_reuse
+
+    cost = CostModel.preset("llama3-70b-tp8")
+    per_block = cost.prefill_s(cost.block_tokens)
+    rec = RequestRecord(idx=1, t=0.0, blocks=33, input_tokens=33 * cost.block_tokens, reusable=32)
+    rec.ready = tuple(5.0 * per_block for _ in range(32))    # the leader's prefill ends in 5 blocks' time
+    n, wait = bound_reuse(rec, 32, cost, 0.0)                 # waiting 5 beats computing 32
+    assert n == 32 and wait == pytest.approx(5.0 * per_block)
+    n, wait = bound_reuse(rec, 32, cost, 10.0 * per_block)    # already there: no wait
+    assert n == 32 and wait == 0.0
+    rec.ready = tuple((40.0 if i >= 2 else 0.0) * per_block for i in range(32))  # the rest comes too late
+    n, wait = bound_reuse(rec, 32, cost, 0.0)
+    assert n == 2 and wait == 0.0
+    rec.ready = ()                                            # no clock: every reusable block, at once
+    assert bound_reuse(rec, 32, cost, 0.0) == (32, 0.0)
+
+
 # ---- the simulator, end to end --------------------------------------------------------------------
 
 def _replay(tmp_path: Path, *args: str) -> dict:  # type: ignore[type-arg]
