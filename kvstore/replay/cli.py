@@ -218,6 +218,9 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                    "else 1)")
     r.add_argument("--regimes-seeds", type=int, default=3, help="seeds each cell runs (a cell is judged on their "
                    "median)")
+    r.add_argument("--regimes-loads", default="0.5,0.8,1.0", metavar="S1,S2",
+                   help="at load (--regimes --search capacity): each cell also replays at these shares of "
+                        "engine-only's capacity in the cell")
     p.set_defaults(**ReplayConfig.flag_defaults())
 
 
@@ -310,8 +313,13 @@ def run_replay(args: argparse.Namespace) -> int:
     if getattr(args, "regimes", False):
         from kvstore.replay import regimes
 
+        try:
+            loads = tuple(float(x) for x in args.regimes_loads.split(",") if x.strip())
+        except ValueError:
+            print(f"kvctl replay: --regimes-loads {args.regimes_loads!r}: numbers, e.g. 0.5,0.8,1.0", file=sys.stderr)
+            return 2
         return regimes.main(_replay, a, args.regimes_axis, args.regimes_jobs,
-                            args.regimes_seeds, sys.argv[1:])
+                            args.regimes_seeds, sys.argv[1:], loads)
     if threading.current_thread() is not threading.main_thread():
         return _replay(a)
     # SIGTERM (and a SIGINT that a parent shell set to ignore) unwinds like Ctrl-C, so the daemons get stopped

@@ -24,6 +24,15 @@ What a cell reports (:func:`cell_summary`): the best baseline (the lowest median
 best p99 of each policy. The targets (:func:`misses`): best predictive <= 1.0x in every cell, and <= 0.6x
 wherever the oracle is <= 0.5x.
 
+**At load** (``--regimes --search capacity``, simulated): each cell instead searches every configuration's
+capacity (kvstore/replay/capacity.py: the highest rate scale at which ``--slo-attainment`` of the requests
+meet the SLO), then runs one replay of every configuration at each share of ``--regimes-loads`` (0.5, 0.8
+and 1.0) of ``engine-only``'s capacity in that cell: the load axis. A cell then reports (:func:`capacity_cell`)
+the best predictive configuration's capacity, the oracle's and the bound's as ratios to the best
+baseline's, and at each load the p99 TTFT and attainment of the best baseline and the best predictive
+configuration. The targets at load (:func:`capacity_misses`): best predictive >= 1.0x the best baseline's
+capacity in every cell (prediction never costs capacity), and >= 1.15x wherever the oracle's is >= 1.3x.
+
 The grid logic here is pure (cells, ids, summaries, tables); :func:`run_map` runs the cells.
 """
 
@@ -58,6 +67,9 @@ ROUTERS = "round-robin,least-load,cache-aware"
 SEEDS = 3
 ORACLE_PAYS = 0.5   # where the oracle is at or under this ratio, best predictive must be at or under ...
 PREDICTIVE_MUST = 0.6
+LOADS = (0.5, 0.8, 1.0)  # at load: each cell's replays at these shares of engine-only's capacity there
+CAPACITY_ORACLE_PAYS = 1.3  # at load: where the oracle's capacity is at least this ratio, best predictive's ...
+CAPACITY_MUST = 1.15        # ... must be at least this one (and at least 1.0 everywhere)
 
 
 # ---- the grid (pure) -------------------------------------------------------------------
@@ -121,7 +133,8 @@ def cell_summary(workload: dict[str, Any]) -> dict[str, Any]:
     base = workload.get("best_baseline") or {}
     if not base:
         return out
-    out["best_baseline"] = {"config": base["config"], "p99": base["ttft_p99_s"]["median"]}
+    out["best_baseline"] = {"config": base["config"], "p99": base["ttft_p99_s"]["median"],
+                            **_attainment(runs.get(base["config"], []))}
     best_pred: tuple[float, str, dict[str, Any]] | None = None
     for k, r in workload.get("vs_best", {}).items():
         policy = k.split("|")[0]
@@ -132,7 +145,38 @@ def cell_summary(workload: dict[str, Any]) -> dict[str, Any]:
             out["oracle"] = {"ratio": ratio["median"], "min": ratio["min"], "max": ratio["max"]}
     if best_pred is not None:
         _, k, ratio = best_pred
-        out["predictive"] = {"config": k, "ratio": ratio["median"], "min": ratio["min"], "max": ratio["max"]}
+        out["predictive"] = {"config": k, "ratio": ratio["median"], "min": ratio["min"], "max": ratio["max"],
+                             **_attainment(runs.get(k, []))}
+    return out
+
+
+def _attainment(runs: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """``{"attainment": median share of requests within the SLO}`` over a configuration's seeds; empty where
+    the runs do not say."""
+    got = [r["slo_attainment"] for r in runs if "slo_attainment" in r]
+    return {"attainment": spread(got)["median"]} if got else {}
+
+
+def capacity_cell(cap: dict[str, Any]) -> dict[str, Any]:
+    """What the map at load keeps of a cell's capacity search (:func:`kvstore.replay.capacity.summarize`'s
+    output): engine-only's and the best baseline's capacity (median rate scale), and the best predictive
+    configuration's, the oracle's and the bound's capacity as ratios to the best baseline's (median of the
+    per-seed ratios, with their range)."""
+    configs: dict[str, dict[str, Any]] = cap.get("configs", {})
+    out: dict[str, Any] = {}
+    for name, label in (("engine_only", cap.get("reference")), ("best_baseline", cap.get("best_baseline"))):
+        if label is not None:
+            out[name] = {"config": label, "rate_scale": configs[label]["rate_scale"]["median"]}
+    for name, wanted in (("predictive", "predictive"), ("oracle", "oracle"), ("bound", "bound")):
+        best: tuple[float, str, dict[str, float]] | None = None
+        for label, c in configs.items():
+            ratio = c.get("vs_best_baseline")
+            if ratio is None or split_policy(label.split("|")[0])[0] != wanted:
+                continue
+            if best is None or ratio["median"] > best[0]:
+                best = (ratio["median"], label, ratio)
+        if best is not None:
+            out[name] = {"config": best[1], "ratio": best[2]["median"], "min": best[2]["min"], "max": best[2]["max"]}
     return out
 
 
@@ -203,14 +247,127 @@ def summary_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def capacity_misses(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """At load, the cells that miss a target: best predictive's capacity under the best baseline's
+    (``under``); the oracle's at least 1.3x and best predictive's under 1.15x (``short``)."""
+    under, short = [], []
+    for row in rows:
+        cap = row.get("capacity", {})
+        pred, oracle = cap.get("predictive"), cap.get("oracle")
+        if pred is None:
+            continue
+        if pred["ratio"] < 1.0:
+            under.append(row)
+        if oracle is not None and oracle["ratio"] >= CAPACITY_ORACLE_PAYS and pred["ratio"] < CAPACITY_MUST:
+            short.append(row)
+    return {"under": under, "short": short}
+
+
+def capacity_table(rows: Sequence[dict[str, Any]], grid: dict[str, Sequence[Any]], loads: Sequence[float]) -> str:
+    """At load, two Markdown tables per link (a row per (nodes, burst, window), a column per context): the
+    capacities (best predictive / best baseline, with the oracle's and the bound's ratio), bold where
+    predictive's is over 1.0x; and best predictive's p99 TTFT over the best baseline's at each load."""
+    by = {cell_id(r["cell"]): r for r in rows}
+    head = "| nodes | burst | window s | " + " | ".join(f"{c // 1024}k" for c in grid["context"]) + " |"
+    rule = "|---|---|---|" + "---|" * len(grid["context"])
+    out: list[str] = []
+    for link in grid["link"]:
+        out += [f"### {link}: capacity", "",
+                "Each cell: best predictive's capacity / the best baseline's (oracle's; bound's), median of the "
+                "per-seed ratios; **bold**: predictive over 1.0x.", "", head, rule]
+        for row in rows_of(grid):
+            texts = [_capacity_text(at(by, link, row, context)) for context in grid["context"]]
+            out.append(f"| {row[0]} | {row[1]} | {row[2]:g} | " + " | ".join(texts) + " |")
+        out += ["", f"### {link}: p99 TTFT at " + ", ".join(f"{x:g}" for x in loads) + " of engine-only's capacity",
+                "", "Each cell: best predictive's p99 TTFT / the best baseline's at each load, median over its "
+                "seeds.", "", head, rule]
+        for row in rows_of(grid):
+            texts = [_loads_text(at(by, link, row, context), loads) for context in grid["context"]]
+            out.append(f"| {row[0]} | {row[1]} | {row[2]:g} | " + " | ".join(texts) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _capacity_text(row: dict[str, Any]) -> str:
+    cap = row.get("capacity", {})
+    if "predictive" not in cap:
+        return "-"
+    pred = cap["predictive"]["ratio"]
+    text = f"**{pred:.2f}**" if pred > 1.0 else f"{pred:.2f}"
+    rest = [f"{cap[k]['ratio']:.2f}" for k in ("oracle", "bound") if k in cap]
+    return text + (f" ({'; '.join(rest)})" if rest else "")
+
+
+def _loads_text(row: dict[str, Any], loads: Sequence[float]) -> str:
+    got = row.get("loads", {})
+    texts = [f"{got[f'{x:g}']['predictive']['ratio']:.2f}" if "predictive" in got.get(f"{x:g}", {}) else "-"
+             for x in loads]
+    return "/".join(texts) if any(t != "-" for t in texts) else "-"
+
+
+def capacity_summary_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The map at load's headline: how many cells meet each target, where predictive beats the best
+    baseline and by how much, and the cells that miss."""
+    miss = capacity_misses(rows)
+    scored = [r for r in rows if "predictive" in r.get("capacity", {})]
+    pays = [r for r in scored if r["capacity"].get("oracle", {}).get("ratio", 0.0) >= CAPACITY_ORACLE_PAYS]
+    wins = sorted((r for r in scored if r["capacity"]["predictive"]["ratio"] > 1.0),
+                  key=lambda r: -r["capacity"]["predictive"]["ratio"])
+    lines = [f"- cells: {len(rows)} ({len(scored)} with a predictive and a baseline capacity)",
+             f"- best predictive's capacity >= the best baseline's: {len(scored) - len(miss['under'])} of "
+             f"{len(scored)}; over it: {len(wins)}",
+             f"- where the oracle's is >= {CAPACITY_ORACLE_PAYS}x: best predictive's >= {CAPACITY_MUST}x in "
+             f"{len(pays) - len(miss['short'])} of {len(pays)}"]
+    for name, what in (("wins", "over 1.0x the best baseline's capacity"), ("under", "under 1.0x"),
+                       ("short", f"under {CAPACITY_MUST}x where the oracle's is >= {CAPACITY_ORACLE_PAYS}x")):
+        chosen = wins if name == "wins" else sorted(miss[name], key=lambda r: r["capacity"]["predictive"]["ratio"])
+        if chosen:
+            lines += ["", f"Cells with best predictive {what} (ratio and range; oracle; bound; best baseline and its "
+                          "capacity; best predictive):", ""]
+            for r in chosen:
+                cap = r["capacity"]
+                lines.append(f"- `{r['id']}`: {cap['predictive']['ratio']:.2f}x "
+                             f"({cap['predictive']['min']:.2f}-{cap['predictive']['max']:.2f}, {r['seeds']} seed(s)); "
+                             f"oracle {cap.get('oracle', {}).get('ratio', float('nan')):.2f}x; "
+                             f"bound {cap.get('bound', {}).get('ratio', float('nan')):.2f}x; "
+                             f"`{cap['best_baseline']['config']}` x{cap['best_baseline']['rate_scale']:.3g}; "
+                             f"`{cap['predictive']['config']}`")
+    return lines
+
+
 # ---- running it ------------------------------------------------------------------------
 Replay = Callable[[Any], int]
 """Runs one replay (a ReplayConfig) into its ``out`` folder; returns its exit code (``kvctl replay``'s)."""
 
 
-def _run_cell(replay: Replay, config: Any, out: Path) -> dict[str, Any]:
-    """(worker) One cell's replay into ``out``; its workload entry, or ``{"error": ...}``."""
+def _run_cell(replay: Replay, config: Any, out: Path, loads: Sequence[float] = ()) -> dict[str, Any]:
+    """(worker) One cell's replay into ``out``; its workload entry, or ``{"error": ...}``. At load
+    (``config.search == "capacity"``), the capacity search, then a replay at each of ``loads`` x engine-only's
+    capacity into ``out/load-<share>``: ``{"capacity": ..., "loads": {share: workload entry}}``."""
+    got = _replay_entry(replay, config, out)
+    if "error" in got or config.search != "capacity":
+        return {k: v for k, v in got.items() if k != "entry"}
+    cap = got["entry"]["capacity"]
+    ref = cap.get("reference")
+    x = cap["configs"][ref]["rate_scale"]["median"] if ref is not None else 0.0
+    at_load: dict[str, Any] = {}
+    for share in loads if x > 0 else ():
+        one = _replay_entry(replay, replace(config, search="", rate_scale=config.rate_scale * share * x),
+                            out / f"load-{share:g}")
+        if "error" in one:
+            return one
+        at_load[f"{share:g}"] = {"rate_scale": share * x,
+                                 **{k: one["entry"][k] for k in ("runs", "best_baseline", "vs_best")
+                                    if k in one["entry"]}}
+    slim = {k: cap[k] for k in ("configs", "reference", "best_baseline", "best", "bound") if k in cap}
+    return {"rc": got["rc"], "workload": {"capacity": slim, "loads": at_load}}
+
+
+def _replay_entry(replay: Replay, config: Any, out: Path) -> dict[str, Any]:
+    """One replay into ``out``, its output swallowed: ``{"rc", "entry", "workload"}`` (its only workload's
+    results.json entry, and what the map keeps of it), or ``{"error": ...}``."""
     sink = io.StringIO()
+    config = replace(config, out=out)
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
         rc = replay(config)
     results = out / "results.json"
@@ -218,36 +375,56 @@ def _run_cell(replay: Replay, config: Any, out: Path) -> dict[str, Any]:
         return {"error": f"exit {rc}: {sink.getvalue()[-400:]}"}
     workloads = json.loads(results.read_text())["workloads"]
     entry = next(iter(workloads.values()))
-    return {"rc": rc, "workload": {k: entry[k] for k in ("runs", "best_baseline", "vs_best") if k in entry}}
+    return {"rc": rc, "entry": entry,
+            "workload": {k: entry[k] for k in ("runs", "best_baseline", "vs_best") if k in entry}}
 
 
-def _done(folder: Path, seeds: int) -> dict[str, Any] | None:
+def _row(cell: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    """A cell's row of the map from what its worker returned."""
+    row: dict[str, Any] = {"cell": cell, "id": cell_id(cell)}
+    w = got.get("workload")
+    if w is None:
+        row["error"] = got.get("error", "?")
+    elif "capacity" in w:
+        row["capacity"] = capacity_cell(w["capacity"])
+        row["loads"] = {share: {"rate_scale": e["rate_scale"], **cell_summary(e)} for share, e in w["loads"].items()}
+        row["seeds"] = max((c["rate_scale"]["n"] for c in w["capacity"]["configs"].values()), default=0)
+    else:
+        row.update(cell_summary(w))
+    return row
+
+
+def _done(folder: Path, seeds: int, at_load: bool = False) -> dict[str, Any] | None:
+    """The row ``folder`` holds of a finished cell of this kind (at load or not) with enough seeds."""
     path = folder / "cell.json"
     if not path.is_file():
         return None
     got = json.loads(path.read_text())
-    return got if got.get("seeds", 0) >= seeds and "error" not in got else None
+    ok = got.get("seeds", 0) >= seeds and "error" not in got and ("capacity" in got) == at_load
+    return got if ok else None
 
 
 def run_map(replay: Replay, base: Any, grid: dict[str, Sequence[Any]], out: Path, jobs: int, seeds: int = SEEDS,
-            progress: Callable[..., Any] | None = None) -> list[dict[str, Any]]:
+            progress: Callable[..., Any] | None = None, loads: Sequence[float] = LOADS) -> list[dict[str, Any]]:
     """Run every cell of ``grid`` (``base``: the ReplayConfig of every cell but its axes; ``replay``: a
     module-level function, so that worker processes can be handed it) that ``out`` does not hold yet,
     ``jobs`` at a time, each with ``seeds`` seeds; returns one row per cell (its axes, id and
-    :func:`cell_summary`)."""
+    :func:`cell_summary`, or at load -- ``base.search == "capacity"`` -- :func:`capacity_cell` and a
+    :func:`cell_summary` per share of ``loads``)."""
+    at_load = base.search == "capacity"
     todo = cells(grid)
     rows: dict[str, dict[str, Any]] = {}
 
     def config(cell: dict[str, Any], repeats: int) -> tuple[Any, Path]:
         folder = out / "cells" / (cell_id(cell) + ("" if repeats == 1 else f"-{repeats}seeds"))
         return replace(base, **overrides(cell), trace=("synth",), out=folder, repeats=repeats,
-                       no_progress=True, no_plots=True), folder
+                       no_progress=True, no_plots=True, jobs=1), folder
 
     def run(batch: list[tuple[dict[str, Any], int]], desc: str) -> None:
         pending = []
         for cell, repeats in batch:
             cfg, folder = config(cell, repeats)
-            held = _done(folder, repeats)
+            held = _done(folder, repeats, at_load)
             if held is not None:
                 rows[cell_id(cell)] = held
             else:
@@ -256,13 +433,12 @@ def run_map(replay: Replay, base: Any, grid: dict[str, Sequence[Any]], out: Path
             if progress else None
         with ProcessPoolExecutor(max(1, jobs)) if jobs > 1 else contextlib.nullcontext() as pool:
             if pool is None:
-                done = ((c, r, f, _run_cell(replay, cfg, f)) for c, r, cfg, f in pending)
+                done = ((c, r, f, _run_cell(replay, cfg, f, loads)) for c, r, cfg, f in pending)
             else:
-                futures = {pool.submit(_run_cell, replay, cfg, f): (c, r, f) for c, r, cfg, f in pending}
+                futures = {pool.submit(_run_cell, replay, cfg, f, loads): (c, r, f) for c, r, cfg, f in pending}
                 done = ((*futures[fut], fut.result()) for fut in as_completed(futures))
             for cell, repeats, folder, got in done:
-                row = {"cell": cell, "id": cell_id(cell), **(cell_summary(got["workload"]) if "workload" in got
-                                                             else {"error": got.get("error", "?")})}
+                row = _row(cell, got)
                 row["seeds"] = max(row.get("seeds", 0), repeats if "workload" in got else 0)
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / "cell.json").write_text(json.dumps(row, indent=1))
@@ -277,25 +453,43 @@ def run_map(replay: Replay, base: Any, grid: dict[str, Sequence[Any]], out: Path
 
 
 def write_map(rows: Sequence[dict[str, Any]], grid: dict[str, Sequence[Any]], base: dict[str, Any],
-              out: Path, command: str) -> None:
+              out: Path, command: str, loads: Sequence[float] = LOADS) -> None:
     """``regimes.json``, ``regimes.md`` and ``regimes.png`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
+    at_load = base.get("search") == "capacity"
+    found = capacity_misses(rows) if at_load else misses(rows)
     (out / "regimes.json").write_text(json.dumps({"command": command, "grid": grid, "config": base,
+                                                  **({"loads": list(loads)} if at_load else {}),
                                                   "cells": list(rows), "misses": {k: [r["id"] for r in v] for k, v
-                                                                                  in misses(rows).items()}},
+                                                                                  in found.items()}},
                                                  indent=1, default=str))
     simulated = "simulated" if base.get("sim") else "live"
-    md = [f"# Regime map ({simulated})", "", f"```sh\n{command}\n```", "",
-          f"Preset `{base.get('preset')}`, policies `{base.get('policies')}`, routers "
-          f"`{base.get('routers') or base.get('router')}`; p99 TTFT in trace seconds.", "",
-          *summary_lines(rows), "", table(rows, grid)]
+    configs = base.get("configs") or f"policies `{base.get('policies')}`, routers " \
+                                      f"`{base.get('routers') or base.get('router')}`"
+    if at_load:
+        md = [f"# Regime map at load ({simulated})", "", f"```sh\n{command}\n```", "",
+              f"Preset `{base.get('preset')}`, configurations `{configs}`; capacity: the highest rate scale at which "
+              f"{base.get('slo_attainment')} of the requests meet the SLO; p99 TTFT in trace seconds.", "",
+              *capacity_summary_lines(rows), "", capacity_table(rows, grid, loads)]
+    else:
+        md = [f"# Regime map ({simulated})", "", f"```sh\n{command}\n```", "",
+              f"Preset `{base.get('preset')}`, {configs}; p99 TTFT in trace seconds.", "",
+              *summary_lines(rows), "", table(rows, grid)]
     (out / "regimes.md").write_text("\n".join(md) + "\n")
-    plot(rows, grid, out / "regimes.png")
+    if at_load:
+        plot(rows, grid, out / "regimes.png", [(lambda r, k=k: r.get("capacity", {}).get(k, {}).get("ratio"),
+                                                 f"{k} capacity / best baseline's") for k in ("predictive", "oracle")],
+             higher_is_better=True, label="capacity ratio (log scale)")
+    else:
+        plot(rows, grid, out / "regimes.png")
 
 
-def plot(rows: Sequence[dict[str, Any]], grid: dict[str, Sequence[Any]], path: Path) -> None:
-    """Per link, two heatmaps (rows: nodes, burst, window; columns: context): best predictive / best
-    baseline and oracle / best baseline, on one log color scale centred on 1.0."""
+def plot(rows: Sequence[dict[str, Any]], grid: dict[str, Sequence[Any]], path: Path,
+         panels: Sequence[tuple[Callable[[dict[str, Any]], float | None], str]] | None = None,
+         higher_is_better: bool = False, label: str = "p99 TTFT ratio (log scale)") -> None:
+    """Per link, a heatmap per panel (rows: nodes, burst, window; columns: context) on one log color scale
+    centred on 1.0, green where better: by default best predictive / best baseline and oracle / best
+    baseline (p99 TTFT, lower is better); ``panels`` names others (what a row shows, a title)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -303,55 +497,64 @@ def plot(rows: Sequence[dict[str, Any]], grid: dict[str, Sequence[Any]], path: P
     import numpy as np
     from matplotlib.colors import LogNorm
 
+    if panels is None:
+        panels = [(lambda r, k=k: r.get(k, {}).get("ratio"), title)
+                  for k, title in (("predictive", "best predictive / best baseline"),
+                                   ("oracle", "oracle / best baseline"))]
     by = {cell_id(r["cell"]): r for r in rows}
     ys = rows_of(grid)
     links = list(grid["link"])
-    fig, axes = plt.subplots(len(links), 2, figsize=(2.2 + 1.3 * len(grid["context"]) * 2, 1.2 + 0.3 * len(ys)
-                                                         * len(links)), squeeze=False)
+    fig, axes = plt.subplots(len(links), len(panels), figsize=(2.2 + 1.3 * len(grid["context"]) * len(panels),
+                                                               1.2 + 0.3 * len(ys) * len(links)), squeeze=False)
     norm = LogNorm(vmin=0.1, vmax=10.0)
     image = None
     for li, link in enumerate(links):
-        for side, (what, title) in enumerate((("predictive", "best predictive / best baseline"),
-                                               ("oracle", "oracle / best baseline"))):
+        for side, (value, title) in enumerate(panels):
             ax = axes[li][side]
             data = np.full((len(ys), len(grid["context"])), np.nan)
             for yi, row in enumerate(ys):
                 for xi, context in enumerate(grid["context"]):
-                    r = at(by, link, row, context)
-                    if what in r:
-                        data[yi, xi] = r[what]["ratio"]
-            image = ax.imshow(np.clip(data, 0.1, 10.0), cmap="RdYlGn_r", norm=norm, aspect="auto")
+                    v = value(at(by, link, row, context))
+                    if v is not None:
+                        data[yi, xi] = v
+            image = ax.imshow(np.clip(data, 0.1, 10.0), cmap="RdYlGn" if higher_is_better else "RdYlGn_r", norm=norm,
+                              aspect="auto")
             for yi in range(len(ys)):
                 for xi in range(len(grid["context"])):
                     if not np.isnan(data[yi, xi]):
+                        worse = data[yi, xi] < 1.0 if higher_is_better else data[yi, xi] > 1.0
                         ax.text(xi, yi, f"{data[yi, xi]:.2f}", ha="center", va="center", fontsize=6,
-                                fontweight="bold" if what == "predictive" and data[yi, xi] > 1.0 else "normal")
+                                fontweight="bold" if side == 0 and worse else "normal")
             ax.set_xticks(range(len(grid["context"])), [f"{c // 1024}k" for c in grid["context"]], fontsize=7)
             ax.set_yticks(range(len(ys)), [f"n{n} b{b} w{w:g}" for n, b, w in ys], fontsize=6)
             ax.set_title(f"{link}: {title}", fontsize=9)
             ax.set_xlabel("shared context (tokens)", fontsize=7)
     if image is not None:
-        fig.colorbar(image, ax=axes, shrink=0.6, label="p99 TTFT ratio (log scale)")
+        fig.colorbar(image, ax=axes, shrink=0.6, label=label)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
 def main(replay: Replay, config: Any, axes: Sequence[str], jobs: int, seeds: int,
-         argv: Sequence[str]) -> int:
+         argv: Sequence[str], loads: Sequence[float] = LOADS) -> int:
     """``kvctl replay --regimes``: run the map (resuming what ``config.out`` holds) with ``replay`` running
-    each cell, and write it."""
+    each cell, and write it; with ``--search capacity``, the map at load (simulated only)."""
     from tqdm import tqdm
 
     try:
         grid = parse_axes(axes)
+        if config.search == "capacity" and not config.sim:
+            raise ValueError("the regime map at load (--search capacity) runs on the simulator: add --sim")
+        if config.search == "capacity" and (not loads or min(loads) <= 0):
+            raise ValueError("--regimes-loads: positive shares of engine-only's capacity, e.g. 0.5,0.8,1.0")
     except ValueError as exc:
         print(f"kvctl replay: {exc}", file=sys.stderr)
         return 2
     jobs = jobs or (os.cpu_count() or 1 if config.sim else 1)
-    rows = run_map(replay, config, grid, config.out, jobs, seeds, progress=tqdm)
-    write_map(rows, grid, config.to_json(), config.out, "kvctl " + " ".join(argv))
-    print("\n".join(summary_lines(rows)))
+    rows = run_map(replay, config, grid, config.out, jobs, seeds, progress=tqdm, loads=loads)
+    write_map(rows, grid, config.to_json(), config.out, "kvctl " + " ".join(argv), loads)
+    print("\n".join(capacity_summary_lines(rows) if config.search == "capacity" else summary_lines(rows)))
     print(f"wrote {config.out / 'regimes.md'}, regimes.json and regimes.png")
     failed = [r["id"] for r in rows if "error" in r]
     if failed:

@@ -74,3 +74,81 @@ def test_a_thin_map_runs_resumes_and_writes_its_files(tmp_path: Path) -> None:
     stamps = {p: p.stat().st_mtime_ns for p in tmp_path.glob("cells/*/results.json")}
     assert replay_main(argv) == 0
     assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("cells/*/results.json")} == stamps
+
+
+def _capacity_summary(caps: dict[str, list[float]]) -> dict:
+    """What kvstore.replay.capacity.summarize makes of these per-seed capacities (rate scales)."""
+    from kvstore.replay.capacity import summarize
+
+    def one(x: float) -> dict:
+        return {"rate_scale": x, "requests_per_s": x, "attainment": 0.9, "ttft_p50": 0.1, "ttft_p99": 1.0,
+                "capped": False}
+
+    return summarize({k: [one(x) for x in v] for k, v in caps.items()})
+
+
+def test_a_cell_at_load_keeps_each_capacity_as_a_ratio_to_the_best_baseline() -> None:
+    cap = _capacity_summary({"engine-only|least-load": [2.0, 2.0, 2.0], "reactive|mooncake": [2.2, 2.4, 2.0],
+                             "predictive|least-load": [2.0, 2.0, 2.0], "predictive|mooncake": [2.4, 2.4, 2.4],
+                             "oracle|plan": [3.3, 3.6, 3.0], "bound|plan": [4.4, 4.8, 4.0]})
+    got = regimes.capacity_cell(cap)
+    assert got["engine_only"] == {"config": "engine-only|least-load", "rate_scale": 2.0}
+    assert got["best_baseline"] == {"config": "reactive|mooncake", "rate_scale": 2.2}
+    # the best predictive configuration by its median ratio, seed by seed against the best baseline
+    assert got["predictive"]["config"] == "predictive|mooncake"
+    assert got["predictive"]["ratio"] == pytest.approx(2.4 / 2.2)
+    assert (got["predictive"]["min"], got["predictive"]["max"]) == pytest.approx((1.0, 1.2))
+    assert got["oracle"]["ratio"] == pytest.approx(1.5) and got["bound"]["ratio"] == pytest.approx(2.0)
+
+
+def test_misses_at_load_name_the_cells_where_prediction_costs_or_falls_short() -> None:
+    def row(name: str, pred: float, oracle: float) -> dict:
+        return {"id": name, "cell": {}, "seeds": 3, "capacity": {
+            "predictive": {"ratio": pred, "min": pred, "max": pred, "config": "predictive|least-load"},
+            "oracle": {"ratio": oracle}, "bound": {"ratio": oracle + 0.1},
+            "best_baseline": {"config": "engine-only|least-load", "rate_scale": 2.0}}}
+
+    rows = [row("ties", 1.0, 1.0), row("costs", 0.8, 1.1), row("short", 1.1, 1.4), row("won", 1.2, 1.5)]
+    got = regimes.capacity_misses(rows)
+    assert [r["id"] for r in got["under"]] == ["costs"] and [r["id"] for r in got["short"]] == ["short"]
+    text = "\n".join(regimes.capacity_summary_lines(rows))
+    assert "3 of 4; over it: 2" in text and "1 of 2" in text
+    assert "`won`: 1.20x" in text and "`costs`: 0.80x" in text
+
+
+def test_a_thin_map_at_load_searches_then_replays_at_each_load(tmp_path: Path) -> None:
+    """One simulated cell, one seed: the capacity search, then one replay at each of two shares of
+    engine-only's capacity; a second call runs nothing again."""
+    argv = ["--sim", "--regimes", "--search", "capacity", "--preset", "llama3-70b-tp8",
+            "--configs", "engine-only|least-load,reactive|least-load,predictive|least-load,oracle,bound",
+            "--regimes-axis", "context=4096", "--regimes-axis", "link=eth-100g", "--regimes-axis", "nodes=4",
+            "--regimes-axis", "burst=16", "--regimes-axis", "window=2", "--regimes-loads", "0.5,1.0",
+            "--regimes-jobs", "1", "--regimes-seeds", "1", "--synth-duration", "30", "--out", str(tmp_path)]
+    assert replay_main(argv) == 0
+    got = json.loads((tmp_path / "regimes.json").read_text())
+    cell = got["cells"][0]
+    assert cell["id"] == "eth-100g_n4_b16_w2_c4096" and cell["seeds"] == 1
+    cap = cell["capacity"]
+    assert {"engine_only", "best_baseline", "predictive", "oracle", "bound"} <= set(cap)
+    assert cap["bound"]["ratio"] >= cap["predictive"]["ratio"] > 0
+    x = cap["engine_only"]["rate_scale"]
+    assert set(cell["loads"]) == {"0.5", "1"}
+    assert cell["loads"]["0.5"]["rate_scale"] == pytest.approx(0.5 * x)
+    assert all("predictive" in v and "attainment" in v["best_baseline"] for v in cell["loads"].values())
+    md = (tmp_path / "regimes.md").read_text()
+    assert "# Regime map at load" in md and "### eth-100g: capacity" in md and "p99 TTFT at 0.5, 1" in md
+    assert (tmp_path / "regimes.png").stat().st_size > 0
+    stamps = {p: p.stat().st_mtime_ns for p in tmp_path.glob("cells/**/results.json")}
+    assert len(stamps) == 3
+    assert replay_main(argv) == 0
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("cells/**/results.json")} == stamps
+
+
+def test_the_map_at_load_refuses_live_runs_and_bad_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--regimes", "--search", "capacity", "--preset", "llama3-70b-tp8", "--out", str(tmp_path)]
+    assert replay_main(base) == 2
+    assert "add --sim" in capsys.readouterr().err
+    assert replay_main(["--sim", *base, "--regimes-loads", "0.5,x"]) == 2
+    assert "--regimes-loads" in capsys.readouterr().err
+    assert replay_main(["--sim", *base, "--regimes-loads", "0,1"]) == 2
+    assert not (tmp_path / "cells").exists()
