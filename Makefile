@@ -11,7 +11,7 @@ VVENV   ?= .venv-vllm
 VBIN    := $(VVENV)/bin
 VSTAMP  := $(VVENV)/.installed
 
-.PHONY: install proto test test-gpu test-vllm bench run run-load run-full run-sweep regimes folds demo kernels clean
+.PHONY: install proto test test-gpu test-vllm bench run run-load run-full run-sweep regimes regimes-load folds demo kernels clean
 
 install: $(STAMP)
 
@@ -124,6 +124,18 @@ REGIMES_ARGS ?= --sim --regimes --preset llama3-70b-tp8 \
   --routers round-robin,least-load,cache-aware --out kvstore-out/regimes
 regimes: $(STAMP)
 	$(BIN)/kvctl replay $(REGIMES_ARGS) $(ARGS)
+
+# The regime map at load (docs/regimes.md, "The map at load"): in each cell of a thinner grid, every
+# configuration's capacity (the highest rate at which 90 % of the requests meet the SLO), then a replay at
+# 0.5, 0.8 and 1.0 of engine-only's capacity there; 3 seeds, at a node's real host memory (about 45
+# minutes on 2 cores; resumes what its folder holds).
+REGIMES_LOAD_CONFIGS ?= engine-only|least-load,engine-only|kv-router,none|least-load,reactive|mooncake,\
+reactive+claims|cache-aware,predictive|least-load,predictive|mooncake,predictive+claims|cache-aware,oracle,bound
+REGIMES_LOAD_ARGS ?= --sim --regimes --search capacity --preset llama3-70b-tp8 --capacity preset \
+  --configs '$(REGIMES_LOAD_CONFIGS)' --regimes-axis window=2,10 --regimes-axis context=4096,16384,65536 \
+  --out kvstore-out/regimes-load
+regimes-load: $(STAMP)
+	$(BIN)/kvctl replay $(REGIMES_LOAD_ARGS) $(ARGS)
 
 # The whole conversation trace in two folds (docs/benchmarks.md, "tiers at a node's real capacities"): a
 # burst model trained on each half of the trace (with every suite source not built from that trace), each

@@ -15,9 +15,11 @@ Read against:
 * the **best baseline**: the configuration that does not predict (``engine-only``, ``none`` and
   ``reactive`` with or without claims and tiers but ``tiers-predictive``) with the highest median
   capacity;
-* the **bound**: ``bound|plan``, every reusable block at hand for nothing on every node (the floor's
-  physics, with queueing), each request routed where the oracle's plan sends it: every request's work is
-  no more than under the oracle. That no configuration's capacity exceeds it is checked
+* the **bound**: ``bound|plan``, every reusable block at hand for nothing on every node from the moment
+  it can first exist -- the arrival of the first request that has it plus that request's prefill of it on
+  an idle engine -- each request waiting for its prefix where that ends before computing it (the floor's
+  physics with queueing, no link: :func:`kvstore.replay.serve.bound_reuse`), each routed where the
+  oracle's plan sends it. That no configuration's capacity exceeds it is checked
   (:func:`over_bound`), not proven: another router could in principle place work better.
 
 Pure logic over run summaries (the caller runs the simulator); no I/O.

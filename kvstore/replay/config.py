@@ -228,7 +228,7 @@ class ReplayConfig:
     def run_plan(self) -> list[tuple[str, tuple[str, str, float]]]:
         """``(policy, (label, router, balance_abs))`` of every configuration to run: ``--configs`` as given,
         else every policy under every router (cache-aware once per ``--balance-abs``); the oracle routes
-        itself (``plan``), and so does the bound (the oracle's routes, every reusable block free)."""
+        itself (``plan``), and so does the bound (the oracle's routes, every reusable block free once it can exist)."""
         balance = self.balances()
         own = {p: ("plan", "least-load", balance[0]) for p in SELF_ROUTED}
         if self.configs:

@@ -388,7 +388,7 @@ def capacity_section(w: dict[str, Any], cfg: dict[str, Any]) -> str:
              capacity_table(w), ""]
     if cap.get("bound"):
         b = cap["configs"][cap["bound"]]
-        parts.append(f"- the bound (`{cap['bound']}`: every reusable block at hand for nothing on every node) "
+        parts.append(f"- the bound (`{cap['bound']}`: every reusable block at hand for nothing on every node once it can exist) "
                      f"serves {b['rate_scale']['median']:.3g}x the workload's rate, "
                      f"{_x(b['vs_engine_only'])} of engine-only's capacity: no configuration can exceed it.")
     best, base = cap.get("best"), cap.get("best_baseline")

@@ -94,7 +94,7 @@ class Rules:
     claim_margin: float = 1.0
     link_bytes_s: float = 12.5e9   # unscaled bytes per trace second of the modelled link (the wait rule)
     store: bool = True             # engine-only: False, the engine neither asks nor tells the store anything
-    free_reuse: bool = False       # the bound: every reusable block is at hand, at no cost (no store)
+    free_reuse: bool = False       # the bound: every reusable block at hand, at no cost, once it can exist
 
     @classmethod
     def of(cls, policy: str, cost: CostModel, speedup: float, **kw: Any) -> Rules:
