@@ -127,12 +127,12 @@ regimes: $(STAMP)
 
 # The regime map at load (docs/regimes.md, "The map at load"): in each cell of a thinner grid, every
 # configuration's capacity (the highest rate at which 90 % of the requests meet the SLO), then a replay at
-# 0.5, 0.8 and 1.0 of engine-only's capacity there; 3 seeds, at a node's real host memory (about 45
+# 0.5, 0.8 and 1.0 of engine-only's capacity there; 8 nodes, 3 seeds, at a node's real host memory (about 40
 # minutes on 2 cores; resumes what its folder holds).
 REGIMES_LOAD_CONFIGS ?= engine-only|least-load,engine-only|kv-router,none|least-load,reactive|mooncake,\
-reactive+claims|cache-aware,predictive|least-load,predictive|mooncake,predictive+claims|cache-aware,oracle,bound
+reactive+claims|cache-aware,predictive|least-load,predictive|kv-router,predictive|mooncake,predictive+claims|cache-aware,oracle,bound
 REGIMES_LOAD_ARGS ?= --sim --regimes --search capacity --preset llama3-70b-tp8 --capacity preset \
-  --configs '$(REGIMES_LOAD_CONFIGS)' --regimes-axis window=2,10 --regimes-axis context=4096,16384,65536 \
+  --configs '$(REGIMES_LOAD_CONFIGS)' --regimes-axis nodes=8 --regimes-axis window=2,10 --regimes-axis context=4096,16384,65536 \
   --out kvstore-out/regimes-load
 regimes-load: $(STAMP)
 	$(BIN)/kvctl replay $(REGIMES_LOAD_ARGS) $(ARGS)
