@@ -234,3 +234,32 @@ def test_agent_fanout_capacities_seed_0(tmp_path: Path) -> None:
 def test_tool_agent_capacities_seed_0(tmp_path: Path) -> None:
     got = _capacities(tmp_path, "tool-agent", "engine-only|kv-router,reactive|mooncake")
     assert got == pytest.approx({"engine-only|kv-router": 10.834, "reactive|mooncake": 11.3137}, abs=1e-4)
+
+
+# ---- docs/regimes.md, "The map at load": two cells, 3 seeds -------------------------------------------
+
+def _cell_capacities(out: Path, link: str, burst: int, window: int, context: int, configs: str) -> dict[str, list[float]]:
+    argv = [*CAPACITY, "--link", link, "--trace", "synth", "--synth-requests", str(burst), "--synth-window",
+            str(window), "--synth-prefix-tokens", str(context), "--repeats", "3", "--configs", configs,
+            "--out", str(out)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert replay_main(argv) == 0
+    (w,) = json.loads((out / "results.json").read_text())["workloads"].values()
+    return {k: [c["rate_scale"] for c in v] for k, v in w["capacity"]["per_seed"].items()}
+
+
+def _ratios(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    r = [a / b for a, b in zip(num, den)]
+    return statistics.median(r), min(r), max(r)
+
+
+def test_regimes_at_load_where_the_forecast_raises_capacity(tmp_path: Path) -> None:
+    # eth-100g_n8_b48_w10_c65536: predictive|kv-router 1.09x (0.92-1.19) the best baseline (none|least-load)
+    got = _cell_capacities(tmp_path, "eth-100g", 48, 10, 65536, "none|least-load,predictive|kv-router")
+    assert_ratio(_ratios(got["predictive|kv-router"], got["none|least-load"]), "1.09", "0.92", "1.19")
+
+
+def test_regimes_at_load_where_the_store_costs_a_step(tmp_path: Path) -> None:
+    # eth-100g_n8_b48_w2_c4096: predictive|least-load 0.96x (0.96-1.00) vLLM alone under least-load
+    got = _cell_capacities(tmp_path, "eth-100g", 48, 2, 4096, "engine-only|least-load,predictive|least-load")
+    assert_ratio(_ratios(got["predictive|least-load"], got["engine-only|least-load"]), "0.96", "0.96", "1.00")
