@@ -63,7 +63,7 @@ BLOCK = 32
 VOCAB = 4096
 FIRST_WORD = 3  # ids 0-2 are <unk>, <s>, </s>
 
-# The model: chosen with `kvctl bench engine --calibrate-only` so that on a 2-core Xeon (AVX-512) a local
+# The model: chosen with `kvctl bench engine --calibrate only` so that on a 2-core Xeon (AVX-512) a local
 # kvstored loads a token's KV ~40x faster than vLLM prefills it (see docs/bench-engine.md). fp32, MHA:
 # 16 KiB of KV a token, 512 KiB pages of 32 tokens.
 MODEL_SHAPE: dict[str, int] = {"num_hidden_layers": 4, "hidden_size": 512, "intermediate_size": 1024,
