@@ -204,13 +204,20 @@ def table(rows: Sequence[dict[str, Any]], grid: dict[str, Sequence[Any]]) -> str
         out += [f"### {link}", "",
                 "Each cell: best predictive / best baseline (oracle / best baseline), p99 TTFT, median over "
                 "its seeds; **bold**: predictive over 1.0x; `*`: 3 seeds.", "",
-                "| nodes | burst | window s | " + " | ".join(f"{c // 1024}k" for c in grid["context"]) + " |",
-                "|---|---|---|" + "---|" * len(grid["context"])]
-        for row in rows_of(grid):
-            texts = [_cell_text(at(by, link, row, context)) for context in grid["context"]]
-            out.append(f"| {row[0]} | {row[1]} | {row[2]:g} | " + " | ".join(texts) + " |")
-        out.append("")
+                *_grid_table(by, grid, link, _cell_text), ""]
     return "\n".join(out)
+
+
+def _grid_table(by: dict[str, dict[str, Any]], grid: dict[str, Sequence[Any]], link: str,
+                text: Callable[[dict[str, Any]], str]) -> list[str]:
+    """The Markdown lines of one link's table: a row per (nodes, burst, window), a column per context,
+    each cell ``text`` of that cell's row of the map."""
+    lines = ["| nodes | burst | window s | " + " | ".join(f"{c // 1024}k" for c in grid["context"]) + " |",
+             "|---|---|---|" + "---|" * len(grid["context"])]
+    for row in rows_of(grid):
+        texts = [text(at(by, link, row, context)) for context in grid["context"]]
+        lines.append(f"| {row[0]} | {row[1]} | {row[2]:g} | " + " | ".join(texts) + " |")
+    return lines
 
 
 def _cell_text(row: dict[str, Any]) -> str:
@@ -268,23 +275,14 @@ def capacity_table(rows: Sequence[dict[str, Any]], grid: dict[str, Sequence[Any]
     capacities (best predictive / best baseline, with the oracle's and the bound's ratio), bold where
     predictive's is over 1.0x; and best predictive's p99 TTFT over the best baseline's at each load."""
     by = {cell_id(r["cell"]): r for r in rows}
-    head = "| nodes | burst | window s | " + " | ".join(f"{c // 1024}k" for c in grid["context"]) + " |"
-    rule = "|---|---|---|" + "---|" * len(grid["context"])
     out: list[str] = []
     for link in grid["link"]:
         out += [f"### {link}: capacity", "",
                 "Each cell: best predictive's capacity / the best baseline's (oracle's; bound's), median of the "
-                "per-seed ratios; **bold**: predictive over 1.0x.", "", head, rule]
-        for row in rows_of(grid):
-            texts = [_capacity_text(at(by, link, row, context)) for context in grid["context"]]
-            out.append(f"| {row[0]} | {row[1]} | {row[2]:g} | " + " | ".join(texts) + " |")
-        out += ["", f"### {link}: p99 TTFT at " + ", ".join(f"{x:g}" for x in loads) + " of engine-only's capacity",
+                "per-seed ratios; **bold**: predictive over 1.0x.", "", *_grid_table(by, grid, link, _capacity_text),
+                "", f"### {link}: p99 TTFT at " + ", ".join(f"{x:g}" for x in loads) + " of engine-only's capacity",
                 "", "Each cell: best predictive's p99 TTFT / the best baseline's at each load, median over its "
-                "seeds.", "", head, rule]
-        for row in rows_of(grid):
-            texts = [_loads_text(at(by, link, row, context), loads) for context in grid["context"]]
-            out.append(f"| {row[0]} | {row[1]} | {row[2]:g} | " + " | ".join(texts) + " |")
-        out.append("")
+                "seeds.", "", *_grid_table(by, grid, link, lambda r: _loads_text(r, loads)), ""]
     return "\n".join(out)
 
 
@@ -345,8 +343,10 @@ def _run_cell(replay: Replay, config: Any, out: Path, loads: Sequence[float] = (
     (``config.search == "capacity"``), the capacity search, then a replay at each of ``loads`` x engine-only's
     capacity into ``out/load-<share>``: ``{"capacity": ..., "loads": {share: workload entry}}``."""
     got = _replay_entry(replay, config, out)
-    if "error" in got or config.search != "capacity":
-        return {k: v for k, v in got.items() if k != "entry"}
+    if "error" in got:
+        return got
+    if config.search != "capacity":
+        return {"rc": got["rc"], "workload": _kept(got["entry"])}
     cap = got["entry"]["capacity"]
     ref = cap.get("reference")
     x = cap["configs"][ref]["rate_scale"]["median"] if ref is not None else 0.0
@@ -356,16 +356,19 @@ def _run_cell(replay: Replay, config: Any, out: Path, loads: Sequence[float] = (
                             out / f"load-{share:g}")
         if "error" in one:
             return one
-        at_load[f"{share:g}"] = {"rate_scale": share * x,
-                                 **{k: one["entry"][k] for k in ("runs", "best_baseline", "vs_best")
-                                    if k in one["entry"]}}
+        at_load[f"{share:g}"] = {"rate_scale": share * x, **_kept(one["entry"])}
     slim = {k: cap[k] for k in ("configs", "reference", "best_baseline", "best", "bound") if k in cap}
     return {"rc": got["rc"], "workload": {"capacity": slim, "loads": at_load}}
 
 
+def _kept(entry: dict[str, Any]) -> dict[str, Any]:
+    """What the map keeps of a replay's workload entry."""
+    return {k: entry[k] for k in ("runs", "best_baseline", "vs_best") if k in entry}
+
+
 def _replay_entry(replay: Replay, config: Any, out: Path) -> dict[str, Any]:
-    """One replay into ``out``, its output swallowed: ``{"rc", "entry", "workload"}`` (its only workload's
-    results.json entry, and what the map keeps of it), or ``{"error": ...}``."""
+    """One replay into ``out``, its output swallowed: ``{"rc", "entry"}`` (its only workload's results.json
+    entry), or ``{"error": ...}``."""
     sink = io.StringIO()
     config = replace(config, out=out)
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
@@ -375,8 +378,7 @@ def _replay_entry(replay: Replay, config: Any, out: Path) -> dict[str, Any]:
         return {"error": f"exit {rc}: {sink.getvalue()[-400:]}"}
     workloads = json.loads(results.read_text())["workloads"]
     entry = next(iter(workloads.values()))
-    return {"rc": rc, "entry": entry,
-            "workload": {k: entry[k] for k in ("runs", "best_baseline", "vs_best") if k in entry}}
+    return {"rc": rc, "entry": entry}
 
 
 def _row(cell: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
@@ -471,17 +473,15 @@ def write_map(rows: Sequence[dict[str, Any]], grid: dict[str, Sequence[Any]], ba
               f"Preset `{base.get('preset')}`, configurations `{configs}`; capacity: the highest rate scale at which "
               f"{base.get('slo_attainment')} of the requests meet the SLO; p99 TTFT in trace seconds.", "",
               *capacity_summary_lines(rows), "", capacity_table(rows, grid, loads)]
-    else:
-        md = [f"# Regime map ({simulated})", "", f"```sh\n{command}\n```", "",
-              f"Preset `{base.get('preset')}`, {configs}; p99 TTFT in trace seconds.", "",
-              *summary_lines(rows), "", table(rows, grid)]
-    (out / "regimes.md").write_text("\n".join(md) + "\n")
-    if at_load:
         plot(rows, grid, out / "regimes.png", [(lambda r, k=k: r.get("capacity", {}).get(k, {}).get("ratio"),
                                                  f"{k} capacity / best baseline's") for k in ("predictive", "oracle")],
              higher_is_better=True, label="capacity ratio (log scale)")
     else:
+        md = [f"# Regime map ({simulated})", "", f"```sh\n{command}\n```", "",
+              f"Preset `{base.get('preset')}`, {configs}; p99 TTFT in trace seconds.", "",
+              *summary_lines(rows), "", table(rows, grid)]
         plot(rows, grid, out / "regimes.png")
+    (out / "regimes.md").write_text("\n".join(md) + "\n")
 
 
 def plot(rows: Sequence[dict[str, Any]], grid: dict[str, Sequence[Any]], path: Path,

@@ -217,11 +217,16 @@ CAPACITY = ["--sim", "--search", "capacity", "--nodes", "8", "--preset", "llama3
             "--capacity", "preset", "--jobs", "1", "--no-plots", "--no-progress"]
 
 
-def _capacities(out: Path, trace: str, configs: str) -> dict[str, float]:
+def _per_seed(out: Path, *args: str) -> dict[str, list[float]]:
+    """Each configuration's capacity (rate scale) per seed, of one capacity search."""
     with contextlib.redirect_stdout(io.StringIO()):
-        assert replay_main([*CAPACITY, "--trace", trace, "--configs", configs, "--out", str(out)]) == 0
+        assert replay_main([*CAPACITY, *args, "--out", str(out)]) == 0
     (w,) = json.loads((out / "results.json").read_text())["workloads"].values()
-    return {k: v[0]["rate_scale"] for k, v in w["capacity"]["per_seed"].items()}
+    return {k: [c["rate_scale"] for c in v] for k, v in w["capacity"]["per_seed"].items()}
+
+
+def _capacities(out: Path, trace: str, configs: str) -> dict[str, float]:
+    return {k: v[0] for k, v in _per_seed(out, "--trace", trace, "--configs", configs).items()}
 
 
 def test_agent_fanout_capacities_seed_0(tmp_path: Path) -> None:
@@ -239,18 +244,13 @@ def test_tool_agent_capacities_seed_0(tmp_path: Path) -> None:
 # ---- docs/regimes.md, "The map at load": two cells, 3 seeds -------------------------------------------
 
 def _cell_capacities(out: Path, link: str, burst: int, window: int, context: int, configs: str) -> dict[str, list[float]]:
-    argv = [*CAPACITY, "--link", link, "--trace", "synth", "--synth-requests", str(burst), "--synth-window",
-            str(window), "--synth-prefix-tokens", str(context), "--repeats", "3", "--configs", configs,
-            "--out", str(out)]
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert replay_main(argv) == 0
-    (w,) = json.loads((out / "results.json").read_text())["workloads"].values()
-    return {k: [c["rate_scale"] for c in v] for k, v in w["capacity"]["per_seed"].items()}
+    return _per_seed(out, "--link", link, "--trace", "synth", "--synth-requests", str(burst), "--synth-window",
+                     str(window), "--synth-prefix-tokens", str(context), "--repeats", "3", "--configs", configs)
 
 
 def _ratios(num: list[float], den: list[float]) -> tuple[float, float, float]:
-    r = [a / b for a, b in zip(num, den)]
-    return statistics.median(r), min(r), max(r)
+    s = sweep.spread([a / b for a, b in zip(num, den)])
+    return s["median"], s["min"], s["max"]
 
 
 def test_regimes_at_load_where_the_forecast_raises_capacity(tmp_path: Path) -> None:
