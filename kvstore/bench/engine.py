@@ -142,9 +142,9 @@ def zipf_choices(rng: random.Random, n: int, s: float, k: int) -> list[int]:
     return rng.choices(range(n), weights=weights, k=k)
 
 
-def make_prompts(w: Workload) -> list[dict[str, Any]]:
+def make_prompts(w: Workload, seen: Sequence[list[int]] = ()) -> list[dict[str, Any]]:
     """The workload's requests in arrival order: ``tokens`` (the prompt's ids) and ``reusable`` (how many of
-    its leading tokens an earlier request's prompt already had: what reuse could skip)."""
+    its leading tokens an earlier request's prompt, or one of ``seen``, already had: what reuse could skip)."""
     rng = random.Random(w.seed)
     prompts: list[list[int]] = []
     if w.kind == "docs":
@@ -160,7 +160,17 @@ def make_prompts(w: Workload) -> list[dict[str, Any]]:
                 prompts.append(history[u] + question)
                 history[u] = history[u] + question + _words(rng, w.answer_tokens)
         prompts = prompts[:w.num_prompts]
-    return [{"tokens": p, "reusable": _seen_prefix(p, prompts[:i])} for i, p in enumerate(prompts)]
+    return [{"tokens": p, "reusable": _seen_prefix(p, [*seen, *prompts[:i]])} for i, p in enumerate(prompts)]
+
+
+def warm_prompts(w: Workload) -> list[list[int]]:
+    """What a fleet serving this workload has seen before a measured stretch (``--start warm``): each shared
+    prefix once (every document; the system prompt all sessions share), each with a question of its own that
+    no measured request asks. The users' own contexts stay new: a session's first round is a first sight."""
+    rng, own = random.Random(w.seed), random.Random(w.seed + 1)  # the same draws as make_prompts' prefixes
+    if w.kind == "docs":
+        return [_words(rng, w.doc_tokens) + _words(own, w.question_tokens) for _ in range(w.docs)]
+    return [_words(rng, w.system_tokens) + _words(own, w.question_tokens)]
 
 
 def _seen_prefix(prompt: list[int], earlier: list[list[int]]) -> int:
@@ -363,8 +373,10 @@ def engines(w: Workload, setup: str, count: int, model: Path, folder: Path) -> I
         servers = []
         for i in range(count):
             port = free_port()
+            # one engine: vLLM's own binding (one reserved core); more: each engine's compute on its own core
+            own = env if count == 1 else {**env, "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}
             server = Server(serve_argv(model, port, w.vllm_blocks, nodes[i].address if nodes else None), port,
-                            folder / f"vllm-{setup}-{i}.log", env)
+                            folder / f"vllm-{setup}-{i}.log", own)
             stack.callback(server.stop)
             servers.append(server)
         for server in servers:
@@ -378,6 +390,8 @@ def bench_serve(server: Server, model: Path, dataset: Path, n: int, rate: float,
     argv = vllm_cli("bench", "serve", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{server.port}",
                     "--model", str(model), "--tokenizer", str(model), "--dataset-name", "custom",
                     "--dataset-path", str(dataset), "--disable-shuffle", "--skip-chat-template",
+                    # -1: each line's own output_tokens (otherwise the custom dataset decodes 256 tokens)
+                    "--custom-output-len", "-1",
                     "--num-prompts", str(n), "--request-rate", str(rate), "--burstiness", str(burstiness),
                     "--ignore-eos", "--seed", str(seed), "--goodput", f"ttft:{slo_ms:g}",
                     "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90,99",
@@ -415,8 +429,12 @@ def drive(servers: list[Server], model: Path, prompts: list[dict[str, Any]], w: 
     return [json.loads(out.read_text()) for out in outs]
 
 
-def summarize(results: list[dict[str, Any]], rate: float, slo_ms: float) -> dict[str, Any]:
-    """One rate's figures from the per-request TTFTs of every client's saved result."""
+def summarize(results: list[dict[str, Any]], rate: float, slo_ms: float, output_len: int) -> dict[str, Any]:
+    """One rate's figures from the per-request TTFTs of every client's saved result. A run whose completed
+    requests did not each decode ``output_len`` tokens measured another workload: refused."""
+    lens = {n for r in results for n, e in zip(r["output_lens"], r["errors"]) if not e}
+    if lens - {output_len}:
+        raise RuntimeError(f"requests decoded {sorted(lens)} tokens, the workload asks for {output_len}")
     ttfts = [t * 1000 for r in results for t, e in zip(r["ttfts"], r["errors"]) if not e]
     good = sum(1 for t in ttfts if t <= slo_ms)
     duration = max(r["duration"] for r in results)
@@ -518,7 +536,8 @@ def calibrate(model: Path, folder: Path, prompt_tokens: int) -> dict[str, Any]:
 
 # ---- the run ------------------------------------------------------------------------------------------------
 def run_workload(w: Workload, args: argparse.Namespace, model: Path, out: Path, bar: Any) -> dict[str, Any]:
-    prompts = make_prompts(w)
+    warm = warm_prompts(w) if args.start == "warm" else []
+    prompts = make_prompts(w, seen=warm)
     rates = tuple(args.rates) if args.rates else w.rates
     folder = out / f"workload-{w.name}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -531,8 +550,10 @@ def run_workload(w: Workload, args: argparse.Namespace, model: Path, out: Path, 
             for rate in rates:
                 before = [node_pages(node) for node in nodes]
                 tag = f"{setup}-r{rate:g}-{args.run_id}"
+                for i, tokens in enumerate(warm):  # under the rate's own salt, round-robin, not measured
+                    complete(servers[i % len(servers)], model, tokens, tag)
                 point = summarize(drive(servers, model, prompts, w, rate, args.slo_ttft_ms, folder, tag),
-                                  rate, args.slo_ttft_ms)
+                                  rate, args.slo_ttft_ms, w.output_len)
                 point["pages"] = _page_deltas(before, [node_pages(node) for node in nodes])
                 points.append(point)
                 bar.update(1)
@@ -541,7 +562,8 @@ def run_workload(w: Workload, args: argparse.Namespace, model: Path, out: Path, 
     base, kv = setups["vllm"]["capacity"], setups["kvstore"]["capacity"]
     ratios = [k["goodput"] / v["goodput"] if v["goodput"] > 0 else math.nan
               for v, k in zip(setups["vllm"]["points"], setups["kvstore"]["points"])]
-    return {"workload": dataclasses.asdict(w), "engines": args.engines, "rates": list(rates),
+    return {"workload": dataclasses.asdict(w), "engines": args.engines, "start": args.start,
+            "warm_prompts": len(warm), "rates": list(rates),
             "prompt_tokens_mean": statistics.fmean(len(p["tokens"]) for p in prompts),
             "bound": reuse_bound(prompts), "setups": setups,
             "capacity_ratio": kv / base if base > 0 else math.nan, "goodput_ratios": ratios}
@@ -569,7 +591,9 @@ def report(results: dict[str, Any]) -> str:
         w = res["workload"]
         lines += [f"## workload {w['name']}: {w['title']} ({res['engines']} engine(s))", "",
                   f"SLO: TTFT <= {results['slo_ttft_ms']:g} ms for {results['slo_attainment']:.0%} of requests; "
-                  f"mean prompt {res['prompt_tokens_mean']:.0f} tokens; bound {res['bound']:.2f}x", ""]
+                  f"mean prompt {res['prompt_tokens_mean']:.0f} tokens; bound {res['bound']:.2f}x; "
+                  f"{res.get('start', 'cold')} start ({res.get('warm_prompts', 0)} shared prefixes sent "
+                  "before each rate)", ""]
         rows = []
         for setup, data in res["setups"].items():
             for p in data["points"]:
@@ -626,6 +650,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of requests that must meet the SLO at a setup's capacity")
     parser.add_argument("--calibrate", choices=("yes", "no", "only"), default="yes",
                         help="measure the prefill/load ratio first (only: and nothing else)")
+    parser.add_argument("--start", choices=("warm", "cold"), default="warm",
+                        help="warm: before each rate's measured requests every shared prefix is sent once "
+                             "(the steady state of a fleet serving them); cold: each rate starts empty")
     parser.add_argument("--run-id", default="0", help="tag of this run's files and cache salts")
     parser.add_argument("--out", default="kvstore-out/bench/engine", help="output folder")
 

@@ -67,3 +67,11 @@ def test_report_and_plot_are_written(run: Path) -> None:
     assert (run / "engine.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # vllm bench serve's own saved results are kept beside ours
     assert len(list((run / "workload-a").glob("*-r*-0-0.json"))) == 2 * len(RATES)
+
+
+def test_every_request_decoded_the_workloads_output_length(run: Path) -> None:
+    """vllm bench serve's custom dataset decodes 256 tokens unless told to read each line's own length."""
+    from kvstore.bench.engine import WORKLOADS
+    for saved in (run / "workload-a").glob("*-r*-0-0.json"):
+        lens = json.loads(saved.read_text())["output_lens"]
+        assert lens and set(lens) == {WORKLOADS["a"].output_len}, (saved.name, sorted(set(lens)))
