@@ -45,6 +45,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -367,6 +368,8 @@ def engines(w: Workload, setup: str, count: int, model: Path, folder: Path) -> I
     with ExitStack() as stack:
         nodes: list[Any] = []
         if setup == "kvstore":
+            # the disk tiers are scratch (each GiBs on disk): removed once their nodes are gone
+            stack.callback(lambda: [shutil.rmtree(t, ignore_errors=True) for t in folder.glob("tier-n*")])
             nodes = start_nodes(count, w.pool, w.disk, folder)
             for node in nodes:
                 stack.callback(node.kill)
