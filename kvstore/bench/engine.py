@@ -641,6 +641,96 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+# ---- several runs: medians and ranges ---------------------------------------------------------------------
+def _spread(values: Sequence[float]) -> dict[str, float]:
+    return {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Earlier runs' results folded per workload (and engine count): each setup's capacity, the capacity
+    ratio and, per rate, each setup's goodput and TTFT p99 and the goodput ratio, as median, min and max over
+    the runs. A capacity equal to the top rate swept is a floor (the setup met the SLO at every rate)."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for results in runs:
+        for res in results["workloads"]:
+            groups.setdefault((res["workload"]["name"], res["engines"]), []).append(res)
+    out = []
+    for (name, count), found in sorted(groups.items()):
+        rates = found[0]["rates"]
+        if any(r["rates"] != rates for r in found):
+            raise ValueError(f"workload {name}, {count} engine(s): the runs swept different rates")
+        setups = {}
+        for setup in SETUPS:
+            caps = [r["setups"][setup]["capacity"] for r in found]
+            per_rate = [{"rate": rate,
+                         "goodput": _spread([r["setups"][setup]["points"][i]["goodput"] for r in found]),
+                         "ttft_p99_ms": _spread([r["setups"][setup]["points"][i]["ttft_p99_ms"] for r in found]),
+                         "attainment": _spread([r["setups"][setup]["points"][i]["attainment"] for r in found])}
+                        for i, rate in enumerate(rates)]
+            setups[setup] = {"capacity": _spread(caps), "capacity_is_floor": [c >= max(rates) for c in caps],
+                             "points": per_rate}
+        ratios = [r["capacity_ratio"] for r in found]
+        out.append({"workload": found[0]["workload"], "engines": count, "start": found[0].get("start", "cold"),
+                    "runs": len(found), "rates": rates, "bound": found[0]["bound"], "setups": setups,
+                    "capacity_ratio": _spread(ratios),
+                    "goodput_ratios": [_spread([r["goodput_ratios"][i] for r in found]) for i in range(len(rates))],
+                    "commands": sorted({r.get("command", "") for r in runs})})
+    return {"workloads": out, "slo_ttft_ms": runs[0]["slo_ttft_ms"], "slo_attainment": runs[0]["slo_attainment"]}
+
+
+def _r(s: dict[str, float], fmt: str = ".2f", floor: bool = False) -> str:
+    lo = ">= " if floor else ""
+    return f"{lo}{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
+
+
+def combined_report(combined: dict[str, Any]) -> str:
+    from tabulate import tabulate
+
+    lines = ["# kvctl bench engine: medians (min-max) over runs", ""]
+    for res in combined["workloads"]:
+        w = res["workload"]
+        lines += [f"## workload {w['name']}: {w['title']} ({res['engines']} engine(s), {res['start']} start, "
+                  f"{res['runs']} runs)", "",
+                  f"SLO: TTFT <= {combined['slo_ttft_ms']:g} ms for {combined['slo_attainment']:.0%} of requests; "
+                  f"bound {res['bound']:.2f}x", ""]
+        rows = []
+        for i, rate in enumerate(res["rates"]):
+            v, k = res["setups"]["vllm"]["points"][i], res["setups"]["kvstore"]["points"][i]
+            rows.append([f"{rate:g}", _r(v["goodput"]), _r(k["goodput"]), _r(res["goodput_ratios"][i]),
+                         _r(v["ttft_p99_ms"], ".0f"), _r(k["ttft_p99_ms"], ".0f")])
+        lines.append(tabulate(rows, headers=["rate", "goodput vllm", "goodput kvstore", "ratio", "p99 ms vllm",
+                                             "p99 ms kvstore"], tablefmt="github", disable_numparse=True))
+        caps = {s: _r(d["capacity"], floor=any(d["capacity_is_floor"])) for s, d in res["setups"].items()}
+        lines += ["", f"capacity: vllm {caps['vllm']} req/s, kvstore {caps['kvstore']} req/s, ratio "
+                  f"{_r(res['capacity_ratio'], floor=any(res['setups']['kvstore']['capacity_is_floor']))}x", ""]
+    return "\n".join(lines) + "\n"
+
+
+def plot_combined(combined: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = combined["workloads"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.8), squeeze=False)
+    for ax, res in zip(axes[0], runs):
+        for setup, data in res["setups"].items():
+            rates = res["rates"]
+            med = [p["goodput"]["median"] for p in data["points"]]
+            ax.plot(rates, med, marker="o", label=f"{setup} (capacity {data['capacity']['median']:.2f})")
+            ax.fill_between(rates, [p["goodput"]["min"] for p in data["points"]],
+                            [p["goodput"]["max"] for p in data["points"]], alpha=0.2)
+        ax.plot(res["rates"], res["rates"], color="grey", linestyle=":", label="offered")
+        ax.set_title(f"({res['workload']['name']}) {res['engines']} engine(s), {res['runs']} runs")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"goodput (req/s, TTFT <= {combined['slo_ttft_ms']:g} ms)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
                         help="workload to run (repeatable; default: a, b and c)")
@@ -658,9 +748,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the steady state of a fleet serving them); cold: each rate starts empty")
     parser.add_argument("--run-id", default="0", help="tag of this run's files and cache salts")
     parser.add_argument("--out", default="kvstore-out/bench/engine", help="output folder")
+    parser.add_argument("--combine", nargs="+", metavar="DIR",
+                        help="run nothing: fold the results.json of these earlier runs (the same workloads, "
+                             "engines and rates) into medians with ranges, written to --out")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.combine:
+        runs = []
+        for folder in args.combine:
+            try:
+                runs.append(json.loads((Path(folder) / "results.json").read_text()))
+            except (OSError, ValueError) as e:
+                print(f"kvctl bench engine --combine: {folder}: no readable results.json ({e})", file=sys.stderr)
+                return 2
+        combined = combine(runs)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "combined.json").write_text(json.dumps(combined, indent=1))
+        (out / "combined.md").write_text(combined_report(combined))
+        plot_combined(combined, out / "combined.png")
+        print(combined_report(combined))
+        return 0
     if importlib.util.find_spec("vllm") is None:
         print("kvctl bench engine: vLLM is not installed in this Python; run it from the vLLM venv "
               "(make .venv-vllm/.installed, then .venv-vllm/bin/kvctl bench engine ...)", file=sys.stderr)
