@@ -12,8 +12,11 @@ folder (a config, dummy weights, a word-level tokenizer built with ``tokenizers`
   (the gaps of every other arrival of a Poisson stream) over every other request of the workload.
 
 Each rate of ``--rates`` is one ``vllm bench serve --save-result --save-detailed`` run over the workload's
-prompts (a JSONL ``custom`` dataset written in the same order every time; a fresh ``cache_salt`` per rate, so
-every rate starts cold in vLLM's cache and in kvstore alike). From the per-request TTFTs it reports, per
+prompts (a JSONL ``custom`` dataset written in the same order every time, each request decoding the
+workload's output length; a fresh ``cache_salt`` per rate, so no rate inherits another's caches). With
+``--start warm`` (the default) each shared prefix of the workload is sent once under the rate's salt before
+its measured requests, the steady state of a fleet serving them; ``--start cold`` starts each rate empty in
+vLLM's cache and in kvstore alike. From the per-request TTFTs it reports, per
 setup and rate: goodput (requests/s whose TTFT met ``--slo-ttft-ms``), TTFT p50/p90/p99, the share meeting
 the SLO, completed/failed counts and the pages kvstored served (local and remote hits); then each setup's
 capacity (the highest rate at which ``--slo-attainment`` of the requests meet the SLO, interpolated between
@@ -32,7 +35,8 @@ Before the sweep it measures the ratio that decides whether loading beats recomp
 read back from the local kvstored through the client the connector uses (a Get into a staging buffer and
 one copy, as the connector's scatter does). Llama-3-70B on 8 H100s loading from host memory is about 40.
 
-Writes ``results.json``, ``report.md`` and ``engine.png`` (goodput and TTFT p99 against rate) to ``--out``.
+Writes ``results.json``, ``report.md`` and ``engine.png`` (goodput and TTFT p99 against rate) to ``--out``;
+``--combine DIR ...`` folds earlier runs into medians with ranges (``combined.md``/``.json``/``.png``).
 Runs inside the vLLM venv: ``.venv-vllm/bin/kvctl bench engine`` (``make test-vllm`` builds it).
 """
 
@@ -700,9 +704,15 @@ def combined_report(combined: dict[str, Any]) -> str:
                          _r(v["ttft_p99_ms"], ".0f"), _r(k["ttft_p99_ms"], ".0f")])
         lines.append(tabulate(rows, headers=["rate", "goodput vllm", "goodput kvstore", "ratio", "p99 ms vllm",
                                              "p99 ms kvstore"], tablefmt="github", disable_numparse=True))
-        caps = {s: _r(d["capacity"], floor=any(d["capacity_is_floor"])) for s, d in res["setups"].items()}
-        lines += ["", f"capacity: vllm {caps['vllm']} req/s, kvstore {caps['kvstore']} req/s, ratio "
-                  f"{_r(res['capacity_ratio'], floor=any(res['setups']['kvstore']['capacity_is_floor']))}x", ""]
+        floors = {s: any(d["capacity_is_floor"]) for s, d in res["setups"].items()}
+        caps = {s: _r(d["capacity"], floor=floors[s]) for s, d in res["setups"].items()}
+        if floors["vllm"] and floors["kvstore"]:
+            ratio = "not found (both met the SLO at every rate swept)"
+        else:
+            ratio = _r(res["capacity_ratio"], floor=floors["kvstore"]) + "x"
+            ratio = ratio.replace(">= ", "") if floors["vllm"] else ratio  # vLLM's floor: the ratio's ceiling
+            ratio = f"<= {ratio}" if floors["vllm"] else ratio
+        lines += ["", f"capacity: vllm {caps['vllm']} req/s, kvstore {caps['kvstore']} req/s, ratio {ratio}", ""]
     return "\n".join(lines) + "\n"
 
 

@@ -94,3 +94,10 @@ def test_combine_from_the_cli_writes_table_json_and_plot(tmp_path: Path) -> None
                               str(tmp_path / "nothing"), "--out", str(out)], capture_output=True, text=True,
                              timeout=120)
     assert missing.returncode == 2 and "no readable results.json" in missing.stderr
+
+
+def test_no_capacity_ratio_where_both_setups_met_the_slo_at_every_rate() -> None:
+    both = _run({"vllm": 4.0, "kvstore": 4.0}, {"vllm": [2.0, 4.0], "kvstore": [2.0, 4.0]}, [2.0, 4.0])
+    assert "ratio not found (both met the SLO at every rate swept)" in engine.combined_report(engine.combine([both]))
+    only_kv = _run({"vllm": 3.0, "kvstore": 4.0}, {"vllm": [2.0, 1.0], "kvstore": [2.0, 4.0]}, [2.0, 4.0])
+    assert "ratio >= 1.33 (1.33-1.33)x" in engine.combined_report(engine.combine([only_kv]))
