@@ -728,7 +728,8 @@ def plot_combined(combined: dict[str, Any], path: Path) -> None:
         for setup, data in res["setups"].items():
             rates = res["rates"]
             med = [p["goodput"]["median"] for p in data["points"]]
-            ax.plot(rates, med, marker="o", label=f"{setup} (capacity {data['capacity']['median']:.2f})")
+            floor = ">= " if any(data["capacity_is_floor"]) else ""
+            ax.plot(rates, med, marker="o", label=f"{setup} (capacity {floor}{data['capacity']['median']:.2f})")
             ax.fill_between(rates, [p["goodput"]["min"] for p in data["points"]],
                             [p["goodput"]["max"] for p in data["points"]], alpha=0.2)
         ax.plot(res["rates"], res["rates"], color="grey", linestyle=":", label="offered")
