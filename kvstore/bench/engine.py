@@ -666,10 +666,8 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         setups = {}
         for setup in SETUPS:
             caps = [r["setups"][setup]["capacity"] for r in found]
-            per_rate = [{"rate": rate,
-                         "goodput": _spread([r["setups"][setup]["points"][i]["goodput"] for r in found]),
-                         "ttft_p99_ms": _spread([r["setups"][setup]["points"][i]["ttft_p99_ms"] for r in found]),
-                         "attainment": _spread([r["setups"][setup]["points"][i]["attainment"] for r in found])}
+            per_rate = [{"rate": rate, **{key: _spread([r["setups"][setup]["points"][i][key] for r in found])
+                                          for key in ("goodput", "ttft_p99_ms", "attainment")}}
                         for i, rate in enumerate(rates)]
             setups[setup] = {"capacity": _spread(caps), "capacity_is_floor": [c >= max(rates) for c in caps],
                              "points": per_rate}
@@ -677,9 +675,9 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out.append({"workload": found[0]["workload"], "engines": count, "start": found[0].get("start", "cold"),
                     "runs": len(found), "rates": rates, "bound": found[0]["bound"], "setups": setups,
                     "capacity_ratio": _spread(ratios),
-                    "goodput_ratios": [_spread([r["goodput_ratios"][i] for r in found]) for i in range(len(rates))],
-                    "commands": sorted({r.get("command", "") for r in runs})})
-    return {"workloads": out, "slo_ttft_ms": runs[0]["slo_ttft_ms"], "slo_attainment": runs[0]["slo_attainment"]}
+                    "goodput_ratios": [_spread([r["goodput_ratios"][i] for r in found]) for i in range(len(rates))]})
+    return {"workloads": out, "commands": sorted({r.get("command", "") for r in runs}),
+            "slo_ttft_ms": runs[0]["slo_ttft_ms"], "slo_attainment": runs[0]["slo_attainment"]}
 
 
 def _r(s: dict[str, float], fmt: str = ".2f", floor: bool = False) -> str:
@@ -708,10 +706,8 @@ def combined_report(combined: dict[str, Any]) -> str:
         caps = {s: _r(d["capacity"], floor=floors[s]) for s, d in res["setups"].items()}
         if floors["vllm"] and floors["kvstore"]:
             ratio = "not found (both met the SLO at every rate swept)"
-        else:
-            ratio = _r(res["capacity_ratio"], floor=floors["kvstore"]) + "x"
-            ratio = ratio.replace(">= ", "") if floors["vllm"] else ratio  # vLLM's floor: the ratio's ceiling
-            ratio = f"<= {ratio}" if floors["vllm"] else ratio
+        else:  # kvstore's floor is the ratio's floor, vLLM's its ceiling
+            ratio = ("<= " if floors["vllm"] else ">= " if floors["kvstore"] else "") + _r(res["capacity_ratio"]) + "x"
         lines += ["", f"capacity: vllm {caps['vllm']} req/s, kvstore {caps['kvstore']} req/s, ratio {ratio}", ""]
     return "\n".join(lines) + "\n"
 
@@ -725,14 +721,14 @@ def plot_combined(combined: dict[str, Any], path: Path) -> None:
     runs = combined["workloads"]
     fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.8), squeeze=False)
     for ax, res in zip(axes[0], runs):
+        rates = res["rates"]
         for setup, data in res["setups"].items():
-            rates = res["rates"]
             med = [p["goodput"]["median"] for p in data["points"]]
             floor = ">= " if any(data["capacity_is_floor"]) else ""
             ax.plot(rates, med, marker="o", label=f"{setup} (capacity {floor}{data['capacity']['median']:.2f})")
             ax.fill_between(rates, [p["goodput"]["min"] for p in data["points"]],
                             [p["goodput"]["max"] for p in data["points"]], alpha=0.2)
-        ax.plot(res["rates"], res["rates"], color="grey", linestyle=":", label="offered")
+        ax.plot(rates, rates, color="grey", linestyle=":", label="offered")
         ax.set_title(f"({res['workload']['name']}) {res['engines']} engine(s), {res['runs']} runs")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(f"goodput (req/s, TTFT <= {combined['slo_ttft_ms']:g} ms)")
@@ -774,12 +770,13 @@ def run(args: argparse.Namespace) -> int:
                 print(f"kvctl bench engine --combine: {folder}: no readable results.json ({e})", file=sys.stderr)
                 return 2
         combined = combine(runs)
+        text = combined_report(combined)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "combined.json").write_text(json.dumps(combined, indent=1))
-        (out / "combined.md").write_text(combined_report(combined))
+        (out / "combined.md").write_text(text)
         plot_combined(combined, out / "combined.png")
-        print(combined_report(combined))
+        print(text)
         return 0
     if importlib.util.find_spec("vllm") is None:
         print("kvctl bench engine: vLLM is not installed in this Python; run it from the vLLM venv "
