@@ -371,6 +371,10 @@ class NodeConfig(BaseModel):
         0.02, "a relayed copy is cut only into parts that take at least this long at the measured copy bandwidth "
         "(each part costs a Replicate round trip per hop), so a copy short next to its round trips is not relayed",
         "SECONDS", gt=0, planner="min_part_s")
+    join_warm: float = planner(
+        30.0, "a node that joins a running cluster gets copies of the prefixes the forecast expects hot before "
+        "routers send it traffic (its `warming` mark in Status), for at most this long (0: no warming, it serves "
+        "at once)", "SECONDS", ge=0, planner="join_warm_s")
 
     # -- security
     tls_cert: str = security("", "PEM certificate chain of this node: every port (gRPC, data channel, peer "

@@ -38,6 +38,7 @@ from kvstore.errors import KvError
 from kvstore.framing import server_limits
 from kvstore.metrics import NodeMetrics
 from kvstore.node import Node
+from kvstore.pool.room import PRIOR_READS, cold_price
 from kvstore.security.identity import ClusterSecret
 from kvstore.transport.base import Transport
 from kvstore.v1 import kvstore_pb2 as pb
@@ -64,6 +65,9 @@ class Placement(Protocol):
     def sending(self, node: str) -> int:
         """Copies the coordinator has leaving ``node`` now (they share its egress with any pull)."""
 
+    def joining(self) -> list[str]:
+        """Members that joined and are being warmed from the forecast: routers leave them out."""
+
 
 class NoPlacement:
     """The placement of a node without a coordinator role attached (tests, tools)."""
@@ -82,6 +86,9 @@ class NoPlacement:
 
     def sending(self, node: str) -> int:
         return 0
+
+    def joining(self) -> list[str]:
+        return []
 
 
 class ClusterAgent:
@@ -170,6 +177,9 @@ class ClusterAgent:
         info.misses = sum(ns.counters.misses for ns in spaces)
         info.remote_hits = sum(ns.counters.remote_hits for ns in spaces)
         info.speculative_bytes = sum(ns.pool.speculative_slots * ns.layout.page_bytes for ns in spaces)
+        info.cold_bytes = sum(ns.pool.cold_slots * ns.layout.page_bytes for ns in spaces)
+        info.cold_reads = min((cold_price(ns.below.admission if ns.below else None) for ns in spaces),
+                              default=PRIOR_READS)
 
     def _take_report(self) -> tuple[int, bool, list[pb.DirectoryBatch]]:
         now = time.monotonic()
@@ -394,7 +404,8 @@ class ClusterAgent:
     def status(self) -> pb.ClusterStatusResponse:
         self._refresh_self()
         return pb.ClusterStatusResponse(node_id=self.node.node_id, coordinator=self.membership.coordinator(),
-                                        members=self.membership.view())
+                                        members=self.membership.view(),
+                                        joining=self.placement.joining() if self.membership.is_coordinator else [])
 
     # ---- lookups -------------------------------------------------------------
     async def _ask_directory(self, method: str, request: Any) -> Any | None:

@@ -104,6 +104,9 @@ class Coordinator:
     def sending(self, node: str) -> int:
         return self.core.links.sending[node]
 
+    def joining(self) -> list[str]:
+        return self.core.joining()
+
     def relay_parts(self, namespace: str, keys: int) -> int:
         return self.core.relay_parts(namespace, keys)
 

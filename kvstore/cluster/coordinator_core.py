@@ -42,6 +42,7 @@ from kvstore.loops.slices import Steps
 from kvstore.placement.copytree import arrival_waves, chunk_bounds, relay_parts
 from kvstore.placement.links import LinkRates
 from kvstore.placement.planner_types import Decision, NodeState, PlannerConfig
+from kvstore.placement.warming import Warming
 from kvstore.pool.pool import PageKind
 from kvstore.predict.types import Access, Outcome, PredictorConfig
 from kvstore.v1 import kvstore_pb2 as pb
@@ -188,6 +189,7 @@ class CoordinatorCore:
         self.decision_sources: Counter[str] = Counter()  # replicate decisions by the scorer behind them
         self.egress_saved_bytes = 0  # holder egress copy trees saved against copying all from one source
         self.pages_from: Counter[str] = Counter()  # speculative pages copied, by the node that sent them
+        self.warming = Warming(self.plan_cfg.join_warm_s if self.policy == "predictive" else 0.0)
 
     # ---- inputs ---------------------------------------------------------------
     def _holders_count(self, namespace: str, key: bytes) -> int:
@@ -293,8 +295,11 @@ class CoordinatorCore:
         """One ``predictive`` tick from the predictor's ``scores``: plan it and carry it out as effects, a
         step at a time (``kvstore.loops.slices``; the shell runs it in slices or in one go)."""
         assert self.tick_planner is not None
+        joiners = self.warming.see(self.membership.live_ids(), now)
         result = yield from self.tick_planner.steps(scores, self.speculative, now, self.node_states(),
-                                                    self.bandwidth, self._in_flight_bytes, self.planner_pending())
+                                                    self.bandwidth, self._in_flight_bytes, self.planner_pending(),
+                                                    joiners)
+        self._warm(joiners)
         for namespace, keys, node in self.tick_planner.promotions:
             decision_log.info("promote %s on %s: %d pages below its pool, burst forecast", keys[-1].hex()[:12],
                               node, len(keys))
@@ -330,6 +335,25 @@ class CoordinatorCore:
         for reason, count in result.skipped.items():
             self.decisions[f"skip_{reason}"] += count
 
+    def _warm(self, joiners: Sequence[str]) -> None:
+        """Start this tick's copies to joining nodes (``kvstore.placement.warming``); each one's end counts
+        toward the joiner's warm mark."""
+        assert self.tick_planner is not None
+        copies = Counter(node for *_, node in self.tick_planner.warmups)
+        for node in joiners:
+            self.warming.planned(node, copies[node])
+        for namespace, keys, source, node in self.tick_planner.warmups:
+            decision_log.info("warm %s on joining %s from %s: %d pages", keys[-1].hex()[:12], node, source,
+                              len(keys))
+            self.decisions["warm"] += 1
+            done = self.copy(node, namespace, list(keys), source, PageKind.SPECULATIVE, self.plan_cfg.ttl_s,
+                             len(keys) * self._page_bytes(namespace))
+            done.then(lambda _, n=node: self.warming.ended(n))
+
+    def joining(self) -> list[str]:
+        """Members that joined and are being warmed: routers leave them out (``kvstore.placement.warming``)."""
+        return self.warming.joining(self.clock())
+
     def _chain(self, namespace: str, key: bytes) -> tuple[bytes, ...]:
         """The keys of the placed prefix whose deepest key is ``key``."""
         chain = self.predictor.chain((namespace, key)) if self.predictor is not None else ()
@@ -361,6 +385,7 @@ class CoordinatorCore:
         links = self.links
         return [NodeState(node_id=m.node_id, capacity_bytes=m.capacity_bytes, used_bytes=m.used_bytes,
                           spec_bytes=m.speculative_bytes + coming.get(m.node_id, 0),
+                          cold_bytes=m.cold_bytes, cold_reads=m.cold_reads,
                           egress_bps=links.egress_bps(m.node_id), ingress_bps=links.ingress_bps(m.node_id),
                           sending=links.sending[m.node_id], receiving=links.receiving[m.node_id])
                 for m in self.membership.view()]

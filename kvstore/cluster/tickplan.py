@@ -20,6 +20,8 @@ The coordinator core (:mod:`kvstore.cluster.coordinator_core`, in the daemon and
   as deep as the predictor tracks it, so the burst's first request finds it in the pool and the
   planner's copies to other nodes start from there. Pages a node promoted are not promoted again for
   ``PROMOTE_AGAIN_S``.
+* Warm copies (:func:`~kvstore.placement.warming.warm_copies`): a node that joined the running cluster
+  gets the prefixes the forecast expects hot, before routers send it traffic (``warmups``).
 * The tick runs a step at a time (:meth:`TickPlanner.steps`, :mod:`kvstore.loops.slices`): the
   coordinator gives the loop back between slices of a few milliseconds, so a long tick delays no
   request by more than one slice.
@@ -27,7 +29,7 @@ The coordinator core (:mod:`kvstore.cluster.coordinator_core`, in the daemon and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,7 @@ from kvstore.loops.slices import Steps, finish
 from kvstore.placement.planner import plan_steps
 from kvstore.placement.planner_types import Candidate, LazyHolders, NodeState, PlannerConfig, PlanResult
 from kvstore.placement.renewals import Speculative, to_review_steps
+from kvstore.placement.warming import WarmCopy, warm_copies
 from kvstore.predict.types import PredictorConfig, PrefixId
 
 BUILD_STEP = 64
@@ -73,19 +76,27 @@ class TickPlanner:
         self.promotions: list[tuple[str, tuple[bytes, ...], str]] = []  # this tick's (namespace, keys, node)
         self.recurring: set[PrefixId] = set()  # this tick's forecasts worth a promotion (RETURN_EVIDENCE)
         self._promoted: dict[tuple[str, bytes, str], float] = {}       # (namespace, deepest key, node) -> when
+        self.warmups: list[WarmCopy] = []
+        self._joiners: dict[str, int] = {}     # this tick's joiners -> bytes they take      # this tick's copies to joining nodes (namespace, keys, source, node)
 
     # ---- the tick ----------------------------------------------------------------------------------
     def plan(self, scores: Any, speculative: Speculative, now: float, nodes: list[NodeState], bandwidth: float,
-             in_flight_bytes: int, pending: Mapping[PrefixId, Collection[str]]) -> PlanResult:
+             in_flight_bytes: int, pending: Mapping[PrefixId, Collection[str]],
+             joiners: Sequence[str] = ()) -> PlanResult:
         """Plan one tick in one go: :meth:`steps` run to the end."""
-        return finish(self.steps(scores, speculative, now, nodes, bandwidth, in_flight_bytes, pending))
+        return finish(self.steps(scores, speculative, now, nodes, bandwidth, in_flight_bytes, pending, joiners))
 
     def steps(self, scores: Any, speculative: Speculative, now: float, nodes: list[NodeState], bandwidth: float,
-              in_flight_bytes: int, pending: Mapping[PrefixId, Collection[str]]) -> Steps[PlanResult]:
+              in_flight_bytes: int, pending: Mapping[PrefixId, Collection[str]],
+              joiners: Sequence[str] = ()) -> Steps[PlanResult]:
         """Plan one tick, a step at a time (``kvstore.loops.slices``): review a slice of the placed
         chains, build what the planner reads, plan (``planner.plan_steps``). Between steps
-        ``speculative`` and the directory may change; a candidate reads its holders when planned."""
+        ``speculative`` and the directory may change; a candidate reads its holders when planned.
+        ``joiners``: live nodes that joined and wait for their warm copies (``warmups``)."""
         cfg = self.plan_cfg
+        self._joiners = {n.node_id: max(0, min(int(cfg.spec_budget * n.capacity_bytes) - n.spec_bytes,
+                                               n.capacity_bytes - n.used_bytes))
+                         for n in nodes if n.node_id in joiners}
         review = yield from to_review_steps(speculative, self._chains, self.turn, cfg, now)
         self.turn += 1
         if len(self._chains) > 2 * len(speculative) + 1024:
@@ -145,6 +156,7 @@ class TickPlanner:
         cfg = self.plan_cfg
         chosen, demand, live, rows = yield from self._rows(scores, review, now)
         self.promotions = self.promote(chosen, rows, live, now)
+        self.warmups = self.warm(live, now) if self._joiners else []
         yield
         chains: dict[tuple[str, bytes], list[Row]] = {}
         for row in rows:
@@ -220,6 +232,19 @@ class TickPlanner:
                     self._promoted[done] = now
                     out.append((namespace, chain[top:length], node))
         return out
+
+    def warm(self, live: frozenset[str], now: float) -> list[WarmCopy]:
+        """The copies that warm this tick's joiners (:func:`~kvstore.placement.warming.warm_copies`): the
+        prefixes the rate forecaster expects at least one request a live node within the horizon."""
+        fc = self.predictor.forecast(now, self.pcfg.horizon_s)
+        hot = {fc.keys[j]: float(fc.expected[j]) for j in np.flatnonzero(fc.expected >= max(1, len(live)))}
+        rows = [(pid, tuple(chain), page) for pid in hot
+                if (chain := self.predictor.chain(pid)) and (page := self._page_bytes(pid[0]))]
+
+        def holders(namespace: str, chain: tuple[bytes, ...]) -> dict[str, int]:
+            return {n: length for n, length in self.directory.prefixes(namespace, chain).items() if n in live}
+
+        return warm_copies(rows, hot, holders, sorted(self._joiners), self._joiners)
 
     def _options(self, chain: tuple[bytes, ...]) -> tuple[int, ...]:
         """A prefix's depth options, shallowest first: the tracked depths within its chain, else its own."""

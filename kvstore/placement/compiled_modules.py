@@ -25,7 +25,7 @@ from pathlib import Path
 
 COMPILED = ("planner_types", "copytree", "holderwalk", "renewals", "candidates", "planner")
 """Modules of ``kvstore.predict`` that ``setup.py`` compiles (they import nothing outside this list but
-the standard library, numpy and ``kvstore.loops.slices``/``kvstore.predict.types``)."""
+the standard library, numpy, ``kvstore.loops.slices``, ``kvstore.predict.types`` and ``kvstore.pool.room``)."""
 MANIFEST = "compiled.json"
 """Written by ``setup.py`` beside the sources: ``{module: sha256 of the source compiled}``."""
 PACKAGE = "kvstore.placement"

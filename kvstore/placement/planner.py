@@ -44,12 +44,15 @@ Rules, and why:
    this tick, or in flight from an earlier one: ``pending``). A target must
    have room in *both* its speculative share (``spec_bytes + planned + bytes
    <= spec_budget * capacity``) and its free space (``used + planned + bytes
-   <= capacity``):
-   speculative replicas never make a node evict primary pages, they only use
-   free space (and are themselves evicted first when primaries need it).
+   <= capacity``), or, where the copy pays for what it pushes out, its free
+   space plus its cold pages (``used + planned + bytes <= capacity +
+   cold_bytes``, when ``copy_value(prob, demand, copies) > cold_reads``: the
+   expected reads of a page of the copy against those of the coldest page it
+   displaces; :mod:`kvstore.pool.room`). A copy placed is kept until its
+   forecast has passed, and sinks to the tier below then.
    ``used_bytes`` includes ``spec_bytes``. Up to ``cfg.max_targets`` targets
-   with the most headroom (``capacity - used - planned``; ties: fewer
-   speculative bytes, then node id).
+   with the most headroom (``capacity - used - planned``: free space before
+   displacing; ties: fewer speculative bytes, then node id).
 5. **Source.** A live holder of the depth with the least load, then the
    fastest egress share, then the fewest bytes already planned out of it
    this tick, then the most headroom, then node id.
@@ -86,6 +89,7 @@ from kvstore.placement.copytree import chunk_bounds, copy_times, copy_tree, rela
 from kvstore.placement.holderwalk import HolderWalk
 from kvstore.placement.planner_types import Candidate, Decision, NodeState, PlannerConfig, PlanResult, usable_depths
 from kvstore.placement.renewals import Coverage, Speculative, renew_or_drop, renew_or_drop_steps
+from kvstore.pool.room import copy_value
 from kvstore.predict.types import PrefixId
 
 SKIP_REASONS = (
@@ -111,7 +115,8 @@ class _NodeTick:
     planned_out: int = 0    # bytes planned out of it (as a source) this tick
     sends: int = 0          # copies planned out of it this tick
     receives: int = 0       # copies planned into it this tick
-    room: int = 0           # speculative bytes it can still take (``book`` keeps it)
+    room: int = 0           # speculative bytes it can still take in free space (``book`` keeps it)
+    displacing: int = 0     # ... and pushing out its cold pages (a copy that pays for them: ``room_for``)
 
     def __post_init__(self) -> None:
         self._set_room()
@@ -132,8 +137,16 @@ class _NodeTick:
         self._set_room()
 
     def _set_room(self) -> None:
-        """``room``: what fits both its speculative share (``spec_bytes + planned <= spec_limit``) and free space."""
-        self.room = max(0, min(self.spec_limit - self.state.spec_bytes - self.planned_in, self.headroom))
+        """``room``: what fits both its speculative share (``spec_bytes + planned <= spec_limit``) and free
+        space; ``displacing``: its share and free space plus its cold pages."""
+        share = self.spec_limit - self.state.spec_bytes - self.planned_in
+        self.room = max(0, min(share, self.headroom))
+        self.displacing = max(0, min(share, self.headroom + self.state.cold_bytes))
+
+    def room_for(self, value: float) -> int:
+        """The bytes a copy whose pages each expect ``value`` reads may take here: its free room, and its
+        cold pages too where they expect fewer (``kvstore.pool.room``, rule 2)."""
+        return self.displacing if value > self.state.cold_reads else self.room
 
     def out_share(self, at_once: int = 1) -> float:
         """Bytes/s each of ``at_once`` more copies out of it would get (its egress shared with those leaving)."""
@@ -195,14 +208,14 @@ class _Tick:
     def refresh(self) -> None:
         """Recompute the cluster-wide bounds, at the start and after each decision.
 
-        ``room``: the most speculative bytes any live node can still take (a full cluster rejects a
-        candidate in O(depths), not O(depths x nodes)). ``rate``: that of the fastest copy any source
+        ``room``: the most speculative bytes any live node can still take, pushing out its cold pages
+        (a full cluster rejects a candidate in O(depths), not O(depths x nodes)). ``rate``: that of the fastest copy any source
         could send any target now: a depth too late at it is too late everywhere."""
         room, send, receive = 0, 0.0, 0.0
         for n in self.live.values():  # once a decision: one loop, out_share() and in_share inlined
             state = n.state
-            if n.room > room:
-                room = n.room
+            if n.displacing > room:
+                room = n.displacing
             if (share := n.egress / (state.sending + n.sends + 1)) > send:
                 send = share
             if (share := n.ingress / (state.receiving + n.receives + 1)) > receive:
@@ -268,8 +281,9 @@ class _Tick:
             elif (wanted := self._wanted(c, d, len(held) + len(pending))) == 0:
                 return "enough_copies"  # the replica set (copies in flight too) already serves the forecast demand
             else:
+                value = copy_value(c.prob, self._demand(c, d), len(held) + len(pending) + (wanted or 1))
                 room = [n for n in self.live.values()
-                        if n.room >= nbytes and n.node_id not in held and n.node_id not in pending]
+                        if n.room_for(value) >= nbytes and n.node_id not in held and n.node_id not in pending]
                 reason = "no_room"
                 if room:
                     sources = sorted((self.live[n] for n in held), key=_NodeTick.source_key)
@@ -282,12 +296,17 @@ class _Tick:
             notes.append((d, reason))
         return reason
 
+    def _demand(self, c: Candidate, depth: int) -> float:
+        """The forecast requests reading ``c``'s first ``depth`` blocks in the demand window: that of every
+        candidate reading them (0: unknown)."""
+        return self.demand.get(c.namespace, {}).get(c.chain[depth - 1], 0.0)
+
     def _wanted(self, c: Candidate, depth: int, have: int) -> int | None:
         """New copies of ``c``'s first ``depth`` blocks the forecast demand
-        asks for: that of every candidate reading them (``None``: demand or
-        node rate unknown, so ``max_targets`` caps the copies as before)."""
+        asks for (``None``: demand or node rate unknown, so ``max_targets``
+        caps the copies as before)."""
         cfg = self.cfg
-        demand = self.demand.get(c.namespace, {}).get(c.chain[depth - 1], 0.0)
+        demand = self._demand(c, depth)
         if cfg.node_rate <= 0 or demand <= 0:
             return None
         want = min(len(self.live), math.ceil(demand / (cfg.node_rate * cfg.demand_window_s)))

@@ -67,6 +67,8 @@ class NodeState:
     ingress_bps: float = 0.0          # its measured copy ingress (0: unknown, plan()'s bandwidth_bps)
     sending: int = 0                  # copies out of it in flight
     receiving: int = 0                # copies into it in flight
+    cold_bytes: int = 0               # bytes a copy may push out once its free space is gone (kvstore.pool.room)
+    cold_reads: float = 0.0           # ... their price: expected reads of the coldest of them after eviction
 
 
 @dataclass(slots=True)
@@ -135,6 +137,7 @@ class PlannerConfig:
     fanout: int = 2                    # copies one node sends per wave of a copy tree
     chunks: int = 1                    # > 1: a copy long enough relays along chains in up to this many parts
     min_part_s: float = 0.02           # ... each part taking at least this long (copytree.relay_parts)
+    join_warm_s: float = 30.0          # a joining node is warmed from the forecast for at most this long (0: never)
     review_slices: int = 4             # a tick reviews the placed chains of one slice in turn, and those due (to_review)
 
     @property

@@ -5,10 +5,14 @@ Python and runs on the event loop thread; bytes live in one array that is
 CuPy device memory or numpy host memory, reached through a
 :class:`~kvstore.ops.base.PageOps`.
 
-Eviction order: speculative replicas first (oldest first), then the least
-recently used primary/replica page. A page that is pinned (a lease holds it)
-or being read (a transfer holds it) is never evicted; it leaves the eviction
-queues while held and returns to the recent end when released.
+Eviction order (:mod:`kvstore.pool.room`): the least recently used
+primary/replica page first, a speculative copy (oldest first) only when no
+other page is left: a forecast copy is kept until its forecast has passed.
+A page that is pinned (a lease holds it) or being read (a transfer holds it)
+is never evicted; it leaves the eviction queues while held and returns to the
+recent end when released. A speculative copy whose forecast ended
+(:meth:`PagePool.drop_speculative`) sinks: ``on_evict`` hands it to the tier
+below as it does an evicted page.
 
 Writes are two-phase: :meth:`PagePool.reserve` takes slots (evicting only
 after checking that enough can be freed), the caller fills them, then
@@ -30,6 +34,7 @@ from kvstore.errors import PoolExhausted
 from kvstore.hostmem import populated_empty, shared_empty
 from kvstore.ops.base import PageOps
 from kvstore.pool.movement import Carrier, Outgoing, StagingBuffers, contiguous_run, read_out
+from kvstore.pool.room import victim
 
 __all__ = ["Entry", "PageKind", "PagePool", "ReadHandle", "Reservation", "contiguous_run"]
 
@@ -111,12 +116,13 @@ class PagePool:
         self._kinds: Counter[PageKind] = Counter()
         self._pinned = 0
         self.spec_hits = 0  # reads that found a speculative replica (promoting it)
-        self.spec_wasted = 0  # speculative replicas evicted or expired unread
+        self.spec_wasted = 0  # speculative replicas evicted or expired unread (sunk to a tier or gone)
         # on_change(added entries, removed keys): the directory outbox listens
         # here; a renewed or promoted speculative page is reported as added again.
         self._on_change = on_change
-        # on_evict(entries): pages evicted for room, called while their slots still hold their bytes (the
-        # tier stack copies them down here); before on_change reports them removed.
+        # on_evict(entries): pages evicted for room, or speculative copies whose forecast ended, called while
+        # their slots still hold their bytes (the tier stack copies them down here); before on_change reports
+        # them removed.
         self.on_evict: Callable[[list[Entry]], None] | None = None
         self.staging = StagingBuffers()  # packed transfers in and out (movement.py)
         self._scratch: np.ndarray | None = None
@@ -172,6 +178,12 @@ class PagePool:
 
     def evictable(self) -> int:
         return len(self._spec) + len(self._lru)
+
+    @property
+    def cold_slots(self) -> int:
+        """Slots a forecast copy may take from this pool once its free ones are gone: its unheld primary
+        and replica pages (``kvstore.pool.room``, rule 2)."""
+        return len(self._lru)
 
     def entry(self, key: bytes) -> Entry | None:
         return self._table.get(key)
@@ -392,7 +404,7 @@ class PagePool:
         self._free.append(entry.slot)
 
     def _evict_one(self) -> Entry:
-        queue, reason = (self._spec, "speculative") if self._spec else (self._lru, "lru")
+        queue, reason = victim(self._spec, self._lru)
         key, entry = queue.popitem(last=False)
         del self._table[key]
         self._kinds[entry.kind] -= 1
@@ -416,16 +428,17 @@ class PagePool:
 
     def drop_speculative(self, keys: Iterable[bytes] | None = None, now: float | None = None) -> list[bytes]:
         """Remove unread, unheld speculative replicas: those in ``keys``, or
-        (with ``now``) those whose expiry has passed. Counted as wasted."""
+        (with ``now``) those whose expiry has passed. Counted as wasted; they
+        sink (``on_evict``: the tier below takes them as it takes an evicted page)."""
         pool = self._spec if keys is None else {k: self._table[k] for k in keys if k in self._table}
-        gone = []
-        for key, entry in list(pool.items()):
-            if entry.kind is not PageKind.SPECULATIVE or entry.pins or entry.readers:
-                continue
-            if now is not None and not 0 < entry.expires_at <= now:
-                continue
+        entries = [e for e in pool.values()
+                   if e.kind is PageKind.SPECULATIVE and not e.pins and not e.readers
+                   and (now is None or 0 < e.expires_at <= now)]
+        if entries and self.on_evict is not None:
+            self.on_evict(entries)  # before their slots are freed: the bytes are still there
+        for entry in entries:
             self._remove(entry)
-            gone.append(key)
+        gone = [e.key for e in entries]
         self.spec_wasted += len(gone)
         if gone and self._on_change:
             self._on_change([], gone)

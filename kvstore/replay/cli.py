@@ -154,6 +154,12 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--kill", action="append", default=[], metavar="NODE@T",
                    help="failover: SIGKILL node NODE (n3, or 3) at trace second T of every run (repeatable); the "
                         "report gives TTFT in the 30 s after it; the engine in front of it recomputes")
+    c.add_argument("--join", action="append", default=[], metavar="NODE@T",
+                   help="scale-out: node NODE (of --nodes) starts absent and joins the running cluster at trace second "
+                        "T (repeatable; --nodes 9 --join n8@60: eight nodes, a ninth joins at 60 s); the report gives "
+                        "its hit ratio and TTFT over its first minute against the nodes already serving (simulated "
+                        "only; kvstored --join-warm sets how long it is warmed from the forecast before routers use "
+                        "it, 0: a cold join)")
     add_daemon_overrides(c)
     c.add_argument("--kvstored-arg", action="append", default=[], help="extra kvstored flag (repeat; e.g. "
                    "--kvstored-arg=--spec-threshold=0.3)")

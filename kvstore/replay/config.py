@@ -69,7 +69,7 @@ def daemon_settings(cfg: ReplayConfig) -> dict[str, Any]:
 
 _SYNTH = SynthSpec()
 DEFAULT_RPC_MS = 1.5   # real ms per KV round trip (Lookup, Get, Put, Replicate) on the harness machine (--sim)
-LISTS = ("trace", "kill", "kvstored_arg")  # repeatable flags: argparse appends to a list, the config keeps a tuple
+LISTS = ("trace", "kill", "join", "kvstored_arg")  # repeatable flags: argparse appends to a list, the config keeps a tuple
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,7 @@ class ReplayConfig:
     spec_ttl: float = _OVERRIDE_DEFAULT["spec_ttl"]
     oracle_lead: float = 4.0
     kill: tuple[str, ...] = ()
+    join: tuple[str, ...] = ()
     kvstored_arg: tuple[str, ...] = ()
     # engines and cost model
     preset: str = "llama3-8b"
@@ -150,16 +151,17 @@ class ReplayConfig:
     sim_rpc_ms: float = DEFAULT_RPC_MS
     # derived by from_args, not set on the command line
     kills: tuple[tuple[int, float], ...] = field(default=(), compare=False)
+    joins: tuple[tuple[int, float], ...] = field(default=(), compare=False)
 
     @classmethod
     def flag_defaults(cls) -> dict[str, Any]:
         """Every flag's default, by dest: the command line's defaults are these fields' (``set_defaults``)."""
-        return {f.name: f.default for f in fields(cls) if f.name not in (*LISTS, "kills")}
+        return {f.name: f.default for f in fields(cls) if f.name not in (*LISTS, "kills", "joins")}
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ReplayConfig":
         """The parsed command line, checked and with ``auto`` resolved; ValueError names the bad flag."""
-        names = {f.name for f in fields(cls)} - {"kills"}
+        names = {f.name for f in fields(cls)} - {"kills", "joins"}
         values: dict[str, Any] = {k: v for k, v in vars(args).items() if k in names}
         for name in LISTS:
             if values.get(name) is not None:
@@ -183,7 +185,8 @@ class ReplayConfig:
         except ValueError:
             raise ValueError(f"--capacity {cfg.capacity!r}: expected auto, preset or a size, e.g. 4GiB") from None
         return cls(**{**values, "byte_scale": scale, "capacity": capacity,
-                      "kills": tuple(parse_kills(list(cfg.kill), cfg.nodes))})
+                      "kills": tuple(parse_kills(list(cfg.kill), cfg.nodes)),
+                      "joins": tuple(parse_kills(list(cfg.join), cfg.nodes, "--join"))})
 
     def check(self) -> None:
         """Raise ValueError for settings no replay can run."""
@@ -207,6 +210,10 @@ class ReplayConfig:
         if not self.sim and not self.search and any(p.partition("+")[0] == "bound" for p, _ in plan):
             raise ValueError("the bound runs simulated only (--sim, or --search capacity, which searches on the "
                              "simulator)")
+        if self.join and not (self.sim or self.search):
+            raise ValueError("--join runs simulated only (--sim, or --search capacity)")
+        if self.join and any(p.partition("+")[0] in ("oracle", "bound") for p, _ in plan):
+            raise ValueError("--join: the oracle and the bound plan for a fixed set of nodes; leave them out")
         bad_t = [t for t in self.tier_policy_list() if t not in TIER_POLICIES]
         if bad_t or not self.tier_policy_list():
             raise ValueError(f"unknown tier policies {bad_t}; choose from {','.join(TIER_POLICIES)}")
@@ -314,18 +321,21 @@ def _known_policy(name: str) -> bool:
     return base in POLICIES and not (base in SINGLE and (claims or tier != TIER_POLICIES[0]))
 
 
-def parse_kills(specs: list[str], nodes: int) -> list[tuple[int, float]]:
-    """``["n3@20", "1@5.5"]`` -> ``[(3, 20.0), (1, 5.5)]`` (node index, trace s)."""
+def parse_kills(specs: list[str], nodes: int, flag: str = "--kill") -> list[tuple[int, float]]:
+    """``["n3@20", "1@5.5"]`` -> ``[(3, 20.0), (1, 5.5)]`` (node index, trace s), of ``--kill`` or ``--join``."""
     out = []
     for spec in specs:
         node, sep, t = spec.partition("@")
         try:
             index, at = int(node.strip().lstrip("n")), float(t)
         except ValueError:
-            raise ValueError(f"--kill {spec!r}: expected NODE@T, e.g. n3@20") from None
-        if not sep or not 0 <= index < nodes or at < 0:
-            raise ValueError(f"--kill {spec!r}: node must be n0..n{nodes - 1} and T >= 0 trace seconds")
+            raise ValueError(f"{flag} {spec!r}: expected NODE@T, e.g. n3@20") from None
+        if not sep or not 0 <= index < nodes or at < 0 or (flag == "--join" and index == 0):
+            first = 1 if flag == "--join" else 0  # n0 starts the cluster (and coordinates)
+            raise ValueError(f"{flag} {spec!r}: node must be n{first}..n{nodes - 1} and T >= 0 trace seconds")
         out.append((index, at))
+    if len({i for i, _ in out}) < len(out):
+        raise ValueError(f"{flag}: a node named twice")
     return out
 
 

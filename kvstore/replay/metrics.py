@@ -245,6 +245,26 @@ def after_kill(records: Iterable[RequestRecord], node: str, t: float, span_s: fl
     return out
 
 
+def after_join(records: Iterable[RequestRecord], node: str, t: float, span_s: float = 60.0) -> dict[str, object]:
+    """The ``span_s`` trace seconds after ``node`` joined at ``t``: the requests it served against those the
+    nodes already serving did, each with its hit ratio (blocks found in a store or its engine's cache, of
+    the blocks served) and TTFT, and when it served its first request."""
+    recs = [r for r in records if t <= r.t < t + span_s and r.done and not r.error]
+
+    def side(rs: list[RequestRecord]) -> dict[str, object]:
+        blocks = sum(r.blocks for r in rs)
+        out: dict[str, object] = {"requests": len(rs),
+                                  "hit_ratio": round(sum(r.blocks - r.miss for r in rs) / blocks, 4) if blocks else 0.0,
+                                  "slower_than_cold_prefill": sum(1 for r in rs if r.ttft_s > r.cold_prefill_s)}
+        out.update(_dist("ttft", [r.ttft_s for r in rs]))
+        return out
+
+    own = [r for r in recs if r.node == node]
+    first = min((r.t for r in own), default=None)
+    return {"node": node, "t": t, "span_s": span_s, "first_request_after_s": None if first is None else round(first - t, 3),
+            "joined": side(own), "serving": side([r for r in recs if r.node != node])}
+
+
 def check(summary: dict[str, Any]) -> list[str]:
     """Sanity problems of one policy's summary (empty when sound)."""
     problems = []
@@ -343,7 +363,10 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
         "spec_wasted_bytes": wasted, "spec_wasted_bytes_unscaled": wasted * byte_scale,
         "spec_waste_ratio": wasted / spec_bytes if spec_bytes else 0.0,
         "spec_expired_unread_bytes": expired_unread, "spec_unread_at_end_bytes": unread_end,
-        "spec_hits_pages": sum(int(n.speculative_hits) for n in ns),
+        "spec_hits_pages": (hits := sum(int(n.speculative_hits) for n in ns)),
+        # of the bytes copied ahead, the share a request read while still a forecast copy (before it was dropped,
+        # sank or the run ended)
+        "spec_read_share": round(min(1.0, hits * page_bytes / spec_bytes), 4) if spec_bytes else 0.0,
         "placed_pages_used": placed_used_pages,
         "remote_fetch_bytes": sum(int(n.remote_hits) for n in ns) * page_bytes,
         "evictions": sum(sum(int(v) for v in n.evictions.values()) for n in ns),
@@ -356,7 +379,7 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
         "stored_bytes": sum(int(n.used_bytes) for n in ns),
         "planner_decisions": {k: int(metric_sum(coordinator_metrics, "kvstore_planner_decisions_total",
                                                 {"kind": k}))
-                              for k in ("replicate", "drop", "full", "claim_tree", "promote")},
+                              for k in ("replicate", "drop", "full", "claim_tree", "promote", "warm")},
         # holder egress its copy trees saved against copying every target from one source: scaled bytes,
         # and in trace seconds over the modelled link (``link_bytes_s``: unscaled bytes per trace second)
         "egress_saved_bytes": saved,
@@ -366,11 +389,12 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
 
 def replica_gib_s(timeline: dict[str, Any], page_bytes: int) -> dict[str, float]:
     """Replica-seconds: GiB (unscaled ``page_bytes`` per slot) x trace seconds held, summed over nodes, of
-    the speculative replicas and of the plain replicas (pages a node pulled or was copied and kept),
-    from the timeline's per-node slot samples (trapezoids between samples)."""
+    the speculative replicas, of the plain replicas (pages a node pulled or was copied and kept) and of
+    the forecast copies that sank to the disk below the pool (the simulator's timeline only), from the
+    timeline's per-node slot samples (trapezoids between samples)."""
     t = timeline.get("stats_t", [])
     out = {}
-    for name, key in (("speculative", "spec_slots"), ("replica", "replica_slots")):
+    for name, key in (("speculative", "spec_slots"), ("replica", "replica_slots"), ("sunk", "sunk_slots")):
         series = timeline.get(key, [])
         total = 0.0
         for (t0, a), (t1, b) in zip(zip(t, series), zip(t[1:], series[1:])):

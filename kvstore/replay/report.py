@@ -72,7 +72,7 @@ def sweep_table(w: dict[str, Any]) -> str:
     best baseline and predictive's ratios against it."""
     head = ("| policy | router | done | TTFT p50 s | TTFT p99 s (min-max) | TTFT mean s | p99 cached-prefix s | "
             "SLO % | req/s | KV fetch p99 s | fetch on crit. path s | prefill GPU-s | recomputed cached tok | "
-            "link GiB reactive / spec / full (unscaled) | spec wasted % | replica GiB-s spec / kept |")
+            "link GiB reactive / spec / full (unscaled) | spec read / wasted % | replica GiB-s spec / sunk / kept |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     best = (w.get("best_baseline") or {}).get("config")
     order = {p: i for i, p in enumerate(POLICIES)}
@@ -90,8 +90,10 @@ def sweep_table(w: dict[str, Any]) -> str:
             f"{100 * _med(runs, 'slo_attainment'):.0f} | {_med(runs, 'throughput_rps'):.2f} | "
             f"{_med(runs, 'kv_fetch_p99_s'):.3f} | {_med(runs, 'fetch_critical_s'):.1f} | "
             f"{_med(runs, 'prefill_gpu_s'):.1f} | {_med(runs, 'recomputed_cached_tokens'):.0f} | "
-            f"{gib[0]:.1f} / {gib[1]:.1f} / {gib[2]:.1f} | {100 * _med(runs, 'spec_waste_ratio'):.0f} | "
-            f"{_med(runs, 'replica_gib_s_speculative'):.0f} / {_med(runs, 'replica_gib_s'):.0f} |")
+            f"{gib[0]:.1f} / {gib[1]:.1f} / {gib[2]:.1f} | "
+            f"{100 * _med(runs, 'spec_read_share'):.0f} / {100 * _med(runs, 'spec_waste_ratio'):.0f} | "
+            f"{_med(runs, 'replica_gib_s_speculative'):.0f} / {_med(runs, 'replica_gib_s_sunk'):.0f} / "
+            f"{_med(runs, 'replica_gib_s'):.0f} |")
     lines.append("")
     lines.append(vs_best_lines(w))
     sources = decision_lines(w)
@@ -103,6 +105,9 @@ def sweep_table(w: dict[str, Any]) -> str:
     fail = failover_table(w)
     if fail:
         lines += ["", fail]
+    joins = join_table(w)
+    if joins:
+        lines += ["", joins]
     return "\n".join(lines)
 
 
@@ -189,6 +194,34 @@ def failover_table(w: dict[str, Any]) -> str:
             "| policy | router | kill | requests | TTFT p50 s | TTFT p99 s (min-max) | TTFT mean s | "
             "on killed node | failed KV calls | miss |\n|---|---|---|---|---|---|---|---|---|---|")
     return head + "\n" + "\n".join(rows) + "\n\n" + failover_ratio_lines(w)
+
+
+def join_table(w: dict[str, Any]) -> str:
+    """The first minute after each ``--join``, per configuration (medians over seeds): the joined node's hit
+    ratio and TTFT against the nodes already serving."""
+    rows = []
+    order = {p: i for i, p in enumerate(POLICIES)}
+    for label in sorted(w.get("runs", {}), key=lambda k: (order.get(k.split("|")[0], 9), k)):
+        runs = [r for r in w["runs"][label] if r.get("joins")]
+        policy, router = label.split("|")
+        for j, f in enumerate(runs[0]["joins"] if runs else ()):
+            own, rest = [r["joins"][j]["joined"] for r in runs], [r["joins"][j]["serving"] for r in runs]
+            ratio = [a["hit_ratio"] / b["hit_ratio"] for a, b in zip(own, rest) if b["hit_ratio"] > 0]
+            first = [r["joins"][j]["first_request_after_s"] for r in runs]
+            rows.append(f"| {policy} | {router} | {f['node']}@{f['t']:g} | "
+                        f"{np.median([x for x in first if x is not None]) if any(x is not None for x in first) else '-'} | "
+                        f"{_med(own, 'requests'):.0f} | {_med(own, 'hit_ratio'):.3f} | {_med(rest, 'hit_ratio'):.3f} | "
+                        f"{float(np.median(ratio)) if ratio else 0.0:.2f}x | {_med(own, 'ttft_p50_s'):.3f} / "
+                        f"{_med(own, 'ttft_p99_s'):.3f} | {_med(rest, 'ttft_p50_s'):.3f} / {_med(rest, 'ttft_p99_s'):.3f} | "
+                        f"{_med(own, 'slower_than_cold_prefill'):.0f} / {_med(rest, 'slower_than_cold_prefill'):.0f} |")
+    if not rows:
+        return ""
+    span = w["runs"][next(iter(w["runs"]))][0]["joins"][0]["span_s"]
+    return (f"After the join (requests arriving in the {span:g} s after it, served by the joined node against the "
+            "nodes already serving):\n\n"
+            "| policy | router | join | first request after s | requests on it | its hit ratio | others' | ratio | "
+            "its TTFT p50 / p99 s | others' | slower than own cold prefill (it / others) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
 
 
 def failover_ratio_lines(w: dict[str, Any]) -> str:
@@ -494,10 +527,13 @@ def plot_timeline(path: Path, title: str, node_ids: Sequence[str], arrivals: dic
     if st.size:
         spec = np.asarray(timeline["spec_slots"])
         rep = np.asarray(timeline["replica_slots"])
+        sunk = np.asarray(timeline.get("sunk_slots") or np.zeros_like(spec))
         for j, node in enumerate(node_ids):
             line, = axes[2].plot(st, rep[:, j] + spec[:, j], label=f"{node} replica+spec")
             axes[2].plot(st, spec[:, j], linestyle=":", color=line.get_color())
-    axes[2].set_ylabel("replica pages (dotted: unread spec)")
+            if sunk.any():
+                axes[2].plot(st, sunk[:, j], linestyle="--", color=line.get_color())
+    axes[2].set_ylabel("replica pages (dotted: unread spec;\ndashed: copies sunk to disk)")
     if records and page_bytes and link_bytes_s:
         edges = np.linspace(0, max(duration_s, 1.0) * 1.2, 121)
         width = edges[1] - edges[0]

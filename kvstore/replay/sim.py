@@ -32,7 +32,7 @@ from kvstore.replay.serve import (EngineState, Get, Lookup, Op, Prefill, Put, Ru
                                   serve, step_through)
 from kvstore.replay.config import DEFAULT_RPC_MS, ReplayConfig, cluster_and_router, link_of
 from kvstore.replay.costmodel import CostModel
-from kvstore.replay.metrics import (RequestRecord, after_kill, aggregate, cluster_summary,
+from kvstore.replay.metrics import (RequestRecord, after_join, after_kill, aggregate, cluster_summary,
                                   replica_gib_s)
 from kvstore.replay.oracle import Plan, Step, plan
 from kvstore.replay.routers import NodeView, Router, views_from_lookup
@@ -67,6 +67,7 @@ class SimConfig:
     sample_s: float = 0.25           # real s
     rpc_ms: float = DEFAULT_RPC_MS
     kills: list[tuple[int, float]] = field(default_factory=list)
+    joins: list[tuple[int, float]] = field(default_factory=list)  # (node index, trace s): absent until then
     claims: bool = False             # +claims: engines claim their prefills and wait for others' claims
     claim_margin: float = 1.0        # wait when ready + copy < margin x own prefill (claiming.wait_for)
 
@@ -148,7 +149,7 @@ class SimDriver:
         self.rpc = cfg.rpc_ms / 1e3 * S          # one KV round trip, trace s
         self.records: list[RequestRecord] = []
         self.timeline: dict[str, Any] = {"t": [], "waiting": [], "running": [], "stats_t": [], "spec_slots": [],
-                                         "replica_slots": []}
+                                         "replica_slots": [], "sunk_slots": []}
         self.oracle_plan: Plan | None = None
         self.held: Held | None = None
         self.killed: dict[int, float] = {}
@@ -167,8 +168,9 @@ class SimDriver:
         asks = self.cfg.router.needs_prefix and self.cluster.alive(0)
         entries = self.cluster.prefixes(keys) if asks else ()
         views = views_from_lookup(self.cluster.ids, loads, entries, work)
-        for i, v in enumerate(views):  # a fleet router watching Status: down a heartbeat timeout after a kill
-            v.down = not self.cluster.known_alive(i)
+        joining = self.coord.core.joining() if self.coord is not None and self.cfg.joins else ()
+        for i, v in enumerate(views):  # a fleet router watching Status: down a heartbeat timeout after a kill,
+            v.down = not self.cluster.known_alive(i) or v.node_id in joining  # and while it joins (warming)
             e = self.engines[i]
             e.state.show(v, e.load, self.cfg.concurrency, keys, self.cfg.router.needs_engine_cache)
         return views, self.cfg.rpc_ms / 1e3 if asks else 0.0
@@ -284,6 +286,8 @@ class SimDriver:
                                      for i, p in enumerate(self.cluster.pools)])
             tl["replica_slots"].append([sum(1 for v in p.lru.values() if v == 2) if self.cluster.alive(i) else 0
                                         for i, p in enumerate(self.cluster.pools)])
+            tl["sunk_slots"].append([len(p.sunk) if self.cluster.alive(i) else 0
+                                     for i, p in enumerate(self.cluster.pools)])
         if self._left > 0:
             self.sim.at(self.cfg.sample_s * self.cfg.speedup, self._sample, k + 1)
 
@@ -322,6 +326,9 @@ class SimDriver:
                 sim.at(step.copy_at, lambda s=step, k=keys_of[i]: sim.process(self._copy(s, k)))
         for i, t in cfg.kills:
             sim.at(t, self._kill, i)
+        for i, t in cfg.joins:
+            self.cluster.absent(i)
+            sim.at(t, self.cluster.join, i)
         self._left = len(reqs)
         self.cluster.start()
         if self.coord is not None:
@@ -368,7 +375,7 @@ def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float]
                     link_latency=0.0 if free else latency, capacity_bytes=parse_size(a.capacity),
                     oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl, fetch_timeout_s=a.fetch_timeout,
                     drain_timeout_s=a.drain_timeout, rpc_ms=a.sim_rpc_ms,
-                    kills=list(a.kills))
+                    kills=list(a.kills), joins=list(a.joins))
     driver = SimDriver(wl, cfg)
     result = driver.run()
     if progress is not None:
@@ -381,10 +388,13 @@ def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float]
         slo_ttft=a.slo_ttft)
     network = driver.cluster.net.describe() if not free else {"kind": "none"}
     held = replica_gib_s(result.timeline, cost.page_bytes)
-    summary.update(replica_gib_s_speculative=round(held["speculative"], 3), replica_gib_s=round(held["replica"], 3))
+    summary.update(replica_gib_s_speculative=round(held["speculative"], 3), replica_gib_s=round(held["replica"], 3),
+                   replica_gib_s_sunk=round(held["sunk"], 3))
     summary.update(put_errors=result.put_errors, wall_s=round(result.wall_s, 2), oracle=result.oracle,
                    daemon_args=spec.args("nX"), router=router_cfg[0], network=network, simulated=True,
                    sim={"rpc_ms": cfg.rpc_ms, "coordinator": result.coordinator})
     if cfg.kills:
         summary["failover"] = [after_kill(result.records, ids[i], t) for i, t in cfg.kills]
+    if cfg.joins:
+        summary["joins"] = [after_join(result.records, ids[i], t) for i, t in cfg.joins]
     return {"summary": summary, "records": result.records, "timeline": result.timeline, "node_ids": ids}

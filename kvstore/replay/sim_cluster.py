@@ -13,13 +13,15 @@ scaled page bytes, so the planner sees the same numbers as in a real run.
 
 Modelled, kept simple:
 
-* a node's pool: ``capacity / scaled page`` slots; speculative replicas are
-  evicted first (FIFO), then the rest least recently used; a speculative
-  replica read becomes a plain replica (a speculative hit); the node drops
-  expired speculative replicas at its heartbeat (wasted bytes);
+* a node's pool: ``capacity / scaled page`` slots, evicted as the daemon's
+  (:mod:`kvstore.pool.room`: least recently used plain pages, a speculative
+  copy only when none is left); a speculative replica read becomes a plain
+  replica (a speculative hit); the node drops expired speculative replicas
+  at its heartbeat (wasted bytes), and they sink to the disk below as
+  replicas;
 * a disk tier below it (the daemons' ``--tier disk:...``, as ``--tier-policies
-  tiers-lru`` sets it): what the pool evicts for room goes down (speculative
-  replicas do not), written once (a page read back up keeps its copy below),
+  tiers-lru`` sets it): what the pool evicts for room goes down, written once
+  (a page read back up keeps its copy below),
   least recently used out of the tier and gone (``--tier-admit reused``:
   only pages read since they were stored go down, the others are declined);
   a Get reads the pages only
@@ -49,6 +51,7 @@ from kvstore.cluster.claims import Claims, Pulls
 from kvstore.cluster.directory import Directory, Outbox
 from kvstore.cluster.replicator import assign_sources
 from kvstore.pool.pool import PageKind
+from kvstore.pool.room import cold_price, victim
 from kvstore.tiers.admission import Admission, admission_for
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -95,6 +98,7 @@ class SimPool:
         self.lru: OrderedDict[bytes, int] = OrderedDict()      # key -> kind
         self.disk: OrderedDict[bytes, int] = OrderedDict()     # the tier below: key -> kind, LRU first
         self.disk_capacity = max(0, disk_pages)
+        self.sunk: set[bytes] = set()                          # speculative copies that sank onto the disk
         self.admission = admission                             # kvstored --tier-admit, the daemons' own rule
         self.clock = clock                                     # the daemons' clock (admission)
         self.reads: Counter[bytes] = Counter()                 # pool pages' Get reads since they were stored
@@ -144,17 +148,20 @@ class SimPool:
         return [k for k in stored if self.in_pool(k)]
 
     def _evict(self, changes: dict[bytes, _Page | None]) -> None:
-        """Make room for one page: a speculative replica is dropped; a page is demoted to the disk (written
-        once) or, without one, dropped."""
-        if self.spec:
-            key, _ = self.spec.popitem(last=False)
+        """Make room for one page (``room.victim``: the least recently used plain page, a speculative copy
+        only when none is left), demoted to the disk (written once) or, without one, dropped."""
+        queue, reason = victim(self.spec, self.lru)
+        key, kind = queue.popitem(last=False)
+        self.evictions[reason] += 1
+        self._down(key, REPLICA if queue is self.spec else kind, self.reads.pop(key, 0), changes)
+        if queue is self.spec:
             self.spec_wasted_pages += 1
-            self.evictions["speculative"] += 1
-            changes[key] = _Page(key, self.disk[key], 0.0, 1) if key in self.disk else None
-            return
-        key, kind = self.lru.popitem(last=False)
-        self.evictions["lru"] += 1
-        reads = self.reads.pop(key, 0)
+            if key in self.disk:
+                self.sunk.add(key)
+
+    def _down(self, key: bytes, kind: int, reads: int, changes: dict[bytes, _Page | None]) -> None:
+        """A page leaves the pool: onto the disk if the admission takes it (a copy already there is
+        touched), else gone."""
         if not self.disk_capacity:
             changes[key] = None
             return
@@ -171,6 +178,7 @@ class SimPool:
             while len(self.disk) > self.disk_capacity:
                 gone, _ = self.disk.popitem(last=False)
                 self.disk_evictions += 1
+                self.sunk.discard(gone)
                 if not self.in_pool(gone):
                     changes[gone] = None
         if key in self.disk:
@@ -223,13 +231,20 @@ class SimPool:
             self.outbox.record(self.ns, renewed)
 
     def drop_speculative(self, keys: Sequence[bytes] | None = None, now: float | None = None) -> int:
-        """Drop the given speculative replicas (DropSpeculative), or those expired at ``now``; unread: wasted."""
+        """Drop the given speculative replicas (DropSpeculative), or those expired at ``now``; unread: wasted.
+        They sink: onto the disk as replicas where the admission takes them (``kvstore.pool.room``)."""
         if keys is None:
             keys = [k for k, exp in self.spec.items() if now is not None and 0 < exp <= now]
         gone = [k for k in keys if self.spec.pop(k, None) is not None]
         self.spec_wasted_pages += len(gone)
-        if gone:
-            self.outbox.record(self.ns, removed=gone)
+        changes: dict[bytes, _Page | None] = {}
+        for k in gone:
+            self._down(k, REPLICA, 0, changes)
+            if k in self.disk:
+                self.sunk.add(k)
+        if changes:
+            self.outbox.record(self.ns, [p for p in changes.values() if p is not None],
+                               [k for k, p in changes.items() if p is None])
         return len(gone)
 
     def clear(self) -> None:
@@ -237,6 +252,7 @@ class SimPool:
         self.lru.clear()
         self.disk.clear()
         self.reads.clear()
+        self.sunk.clear()
 
     def snapshot(self) -> list[_Page]:
         return [_Page(k, v, 0.0) for k, v in self.lru.items()] + \
@@ -345,7 +361,8 @@ class SimCluster:
             self.placement.on_claims_landed(landed)
         self.membership.reported[node] = pb.MemberInfo(
             node_id=node, capacity_bytes=self.p.capacity_bytes, used_bytes=len(pool) * self.p.scaled_page_bytes,
-            speculative_bytes=len(pool.spec) * self.p.scaled_page_bytes)
+            speculative_bytes=len(pool.spec) * self.p.scaled_page_bytes,
+            cold_bytes=len(pool.lru) * self.p.scaled_page_bytes, cold_reads=cold_price(pool.admission))
         if self.placement is not None:
             self.placement.on_report(node, batches)
             for event, t in zip(self.accesses[i], self._access_t[i]):
@@ -353,6 +370,17 @@ class SimCluster:
                 self.placement.observe(node, event)
         self.accesses[i].clear()
         self._access_t[i].clear()
+
+    def absent(self, i: int) -> None:
+        """Node ``i`` is not started yet (``--join``): nobody sees it until :meth:`join`."""
+        self.dead[i] = float("-inf")
+
+    def join(self, i: int) -> None:
+        """Node ``i`` starts, empty, and joins: its first heartbeat makes it a member."""
+        self.dead.pop(i, None)
+        self.pools[i].clear()
+        self.pools[i].outbox = Outbox()
+        self._beat(i)
 
     def kill(self, i: int) -> None:
         self.dead[i] = self.dnow()

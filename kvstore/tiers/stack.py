@@ -5,12 +5,13 @@ the staging budget. :class:`NamespaceTiers` is one namespace's view of it: one
 :class:`~kvstore.tiers.base.PageTier` per spec (a host buffer, a slab file per disk), sized as the
 namespace's share of the node (its pool capacity over the node's), so a tenant's quota holds in every tier.
 
-**Down (demotion).** When the pool evicts pages for room (:meth:`NamespaceTiers.demote`, called by the
-pool while the evicted slots still hold their bytes), each primary or replica page not already below is
-copied into host *staging* memory and queued for a write into the first tier; it stays readable from
-staging until written. The staging memory is bounded node-wide (``--tier-staging``): an eviction that
-finds it full drops the page (counted). A request never waits on a write. Speculative replicas are not
-demoted (a guess the pool gave up on is not worth a disk write): dropped as without tiers. Each tier
+**Down (demotion).** When the pool evicts pages for room, or drops speculative copies whose forecast
+ended (:meth:`NamespaceTiers.demote`, called by the pool while their slots still hold their bytes), each
+page not already below is copied into host *staging* memory and queued for a write into the first tier,
+where the admission (``--tier-admit``) takes it; it stays readable from staging until written. The
+staging memory is bounded node-wide (``--tier-staging``): an eviction that finds it full drops the page
+(counted). A request never waits on a write. A speculative copy goes down as a replica: it sinks with
+its forecast (:mod:`kvstore.pool.room`). Each tier
 evicts on its own (least recently used within the namespace's share); what the first tier evicts cascades
 into the next, and what the last evicts is gone. With ``--tier-write through`` every committed page is
 also copied down in the background, so an eviction finds it below already and writes nothing.
@@ -198,6 +199,11 @@ class TierPage:
     tier: int = 1  # 0: the pool; 1: the first tier below, ...
 
 
+def _kept_as(entry: Entry) -> int:
+    """The kind a pool page keeps below the pool: its own, a speculative copy's a replica's (it sank)."""
+    return int(PageKind.REPLICA if entry.kind is PageKind.SPECULATIVE else entry.kind)
+
+
 @dataclass(slots=True)
 class _Staged:
     data: np.ndarray  # one page of bytes
@@ -375,7 +381,7 @@ class NamespaceTiers:
         self.pins: Counter[bytes] = Counter()  # pins on pages below the pool
         self.hidden: set[bytes] = set()        # deleted, their removal from the tiers under way
         self._inflight: dict[bytes, asyncio.Future[bool]] = {}
-        self.spec_dropped = 0                  # speculative pages evicted from the pool (never demoted)
+        self.spec_sunk = 0                     # speculative copies sent down (their forecast ended), as replicas
         self.loop: asyncio.AbstractEventLoop | None = None  # where worker results go (None: inline)
         self._cascading = 0  # puts under way whose evictions go into the next tier (written by the writer)
         self._closed = False
@@ -459,22 +465,22 @@ class NamespaceTiers:
 
     # ---- down -----------------------------------------------------------------------------
     def demote(self, entries: list[Entry]) -> None:
-        """The pool evicted ``entries`` (their slots still hold their bytes): stage them for the first tier."""
+        """The pool evicted ``entries``, or dropped speculative copies whose forecast ended (their slots
+        still hold their bytes): stage them for the first tier, a copy as a replica."""
         if self._closed or not self.tiers:
             return
         todo = []
         for entry in entries:
-            if entry.kind is PageKind.SPECULATIVE:
-                self.spec_dropped += 1
-            elif entry.key in self.hidden or self.holds(entry.key):
+            if entry.key in self.hidden or self.holds(entry.key):
                 continue  # below already (write-through, or promoted from there): nothing to write
-            elif self.admission is not None and not self.admission.admit(entry.key, entry.reads, int(entry.kind),
+            elif self.admission is not None and not self.admission.admit(entry.key, entry.reads, _kept_as(entry),
                                                                           time.monotonic()):
                 self.levels[0].counters.declined += 1
             elif self.stack.staged_bytes + (len(todo) + 1) * self.page_bytes > self.stack.staging_budget:
                 self.levels[0].counters.drops += 1
             else:
                 todo.append(entry)
+                self.spec_sunk += entry.kind is PageKind.SPECULATIVE
         self._stage(todo)
 
     def write_through(self, entries: Sequence[Any]) -> None:
@@ -498,12 +504,12 @@ class NamespaceTiers:
             for e in entries:
                 row = self.stack.rows.take(self.page_bytes)
                 copy_into(row, pool.buffer[e.slot])
-                self.staged[e.key] = _Staged(row, int(e.kind), e.checksum, row=True)
+                self.staged[e.key] = _Staged(row, _kept_as(e), e.checksum, row=True)
         else:  # a device pool: one pack kernel and one download into pinned staging memory
             data = pool.ops.to_host(pool.ops.pack(pool.buffer, [e.slot for e in entries]),
                                     out=pool.ops.host_empty((len(entries), self.page_bytes)))
             for e, row in zip(entries, data):
-                self.staged[e.key] = _Staged(row, int(e.kind), e.checksum)
+                self.staged[e.key] = _Staged(row, _kept_as(e), e.checksum)
         keys = [e.key for e in entries]
         self._submit(self.levels[0].writers, self._write_down, keys, lambda lost: self._written(keys, lost))
 

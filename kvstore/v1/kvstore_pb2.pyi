@@ -509,7 +509,7 @@ class TransportEndpoint(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("node_id", "address", "incarnation", "endpoints", "capacity_bytes", "used_bytes", "hits", "misses", "remote_hits", "role", "last_seen_seconds_ago", "alive", "speculative_bytes")
+    __slots__ = ("node_id", "address", "incarnation", "endpoints", "capacity_bytes", "used_bytes", "hits", "misses", "remote_hits", "role", "last_seen_seconds_ago", "alive", "speculative_bytes", "cold_bytes", "cold_reads")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -523,6 +523,8 @@ class MemberInfo(_message.Message):
     LAST_SEEN_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COLD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COLD_READS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     incarnation: str
@@ -536,7 +538,9 @@ class MemberInfo(_message.Message):
     last_seen_seconds_ago: float
     alive: bool
     speculative_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[TransportEndpoint, _Mapping]]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., remote_hits: _Optional[int] = ..., role: _Optional[str] = ..., last_seen_seconds_ago: _Optional[float] = ..., alive: _Optional[bool] = ..., speculative_bytes: _Optional[int] = ...) -> None: ...
+    cold_bytes: int
+    cold_reads: float
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[TransportEndpoint, _Mapping]]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., remote_hits: _Optional[int] = ..., role: _Optional[str] = ..., last_seen_seconds_ago: _Optional[float] = ..., alive: _Optional[bool] = ..., speculative_bytes: _Optional[int] = ..., cold_bytes: _Optional[int] = ..., cold_reads: _Optional[float] = ...) -> None: ...
 
 class DirectoryBatch(_message.Message):
     __slots__ = ("namespace", "adds", "removes", "speculative", "below")
@@ -633,14 +637,16 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("node_id", "coordinator", "members")
+    __slots__ = ("node_id", "coordinator", "members", "joining")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    JOINING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     coordinator: str
     members: _containers.RepeatedCompositeFieldContainer[MemberInfo]
-    def __init__(self, node_id: _Optional[str] = ..., coordinator: _Optional[str] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ...) -> None: ...
+    joining: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., coordinator: _Optional[str] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., joining: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
     __slots__ = ("namespace", "keys", "source_node_id", "kind", "ttl_seconds")

@@ -54,3 +54,27 @@ def test_reactive_and_none_place_nothing(make_server, policy: str) -> None:  # t
         got = kb.get("m", keys_for(3), timeout=2)
         assert got.found.all() == (policy == "reactive")
         assert kb.stats("m").namespaces[0].replica_slots == (3 if policy == "reactive" else 0)
+
+
+def test_a_heartbeat_tells_the_coordinator_what_a_forecast_copy_may_push_out(make_server) -> None:  # type: ignore[no-untyped-def]
+    """Each node's heartbeat carries its unheld plain pages (what a forecast copy may displace on a full
+    pool) and their price; the coordinator's view of it is what the planner plans with."""
+    common = dict(replication="predictive", transport="tcp", heartbeat_interval=0.05, heartbeat_timeout=2.0,
+                  planner_tick=0.05, capacity=16 << 20)
+    a = make_server(node_id="a", **common)
+    b = make_server(node_id="b", peers=(a.address,), **common)
+    for srv in (a, b):
+        with KvClient(srv.address) as kv:
+            kv.create_namespace("m", 4096)
+    with KvClient(b.address) as kb:
+        kb.put("m", keys_for(3), random_pages(3, 4096))
+        lease = kb.pin("m", keys_for(1), ttl=60.0)  # a pinned page is never displaced
+        try:
+            seen = lambda: a.call(lambda: a.server.agent.membership.member("b"))  # noqa: E731
+            deadline = time.monotonic() + 10
+            while (seen() is None or seen().cold_bytes != 2 * 4096) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            info = seen()
+            assert info is not None and info.cold_bytes == 2 * 4096 and info.cold_reads == pytest.approx(0.5)
+        finally:
+            kb.unpin("m", lease)

@@ -575,7 +575,7 @@ SAMPLES: dict[str, str] = {
     "control_timeout": "2", "link_rate": "1.25e10", "link_latency": "5e-6", "predictor_model": "none",
     "predictor_depths": "1,2,4,8,16", "predictor_horizon": "120", "predictor_momentum_window": "30",
     "planner_tick": "0.2", "spec_threshold": "0.5", "spec_budget": "0.3", "spec_bandwidth": "2.5e9",
-    "spec_ttl": "60", "node_rate": "0", "copy_fanout": "4", "copy_chunks": "8", "copy_part_min": "0.05",
+    "spec_ttl": "60", "node_rate": "0", "copy_fanout": "4", "copy_chunks": "8", "copy_part_min": "0.05", "join_warm": "10",
     "tls_cert": "/etc/node.pem", "tls_key": "/etc/node.key", "tls_ca": "/etc/ca.pem", "tls_client_auth": "yes",
     "token_file": "/etc/tokens.toml", "cluster_secret_file": "/etc/secret", "insecure": "on",
     "max_message_bytes": "256MiB", "max_batch_pages": "1024", "max_batch_bytes": "2GiB", "max_pin_ttl": "60",

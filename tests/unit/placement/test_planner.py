@@ -290,6 +290,28 @@ def test_free_space_is_required_not_only_the_spec_share() -> None:
     assert plan([cand(page=10 * MB)], ns, 1 * GB, CFG, NOW).skipped == {"no_room": 1}
 
 
+def test_a_full_node_makes_room_for_a_copy_worth_more_than_what_it_pushes_out() -> None:
+    # b is full of cold pages; their price is their expected reads after eviction
+    full = NodeState(node_id="b", capacity_bytes=100 * GB, used_bytes=100 * GB, cold_bytes=60 * GB, cold_reads=0.5)
+    d = only(plan([cand(prob=0.9, page=1 * GB)], [node("a", used=100 * GB), full], 100 * GB, CFG, NOW))
+    assert d.targets == ("b",) and d.depth == 8  # 0.9 expected reads a page against 0.5
+    # a copy worth less than what it would push out is not placed
+    assert plan([cand(prob=0.45, page=1 * GB)], [node("a", used=100 * GB), full], 100 * GB,
+                replace(CFG, threshold=0.4), NOW).skipped == {"no_room": 1}
+    pricey = replace(full, cold_reads=0.95)
+    assert plan([cand(prob=0.9, page=1 * GB)], [node("a", used=100 * GB), pricey], 100 * GB, CFG,
+                NOW).skipped == {"no_room": 1}
+    # the speculative share still caps what it takes (20 GB of 100), and free space goes first
+    r = plan([cand(f"p{i}", prob=0.9, page=1 * GB) for i in range(6)],
+             [node("a", used=100 * GB), full, node("c", used=90 * GB)], 1000 * GB, replace(CFG, max_targets=1), NOW)
+    on = {t: sum(x.bytes for x in r.decisions if t in x.targets) for t in "bc"}
+    assert on["b"] <= 20 * GB and r.decisions[0].targets == ("c",)
+    # no cold pages: no room
+    bare = replace(full, cold_bytes=0)
+    assert plan([cand(prob=0.9, page=1 * GB)], [node("a", used=100 * GB), bare], 100 * GB, CFG,
+                NOW).skipped == {"no_room": 1}
+
+
 def test_spec_budget_never_exceeded_within_one_tick() -> None:
     ns = [node("a"), node("b", spec=5 * GB, used=5 * GB), node("c", cap=50 * GB), node("d", cap=10 * GB, used=9_900 * MB)]
     cands = [cand(f"p{i}", prob=0.99 - i / 1000, page=200 * MB) for i in range(200)]

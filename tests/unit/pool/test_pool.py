@@ -153,7 +153,7 @@ def test_commit_keeps_kind_of_existing_page() -> None:
 # PagePool: eviction order and holds
 # ---------------------------------------------------------------------------
 
-def test_eviction_takes_speculative_first_oldest_first_then_lru() -> None:
+def test_eviction_takes_lru_first_and_a_forecast_copy_only_when_nothing_else_is_left() -> None:
     seen: list[list[bytes]] = []
     pool = make_pool(5, on_change=lambda added, removed: removed and seen.append(removed))
     put(pool, [b"p1"], PageKind.PRIMARY)
@@ -161,20 +161,32 @@ def test_eviction_takes_speculative_first_oldest_first_then_lru() -> None:
     put(pool, [b"r1"], PageKind.REPLICA)
     put(pool, [b"s2"], PageKind.SPECULATIVE)
     put(pool, [b"p2"], PageKind.PRIMARY)
-    assert pool.speculative_slots == 2 and pool.evictable() == 5
+    assert pool.speculative_slots == 2 and pool.evictable() == 5 and pool.cold_slots == 3
     res = pool.reserve(1)
-    assert res.evicted == [b"s1"]
+    assert res.evicted == [b"p1"]
     pool.check_invariants()
     res2 = pool.reserve(3)
-    assert res2.evicted == [b"s2", b"p1", b"r1"]
+    assert res2.evicted == [b"r1", b"p2", b"s1"]  # the copies last, oldest first
     pool.check_invariants()
-    assert seen == [[b"s1"], [b"s2", b"p1", b"r1"]]
-    assert pool.evictions == Counter({"speculative": 2, "lru": 2})
-    assert list(pool._table) == [b"p2"]
+    assert seen == [[b"p1"], [b"r1", b"p2", b"s1"]]
+    assert pool.evictions == Counter({"speculative": 1, "lru": 3})
+    assert list(pool._table) == [b"s2"] and pool.cold_slots == 0
     pool.abort(res)
     pool.abort(res2)
     pool.check_invariants()
     assert pool.used_slots == 1
+
+
+def test_a_forecast_copy_dropped_sinks_through_on_evict_before_its_slot_is_freed() -> None:
+    pool = make_pool(4)
+    put(pool, [b"p1"], PageKind.PRIMARY)
+    put(pool, [b"s1", b"s2"], PageKind.SPECULATIVE)
+    sunk: list[tuple[bytes, bool]] = []
+    pool.on_evict = lambda entries: sunk.extend((e.key, e.key in pool) for e in entries)
+    assert pool.drop_speculative([b"s1", b"p1"]) == [b"s1"]
+    assert sunk == [(b"s1", True)]  # handed down while still held: its bytes intact
+    assert b"s1" not in pool and pool.spec_wasted == 1
+    pool.check_invariants()
 
 
 def test_reserve_without_eviction_does_not_call_on_evict() -> None:
@@ -275,19 +287,19 @@ def test_unsatisfiable_reserve_raises_and_changes_nothing() -> None:
     put(pool, [b"a", b"b", b"c"])
     put(pool, [b"s"], PageKind.SPECULATIVE)
     pool.reserve(1)  # the last free slot
-    assert pool.reserve(1).evicted == [b"s"]  # one eviction, so the counter is non-zero
-    assert pool.evictions == Counter({"speculative": 1})
+    assert pool.reserve(1).evicted == [b"a"]  # one eviction, so the counter is non-zero
+    assert pool.evictions == Counter({"lru": 1})
     seen.clear()
-    pool.pin([b"a"])
-    handle = pool.acquire([b"b"])
-    # free: 0, evictable: c only -> 2 cannot be had
+    pool.pin([b"b"])
+    handle = pool.acquire([b"c"])
+    # free: 0, evictable: s only -> 2 cannot be had
     assert len(pool._free) == 0 and pool.evictable() == 1
     before = snapshot(pool)
     with pytest.raises(PoolExhausted, match="need 2 slots"):
         pool.reserve(2)
     assert snapshot(pool) == before
     assert seen == []
-    assert b"c" in pool  # no partial eviction
+    assert b"s" in pool  # no partial eviction
     pool.check_invariants()
     pool.release(handle)
 

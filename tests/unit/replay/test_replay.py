@@ -472,6 +472,10 @@ def test_kill_specs_window_and_the_oracle_knows() -> None:
     for bad in ("n4@1", "n1", "x@1", "n1@-2"):
         with pytest.raises(ValueError):
             parse_kills([bad], nodes=4)
+    assert parse_kills(["n3@60"], nodes=4, flag="--join") == [(3, 60.0)]
+    for bad_joins in (["n0@5"], ["n2@5", "n2@9"]):  # n0 starts the cluster; a node joins once
+        with pytest.raises(ValueError, match="--join"):
+            parse_kills(bad_joins, nodes=4, flag="--join")
     recs = [RequestRecord(idx=i, t=t, blocks=2, miss=2, queue_s=q, done=True, node=n, kv_error=e)
             for i, (t, q, n, e) in enumerate([(1.0, 9.0, "n0", ""), (5.0, 1.0, "n1", "Unavailable"),
                                               (20.0, 2.0, "n0", ""), (40.0, 9.0, "n0", "")])]

@@ -11,7 +11,8 @@ import pytest
 
 from kvstore.replay.sim_cluster import PRIMARY, ClusterParams, SimCluster, SimPool
 from kvstore.replay.sim_kernel import Network, Semaphore, Sim
-from kvstore.tiers.admission import ReadSinceStored
+from kvstore.pool.room import PRIOR_READS
+from kvstore.tiers.admission import ReadSinceStored, ReuseAdmission
 
 GB = 1e9
 
@@ -105,24 +106,41 @@ def test_none_never_pulls_and_the_directory_lags_a_heartbeat() -> None:
     assert c.net.bytes_in[1] == 0 and keys[0] not in c.pools[1]
 
 
-def test_pool_evicts_speculative_first_then_lru_and_a_read_promotes() -> None:
+def test_pool_evicts_lru_first_keeps_a_forecast_copy_and_a_read_promotes() -> None:
     pool = SimPool(3)
     pool.store([b"p1", b"p2"], PRIMARY)
     pool.store([b"s1"], 3, expires_at=10.0)
-    pool.store([b"p3"], PRIMARY)                     # full: the speculative replica goes first
-    assert b"s1" not in pool and pool.spec_wasted_pages == 1
-    pool.read([b"p1"])
-    pool.store([b"p4"], PRIMARY)                     # then the least recently used: p2
-    assert b"p2" not in pool and b"p1" in pool
+    pool.store([b"p3"], PRIMARY)                     # full: the least recently used plain page goes, not the copy
+    assert b"s1" in pool and b"p1" not in pool and pool.spec_wasted_pages == 0
+    pool.read([b"p2"])
+    pool.store([b"p4"], PRIMARY)                     # then the least recently used: p3
+    assert b"p3" not in pool and b"p2" in pool and b"s1" in pool
+    pool.read([b"s1"])
+    assert pool.spec_hits == 1 and b"s1" in pool.lru
     pool.store([b"s2"], 3, expires_at=10.0)
-    pool.read([b"s2"])
-    assert pool.spec_hits == 1 and b"s2" in pool.lru
+    pool.store([b"p5", b"p6", b"p7"], PRIMARY)       # plain pages evict each other; the copy stays
+    assert b"s2" in pool.spec and pool.spec_wasted_pages == 0
+    pool.store([b"s3", b"s4", b"s5"], 3, expires_at=10.0)  # nothing plain left: the oldest copy goes
+    assert b"s2" not in pool and pool.spec_wasted_pages == 1
+
+
+def test_a_heartbeat_reports_what_a_forecast_copy_may_push_out_and_its_price() -> None:
+    c = _cluster()
+    c.pools[0].store([b"a", b"b", b"c"], PRIMARY)
+    c.pools[0].store([b"s"], 3, expires_at=1e9)
+    c.report(0)
+    info = c.membership.reported["n0"]
+    assert (info.cold_bytes, info.speculative_bytes) == (3 * 4096, 4096) and info.cold_reads == PRIOR_READS
+    c.pools[0].admission = ReuseAdmission(1e6, 4096)  # a learned estimate prices them instead
+    c.pools[0].admission.evicted[(0, PRIMARY)] = 8
+    c.report(0)
+    assert c.membership.reported["n0"].cold_reads == pytest.approx(0.1)
 
 
 def test_a_pool_with_a_disk_below_demotes_once_and_reads_back_up() -> None:
     """--tiers preset in the simulator: what the pool evicts goes down (written once: a page read back up
     keeps its copy below), still held and reported as below; the disk's own LRU drops pages for good;
-    speculative replicas are not written down."""
+    a speculative copy whose forecast ended sinks onto it."""
     pool = SimPool(2, disk_pages=3)
     pool.store([b"a", b"b"], PRIMARY)
     pool.store([b"c"], PRIMARY)                       # a goes down
@@ -140,8 +158,11 @@ def test_a_pool_with_a_disk_below_demotes_once_and_reads_back_up() -> None:
     assert b"b" not in pool and pool.disk_evictions == 1
     pool.store([b"s"], 3, expires_at=10.0)            # e goes down
     assert pool.disk_writes == 5
-    pool.store([b"g"], PRIMARY)                       # the speculative replica is dropped, not written down
-    assert b"s" not in pool and pool.disk_writes == 5
+    pool.store([b"g"], PRIMARY)                       # f goes down: the forecast copy stays in the pool
+    assert pool.in_pool(b"s") and pool.disk_writes == 6
+    assert pool.drop_speculative(now=10.0) == 1       # its forecast ended: it sinks onto the disk, a replica
+    assert b"s" in pool and not pool.in_pool(b"s") and pool.disk[b"s"] == 2 and pool.sunk == {b"s"}
+    assert pool.spec_wasted_pages == 1 and pool.disk_writes == 7
     # --tier-admit reused: only what a Get read since it was stored goes down
     freq = SimPool(2, disk_pages=3, admission=ReadSinceStored())
     freq.store([b"a", b"b"], PRIMARY)
@@ -316,8 +337,35 @@ def test_claim_margin_auto_and_the_copy_on_its_way() -> None:
 def test_replica_seconds_integrate_the_slot_samples() -> None:
     from kvstore.replay.metrics import replica_gib_s
 
-    tl = {"stats_t": [0.0, 2.0, 4.0], "spec_slots": [[0, 0], [2, 0], [2, 2]], "replica_slots": [[1, 1], [1, 1], [0, 0]]}
+    tl = {"stats_t": [0.0, 2.0, 4.0], "spec_slots": [[0, 0], [2, 0], [2, 2]], "replica_slots": [[1, 1], [1, 1], [0, 0]],
+          "sunk_slots": [[0, 0], [0, 0], [1, 0]]}
     held = replica_gib_s(tl, 1 << 30)   # 1 GiB pages
     assert held["speculative"] == pytest.approx((0 + 2) / 2 * 2 + (2 + 4) / 2 * 2)   # 8 GiB-s
     assert held["replica"] == pytest.approx(2 * 2 + (2 + 0) / 2 * 2)                 # 6 GiB-s
-    assert replica_gib_s({}, 1 << 30) == {"speculative": 0.0, "replica": 0.0}
+    assert held["sunk"] == pytest.approx((0 + 1) / 2 * 2)                             # 1 GiB-s below the pool
+    assert replica_gib_s({}, 1 << 30) == {"speculative": 0.0, "replica": 0.0, "sunk": 0.0}
+
+
+def test_a_node_joining_a_ramp_is_warmed_from_the_forecast_before_routers_use_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--join, simulated: the ninth node joins at 60 s; the coordinator copies it the ramp's hot prefix
+    before routers send it requests, so its first requests load instead of pulling (its TTFT p99 over the
+    first minute is lower than a cold join's); with --join-warm 0 it serves at once, cold."""
+    from kvstore.replay.cli import replay_main
+
+    args = ["--sim", "--trace", "ramp", "--nodes", "9", "--join", "n8@60", "--preset", "llama3-70b-tp8",
+            "--link", "eth-100g", "--capacity", "preset", "--configs", "predictive|least-load", "--no-plots",
+            "--no-progress"]
+    runs = {}
+    for name, extra in (("warm", []), ("cold", ["--kvstored-arg=--join-warm=0"])):
+        assert replay_main([*args, *extra, "--out", str(tmp_path / name)]) == 0
+        (w,) = json.loads((tmp_path / name / "results.json").read_text())["workloads"].values()
+        runs[name] = w["runs"]["predictive|least-load"][0]
+        rows = [json.loads(line) for line in (tmp_path / name / "requests").glob("*.jsonl").__next__().read_text()
+                .splitlines()]
+        assert all(r["t"] >= 60 for r in rows if r["node"] == "n8") and any(r["node"] == "n8" for r in rows)
+    warm, cold = runs["warm"], runs["cold"]
+    assert warm["planner_decisions"]["warm"] > 0 and cold["planner_decisions"]["warm"] == 0
+    (jw,), (jc,) = warm["joins"], cold["joins"]
+    assert jw["first_request_after_s"] > jc["first_request_after_s"]  # routers waited for the warm mark
+    assert jw["joined"]["ttft_p99_s"] < jc["joined"]["ttft_p99_s"]
+    assert jw["joined"]["hit_ratio"] >= 0.8 * jw["serving"]["hit_ratio"]

@@ -110,7 +110,7 @@ def test_evicted_pages_go_down_and_come_back_with_their_bytes(stack: Any) -> Non
         node.close()
 
 
-def test_kind_and_checksum_travel_and_speculative_pages_are_not_demoted(stack: Any) -> None:
+def test_kind_and_checksum_travel_and_a_forecast_copy_sinks_as_a_replica(stack: Any) -> None:
     node = make_node(stack)
 
     async def main() -> None:
@@ -118,12 +118,18 @@ def test_kind_and_checksum_travel_and_speculative_pages_are_not_demoted(stack: A
         batch = node.begin_put("ns", PageKind.SPECULATIVE, expires_at=1e12)
         batch.add([key(1)], [page(1)])
         batch.commit()
-        put(node, [key(i) for i in range(2, 2 + POOL_PAGES)], [page(i) for i in range(2, 2 + POOL_PAGES)])
+        put(node, [key(i) for i in range(2, 1 + POOL_PAGES)], [page(i) for i in range(2, 1 + POOL_PAGES)])
+        put(node, [key(99)], [page(99)])  # the pool is full: the oldest plain page goes, the copy stays
         assert await below(node).settle()
-        assert node.lookup("ns", [key(1)]) == 0 and below(node).spec_dropped == 1
-        assert (await get(node, [key(0)])) == [page(0)]
-        entry = node.namespace("ns").pool.entry(key(0))
-        assert entry is not None and entry.kind is PageKind.REPLICA and entry.checksum != 0
+        pool = node.namespace("ns").pool
+        assert key(1) in pool and key(0) not in pool and node.lookup("ns", [key(0)]) == 1
+        assert pool.drop_speculative([key(1)]) == [key(1)]  # its forecast ended: it sinks
+        assert await below(node).settle()
+        assert key(1) not in pool and node.lookup("ns", [key(1)]) == 1 and below(node).spec_sunk == 1
+        assert (await get(node, [key(0)])) == [page(0)] and (await get(node, [key(1)])) == [page(1)]
+        for k, kind in ((key(0), PageKind.REPLICA), (key(1), PageKind.REPLICA)):
+            entry = pool.entry(k)
+            assert entry is not None and entry.kind is kind and entry.checksum != 0
     try:
         run(main)
     finally:
