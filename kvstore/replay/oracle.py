@@ -20,10 +20,12 @@ same cost model and the same links as the other policies:
   the prefill-unit time a choice uses, so a burst does not recompute its
   context N times), and the replay's own routers (least-load, round-robin,
   cache-aware, from :mod:`kvstore.replay.routers`, seeing the model's loads
-  and holdings exactly), least-load with and without copies. The plan with the
-  lowest simulated p99 (then mean) wins: a baseline's decisions are among
-  the candidates, so the oracle's plan is never worse than them in the
-  model.
+  and holdings exactly), least-load with and without copies. :func:`plan`
+  picks the one with the lowest p99 (then mean) in this model; the simulated
+  replay (``kvstore.replay.sim.run_policy_sim``) instead runs each candidate
+  through the replay itself and keeps the one serving the most requests
+  within the SLO, so a baseline's routing is among the candidates and the
+  oracle is never worse than it in the replay.
 
 The driver then executes the winning plan: routes each request to its node,
 starts each copy (``Replicate``) at its planned time once the source holds

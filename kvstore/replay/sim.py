@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvstore.replay import claiming
@@ -34,7 +34,7 @@ from kvstore.replay.config import DEFAULT_RPC_MS, ReplayConfig, cluster_and_rout
 from kvstore.replay.costmodel import CostModel
 from kvstore.replay.metrics import (RequestRecord, after_join, after_kill, aggregate, cluster_summary,
                                   replica_gib_s)
-from kvstore.replay.oracle import Plan, Step, plan
+from kvstore.replay.oracle import RULES, Plan, Step, plan
 from kvstore.replay.routers import NodeView, Router, views_from_lookup
 from kvstore.replay.sim_cluster import PRIMARY, SPECULATIVE, ClusterParams, SimCluster
 from kvstore.replay.sim_coord import SimCoordinator, node_config
@@ -68,6 +68,7 @@ class SimConfig:
     rpc_ms: float = DEFAULT_RPC_MS
     kills: list[tuple[int, float]] = field(default_factory=list)
     joins: list[tuple[int, float]] = field(default_factory=list)  # (node index, trace s): absent until then
+    oracle_rules: tuple[str, ...] = ()  # oracle/bound: the candidate plans to choose from (): every rule
     claims: bool = False             # +claims: engines claim their prefills and wait for others' claims
     claim_margin: float = 1.0        # wait when ready + copy < margin x own prefill (claiming.wait_for)
 
@@ -302,7 +303,8 @@ class SimDriver:
         reusable = reusable_blocks(reqs)
         if cfg.policy in ("oracle", "bound"):  # the bound takes the oracle's routes, and every reuse for nothing
             self.oracle_plan = plan(reqs, reusable, cfg.nodes, cfg.concurrency, cfg.cost, cfg.oracle_lead_s,
-                                    cfg.oracle_rpc_s * cfg.speedup, down=dict(cfg.kills))
+                                    cfg.oracle_rpc_s * cfg.speedup, rules=cfg.oracle_rules or tuple(RULES),
+                                    down=dict(cfg.kills))
         if cfg.policy == "oracle":
             self.held = Held(sim, cfg.nodes)
             for e in self.engines:
@@ -376,6 +378,27 @@ def run_policy_sim(wl: Workload, policy: str, router_cfg: tuple[str, str, float]
                     oracle_lead_s=a.oracle_lead, spec_ttl_s=a.spec_ttl, fetch_timeout_s=a.fetch_timeout,
                     drain_timeout_s=a.drain_timeout, rpc_ms=a.sim_rpc_ms,
                     kills=list(a.kills), joins=list(a.joins))
+    if base not in ("oracle", "bound"):
+        return _sim_run(wl, cfg, spec, router_cfg, a, cost, progress)
+    # The oracle's (and the bound's) candidate plans, each scored by the simulated replay itself (engines' own
+    # prefix caches, the pools' capacities and tiers included): the one serving the most requests within the
+    # SLO wins, then the lowest TTFT p99 and mean.
+    runs = {rule: _sim_run(wl, replace(cfg, oracle_rules=(rule,)), spec, router_cfg, a, cost, None) for rule in RULES}
+    best = min(runs, key=lambda r: (-runs[r]["summary"]["slo_attainment"], runs[r]["summary"]["ttft_p99_s"],
+                                    runs[r]["summary"]["ttft_mean_s"], r))
+    out = runs[best]
+    out["summary"]["oracle"]["scored"] = {
+        r: {"slo_attainment": round(v["summary"]["slo_attainment"], 4), "ttft_p99_s": round(v["summary"]["ttft_p99_s"], 4)}
+        for r, v in runs.items()}
+    if progress is not None:
+        progress.update(len(out["records"]))
+    return out
+
+
+def _sim_run(wl: Workload, cfg: SimConfig, spec: Any, router_cfg: tuple[str, str, float], a: ReplayConfig,
+             cost: CostModel, progress: Any) -> dict[str, Any]:
+    """One simulated run of ``cfg`` and its summary (``run_policy_sim``'s return shape)."""
+    base, (rate, _), free = cfg.policy, link_of(a), a.network == "none"
     driver = SimDriver(wl, cfg)
     result = driver.run()
     if progress is not None:
