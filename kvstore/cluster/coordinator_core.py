@@ -189,7 +189,8 @@ class CoordinatorCore:
         self.decision_sources: Counter[str] = Counter()  # replicate decisions by the scorer behind them
         self.egress_saved_bytes = 0  # holder egress copy trees saved against copying all from one source
         self.pages_from: Counter[str] = Counter()  # speculative pages copied, by the node that sent them
-        self.warming = Warming(self.plan_cfg.join_warm_s if self.policy == "predictive" else 0.0)
+        self.warming = Warming(self.plan_cfg.join_warm_s if self.policy == "predictive" else 0.0,
+                               settle_s=config.heartbeat_timeout)
 
     # ---- inputs ---------------------------------------------------------------
     def _holders_count(self, namespace: str, key: bytes) -> int:

@@ -3,9 +3,10 @@
 Pure logic over an explicit clock; the coordinator core (:mod:`kvstore.cluster.coordinator_core`) runs it
 in the daemon and in the simulated replay. Rules:
 
-1. **Who joins.** A live member the coordinator first sees after its first tick (the members of that
-   tick are the cluster as it started, with nothing forecast yet), or one that left and came back (a
-   replaced node). With ``join_warm_s`` 0 nobody is warmed: a node serves as soon as it is a member.
+1. **Who joins.** A live member the coordinator first sees once it has watched the membership for a
+   heartbeat timeout (``settle_s``: the members it sees before are the cluster as it started, or as it
+   found it on taking the role), or one that left and came back (a replaced node). With ``join_warm_s``
+   0 nobody is warmed: a node serves as soon as it is a member.
 2. **What it gets** (:func:`warm_copies`). Every prefix for which the rate forecaster expects at least
    one request a live node within the predictor's horizon (``expected`` over ``horizon_s``, the joiner
    counted: what it expects hot, spread over the nodes a router spreads it over), most requests first,
@@ -41,16 +42,19 @@ class _Joiner:
 class Warming:
     """The joiners of a cluster and their warm mark (the module doc)."""
 
-    def __init__(self, bound_s: float) -> None:
-        self.bound_s = bound_s
-        self._known: set[str] | None = None
+    def __init__(self, bound_s: float, settle_s: float = 0.0) -> None:
+        self.bound_s, self.settle_s = bound_s, settle_s
+        self._since: float | None = None  # when it first saw the membership
+        self._known: set[str] = set()
         self._joiners: dict[str, _Joiner] = {}
         self.joined = 0  # nodes warmed (or warming) since the start
 
     def see(self, live: Collection[str], now: float) -> list[str]:
         """The live members now; returns the joiners whose copies are still to be planned (rule 1)."""
-        if self._known is None:
-            self._known = set(live)
+        if self._since is None:
+            self._since = now
+        if now - self._since <= self.settle_s:
+            self._known.update(live)
             return []
         if self.bound_s > 0:
             for node in live:
@@ -61,6 +65,10 @@ class Warming:
         for node in [n for n in self._joiners if n not in self._known]:
             del self._joiners[node]  # gone again before it was warm
         return [n for n, j in self._joiners.items() if not j.planned]
+
+    def settled(self, now: float) -> bool:
+        """Whether a member first seen now counts as joining (rule 1)."""
+        return self._since is not None and now - self._since > self.settle_s
 
     def planned(self, node: str, copies: int) -> None:
         """``node``'s warm copies were started (``copies`` of them; 0: nothing to get, it serves now)."""

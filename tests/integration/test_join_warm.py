@@ -14,7 +14,7 @@ from kvstore_client import KvClient
 
 @pytest.mark.parametrize("warm", [10.0, 0.0])
 def test_a_joining_node_gets_the_hot_prefix_before_it_serves(make_server, warm: float) -> None:  # type: ignore[no-untyped-def]
-    common = dict(replication="predictive", transport="tcp", heartbeat_interval=0.05, heartbeat_timeout=2.0,
+    common = dict(replication="predictive", transport="tcp", heartbeat_interval=0.05, heartbeat_timeout=0.5,
                   planner_tick=0.05, capacity=16 << 20, predictor_depths=(1, 2, 4), join_warm=warm)
     a = make_server(node_id="a", **common)
     b = make_server(node_id="b", peers=(a.address,), **common)
@@ -27,6 +27,11 @@ def test_a_joining_node_gets_the_hot_prefix_before_it_serves(make_server, warm: 
         for i in range(40):  # a burst on the prefix, served by both nodes
             (ka if i % 2 else kb).lookup("m", keys, record=True)
             time.sleep(0.01)
+        core = a.call(lambda: a.server.agent.placement.core)
+        deadline = time.monotonic() + 10
+        while not a.call(lambda: core.warming.settled(core.clock())):  # members from now on join
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         c = make_server(node_id="c", peers=(a.address,), **common)
         with KvClient(c.address) as kc:
             kc.create_namespace("m", 4096)
@@ -39,7 +44,7 @@ def test_a_joining_node_gets_the_hot_prefix_before_it_serves(make_server, warm: 
             time.sleep(0.02)
         else:
             raise AssertionError("c never served")
-        warmed = a.call(lambda: a.server.agent.placement.core.decisions["warm"])
+        warmed = a.call(lambda: core.decisions["warm"])
         assert warmed == (1 if warm else 0)  # the hot prefix, once, before c left the joining list
     for srv in (a, b, c):
         check_pools_sound(srv)

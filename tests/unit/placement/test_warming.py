@@ -18,6 +18,12 @@ def test_the_first_members_are_the_cluster_a_later_one_joins_and_serves_once_its
     assert w.joining(3.0) == [] and w.joined == 1
 
 
+def test_the_members_seen_while_the_coordinator_settles_are_the_cluster_as_it_started() -> None:
+    w = Warming(30.0, settle_s=2.0)
+    assert w.see(["a"], 10.0) == [] and w.see(["a", "b"], 11.0) == [] and w.see(["a", "b", "c"], 12.0) == []
+    assert w.see(["a", "b", "c", "d"], 12.5) == ["d"] and w.joining(12.5) == ["d"]
+
+
 def test_a_joiner_with_nothing_to_get_serves_at_once_and_the_bound_ends_a_slow_warm() -> None:
     w = Warming(30.0)
     w.see(["a"], 0.0)
