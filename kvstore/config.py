@@ -373,8 +373,8 @@ class NodeConfig(BaseModel):
         "SECONDS", gt=0, planner="min_part_s")
     join_warm: float = planner(
         30.0, "a node that joins a running cluster gets copies of the prefixes the forecast expects hot before "
-        "routers send it traffic (its `warming` mark in Status), for at most this long (0: no warming, it serves "
-        "at once)", "SECONDS", ge=0, planner="join_warm_s")
+        "routers send it traffic (it is listed in `joining` of the coordinator's Status meanwhile), for at most "
+        "this long (0: no warming, it serves at once)", "SECONDS", ge=0, planner="join_warm_s")
 
     # -- security
     tls_cert: str = security("", "PEM certificate chain of this node: every port (gRPC, data channel, peer "

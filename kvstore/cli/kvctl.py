@@ -94,6 +94,8 @@ CLUSTER_COLUMNS = ("node", "role", "address", "transport", "capacity", "used", "
 def render_cluster_status(status: Any) -> str:
     """``kvctl cluster status``'s text for a ClusterStatusResponse: one row per member."""
     head = f"view of {status.node_id}: {len(status.members)} live members, coordinator {status.coordinator}"
+    if status.joining:
+        head += f"; joining (warmed from the forecast, no traffic yet): {', '.join(status.joining)}"
     rows = [[m.node_id, m.role, m.address, ",".join(f"{e.kind}:{e.port}" for e in m.endpoints),
              format_size(m.capacity_bytes), format_size(m.used_bytes), _hit_rate(m.hits, m.misses), m.remote_hits,
              f"{m.last_seen_seconds_ago:.1f}s"] for m in status.members]

@@ -222,3 +222,6 @@ def test_cluster_table() -> None:
         ["b", "member", "127.0.0.1:7402", "tcp:7503", "0 B", "0 B", "-", "0", "1.0s"],
     ]
     _check_aligned(header, rows, left=4)  # names and addresses left-aligned, sizes and numbers right-aligned
+    status.joining.append("b")
+    assert kvctl.render_cluster_status(status).splitlines()[0] == \
+        "view of a: 2 live members, coordinator a; joining (warmed from the forecast, no traffic yet): b"
