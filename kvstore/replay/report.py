@@ -6,7 +6,7 @@ Rendering only; the numbers come from ``results.json`` (see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,21 +172,26 @@ def decision_lines(w: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def failover_table(w: dict[str, Any]) -> str:
-    """TTFT of the requests in the 30 s after each ``--kill``, per configuration (medians over seeds)."""
+def _event_rows(w: dict[str, Any], key: str, row: Callable[[str, str, dict[str, Any], list[dict[str, Any]]], str]
+                ) -> list[str]:
+    """One row per configuration and event of ``key`` (``failover``: a ``--kill``, ``joins``: a ``--join``)
+    in the runs that have it: ``row(policy, router, the first seed's event, every seed's event)``."""
     rows = []
     order = {p: i for i, p in enumerate(POLICIES)}
     for label in sorted(w.get("runs", {}), key=lambda k: (order.get(k.split("|")[0], 9), k)):
-        runs = [r for r in w["runs"][label] if r.get("failover")]
-        if not runs:
-            continue
+        runs = [r for r in w["runs"][label] if r.get(key)]
         policy, router = label.split("|")
-        for j, f in enumerate(runs[0]["failover"]):
-            per = [r["failover"][j] for r in runs]
-            rows.append(f"| {policy} | {router} | {f['node']}@{f['t']:g} | {_med(per, 'requests'):.0f} | "
-                        f"{_med(per, 'ttft_p50_s'):.3f} | {_rng(per, 'ttft_p99_s')} | {_med(per, 'ttft_mean_s'):.3f} | "
-                        f"{_med(per, 'on_killed_node'):.0f} | {_med(per, 'kv_errors'):.0f} | "
-                        f"{_med(per, 'miss_ratio'):.2f} |")
+        for j, f in enumerate(runs[0][key] if runs else ()):
+            rows.append(row(policy, router, f, [r[key][j] for r in runs]))
+    return rows
+
+
+def failover_table(w: dict[str, Any]) -> str:
+    """TTFT of the requests in the 30 s after each ``--kill``, per configuration (medians over seeds)."""
+    rows = _event_rows(w, "failover", lambda policy, router, f, per: (
+        f"| {policy} | {router} | {f['node']}@{f['t']:g} | {_med(per, 'requests'):.0f} | "
+        f"{_med(per, 'ttft_p50_s'):.3f} | {_rng(per, 'ttft_p99_s')} | {_med(per, 'ttft_mean_s'):.3f} | "
+        f"{_med(per, 'on_killed_node'):.0f} | {_med(per, 'kv_errors'):.0f} | {_med(per, 'miss_ratio'):.2f} |"))
     if not rows:
         return ""
     span = w["runs"][next(iter(w["runs"]))][0]["failover"][0]["span_s"]
@@ -196,24 +201,30 @@ def failover_table(w: dict[str, Any]) -> str:
     return head + "\n" + "\n".join(rows) + "\n\n" + failover_ratio_lines(w)
 
 
+def _join_row(policy: str, router: str, f: dict[str, Any], per: list[dict[str, Any]]) -> str:
+    """A ``--join``'s row; the joined node's hit ratio and TTFT over the seeds where it served a request."""
+    joined, rest = [e["joined"] for e in per], [e["serving"] for e in per]
+    served = [(a, b) for a, b in zip(joined, rest) if a["requests"]]
+    own = [a for a, _ in served]
+    ratio = [a["hit_ratio"] / b["hit_ratio"] for a, b in served if b["hit_ratio"] > 0]
+    first = [e["first_request_after_s"] for e in per if e["first_request_after_s"] is not None]
+    cells = [
+        f"{float(np.median(first)):.2f}" if first else "-",
+        f"{_med(joined, 'requests'):.0f}",
+        f"{_med(own, 'hit_ratio'):.3f}" if own else "-",
+        f"{_med(rest, 'hit_ratio'):.3f}",
+        f"{float(np.median(ratio)):.2f}x" if ratio else "-",
+        f"{_med(own, 'ttft_p50_s'):.3f} / {_med(own, 'ttft_p99_s'):.3f}" if own else "-",
+        f"{_med(rest, 'ttft_p50_s'):.3f} / {_med(rest, 'ttft_p99_s'):.3f}",
+        f"{_med(joined, 'slower_than_cold_prefill'):.0f} / {_med(rest, 'slower_than_cold_prefill'):.0f}",
+    ]
+    return f"| {policy} | {router} | {f['node']}@{f['t']:g} | " + " | ".join(cells) + " |"
+
+
 def join_table(w: dict[str, Any]) -> str:
     """The first minute after each ``--join``, per configuration (medians over seeds): the joined node's hit
     ratio and TTFT against the nodes already serving."""
-    rows = []
-    order = {p: i for i, p in enumerate(POLICIES)}
-    for label in sorted(w.get("runs", {}), key=lambda k: (order.get(k.split("|")[0], 9), k)):
-        runs = [r for r in w["runs"][label] if r.get("joins")]
-        policy, router = label.split("|")
-        for j, f in enumerate(runs[0]["joins"] if runs else ()):
-            own, rest = [r["joins"][j]["joined"] for r in runs], [r["joins"][j]["serving"] for r in runs]
-            ratio = [a["hit_ratio"] / b["hit_ratio"] for a, b in zip(own, rest) if b["hit_ratio"] > 0]
-            first = [r["joins"][j]["first_request_after_s"] for r in runs]
-            rows.append(f"| {policy} | {router} | {f['node']}@{f['t']:g} | "
-                        f"{np.median([x for x in first if x is not None]) if any(x is not None for x in first) else '-'} | "
-                        f"{_med(own, 'requests'):.0f} | {_med(own, 'hit_ratio'):.3f} | {_med(rest, 'hit_ratio'):.3f} | "
-                        f"{float(np.median(ratio)) if ratio else 0.0:.2f}x | {_med(own, 'ttft_p50_s'):.3f} / "
-                        f"{_med(own, 'ttft_p99_s'):.3f} | {_med(rest, 'ttft_p50_s'):.3f} / {_med(rest, 'ttft_p99_s'):.3f} | "
-                        f"{_med(own, 'slower_than_cold_prefill'):.0f} / {_med(rest, 'slower_than_cold_prefill'):.0f} |")
+    rows = _event_rows(w, "joins", _join_row)
     if not rows:
         return ""
     span = w["runs"][next(iter(w["runs"]))][0]["joins"][0]["span_s"]

@@ -36,8 +36,8 @@ def test_full_policy_copies_every_page_everywhere(make_server) -> None:  # type:
         check_pools_sound(srv)
 
 
-@pytest.mark.parametrize("policy", ["none", "reactive"])
-def test_reactive_and_none_place_nothing(make_server, policy: str) -> None:  # type: ignore[no-untyped-def]
+def _pair(make_server, policy: str) -> tuple:  # type: ignore[no-untyped-def]
+    """Nodes ``a`` and ``b`` under ``policy``, each with namespace ``m`` of 4 KiB pages."""
     common = dict(replication=policy, transport="tcp", heartbeat_interval=0.05, heartbeat_timeout=2.0,
                   planner_tick=0.05, capacity=16 << 20)
     a = make_server(node_id="a", **common)
@@ -45,6 +45,12 @@ def test_reactive_and_none_place_nothing(make_server, policy: str) -> None:  # t
     for srv in (a, b):
         with KvClient(srv.address) as kv:
             kv.create_namespace("m", 4096)
+    return a, b
+
+
+@pytest.mark.parametrize("policy", ["none", "reactive"])
+def test_reactive_and_none_place_nothing(make_server, policy: str) -> None:  # type: ignore[no-untyped-def]
+    a, b = _pair(make_server, policy)
     with KvClient(a.address) as ka, KvClient(b.address) as kb:
         ka.put("m", keys_for(3), random_pages(3, 4096))
         deadline = time.monotonic() + 5
@@ -59,13 +65,7 @@ def test_reactive_and_none_place_nothing(make_server, policy: str) -> None:  # t
 def test_a_heartbeat_tells_the_coordinator_what_a_forecast_copy_may_push_out(make_server) -> None:  # type: ignore[no-untyped-def]
     """Each node's heartbeat carries its unheld plain pages (what a forecast copy may displace on a full
     pool) and their price; the coordinator's view of it is what the planner plans with."""
-    common = dict(replication="predictive", transport="tcp", heartbeat_interval=0.05, heartbeat_timeout=2.0,
-                  planner_tick=0.05, capacity=16 << 20)
-    a = make_server(node_id="a", **common)
-    b = make_server(node_id="b", peers=(a.address,), **common)
-    for srv in (a, b):
-        with KvClient(srv.address) as kv:
-            kv.create_namespace("m", 4096)
+    a, b = _pair(make_server, "predictive")
     with KvClient(b.address) as kb:
         kb.put("m", keys_for(3), random_pages(3, 4096))
         lease = kb.pin("m", keys_for(1), ttl=60.0)  # a pinned page is never displaced

@@ -369,3 +369,5 @@ def test_a_node_joining_a_ramp_is_warmed_from_the_forecast_before_routers_use_it
     assert jw["first_request_after_s"] > jc["first_request_after_s"]  # routers waited for the warm mark
     assert jw["joined"]["ttft_p99_s"] < jc["joined"]["ttft_p99_s"]
     assert jw["joined"]["hit_ratio"] >= 0.8 * jw["serving"]["hit_ratio"]
+    report = (tmp_path / "warm" / "report.md").read_text()
+    assert "After the join" in report and f"| predictive | least-load | n8@60 | {jw['first_request_after_s']:.2f} |" in report
