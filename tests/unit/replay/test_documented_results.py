@@ -263,3 +263,31 @@ def test_regimes_at_load_where_the_store_costs_a_step(tmp_path: Path) -> None:
     # eth-100g_n8_b48_w2_c4096: predictive|least-load 0.96x (0.96-1.00) vLLM alone under least-load
     got = _cell_capacities(tmp_path, "eth-100g", 48, 2, 4096, "engine-only|least-load,predictive|least-load")
     assert_ratio(_ratios(got["predictive|least-load"], got["engine-only|least-load"]), "0.96", "0.96", "1.00")
+
+
+# ---- docs/benchmarks.md, "Results: forecast copies on full pools, and a node that joins" ---------------
+
+def test_forecast_copies_on_full_pools_are_placed_and_read_seed_0(tmp_path: Path) -> None:
+    # recurring --quiet 900 at 5.66x: predictive|mooncake 14-21 copies a run, 67-82 % of their bytes read
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert replay_main(["--sim", "--nodes", "8", "--preset", "llama3-70b-tp8", "--link", "eth-100g", "--capacity",
+                            "preset", "--trace", "recurring", "--quiet", "900", "--rate-scale", "5.66", "--configs",
+                            "predictive|mooncake", "--no-plots", "--no-progress", "--out", str(tmp_path)]) == 0
+    (w,) = json.loads((tmp_path / "results.json").read_text())["workloads"].values()
+    (run,) = w["runs"]["predictive|mooncake"]
+    assert run["planner_decisions"]["replicate"] == 16 and stated(run["spec_read_share"], "0.67")
+
+
+def test_a_node_joining_a_ramp_seed_0(tmp_path: Path) -> None:
+    # ramp, 9 nodes, n8 joins at 60 s, predictive|least-load: TTFT p99 on it over its first minute 0.246 s warm,
+    # 0.402 s cold; its first request 3.49 s and 2.15 s after it joined
+    got = {}
+    for name, extra in (("warm", []), ("cold", ["--kvstored-arg=--join-warm=0"])):
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert replay_main(["--sim", "--trace", "ramp", "--nodes", "9", "--join", "n8@60", "--preset", "llama3-70b-tp8",
+                                "--link", "eth-100g", "--capacity", "preset", "--configs", "predictive|least-load",
+                                "--no-plots", "--no-progress", *extra, "--out", str(tmp_path / name)]) == 0
+        (w,) = json.loads((tmp_path / name / "results.json").read_text())["workloads"].values()
+        (got[name],) = w["runs"]["predictive|least-load"][0]["joins"]
+    assert stated(got["warm"]["joined"]["ttft_p99_s"], "0.246") and stated(got["cold"]["joined"]["ttft_p99_s"], "0.402")
+    assert stated(got["warm"]["first_request_after_s"], "3.49") and stated(got["cold"]["first_request_after_s"], "2.15")
