@@ -288,7 +288,8 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
         slo_factor=a.slo_factor, gpus=cost.gpus, block_tokens=cost.block_tokens,
         slo_ttft=a.slo_ttft)
     held = replica_gib_s(result.timeline, cost.page_bytes)
-    summary.update(replica_gib_s_speculative=round(held["speculative"], 3), replica_gib_s=round(held["replica"], 3))
+    summary.update(replica_gib_s_speculative=round(held["speculative"], 3), replica_gib_s=round(held["replica"], 3),
+                   replica_gib_s_sunk=round(held["sunk"], 3))
     summary.update(put_errors=result.put_errors, wall_s=round(result.wall_s, 2), oracle=result.oracle,
                    daemon_args=spec.args("nX"), router=router_cfg[0], network=network,
                    # the daemons' CPU over the replay (real s; n0 is the coordinator): a cost the simulator
