@@ -76,8 +76,8 @@ class TickPlanner:
         self.promotions: list[tuple[str, tuple[bytes, ...], str]] = []  # this tick's (namespace, keys, node)
         self.recurring: set[PrefixId] = set()  # this tick's forecasts worth a promotion (RETURN_EVIDENCE)
         self._promoted: dict[tuple[str, bytes, str], float] = {}       # (namespace, deepest key, node) -> when
-        self.warmups: list[WarmCopy] = []
-        self._joiners: dict[str, int] = {}     # this tick's joiners -> bytes they take      # this tick's copies to joining nodes (namespace, keys, source, node)
+        self.warmups: list[WarmCopy] = []      # this tick's copies to joining nodes (namespace, keys, source, node)
+        self._joiners: dict[str, int] = {}     # this tick's joiners -> bytes they take
 
     # ---- the tick ----------------------------------------------------------------------------------
     def plan(self, scores: Any, speculative: Speculative, now: float, nodes: list[NodeState], bandwidth: float,

@@ -209,8 +209,8 @@ class _Tick:
         """Recompute the cluster-wide bounds, at the start and after each decision.
 
         ``room``: the most speculative bytes any live node can still take, pushing out its cold pages
-        (a full cluster rejects a candidate in O(depths), not O(depths x nodes)). ``rate``: that of the fastest copy any source
-        could send any target now: a depth too late at it is too late everywhere."""
+        (a full cluster rejects a candidate in O(depths), not O(depths x nodes)). ``rate``: that of the
+        fastest copy any source could send any target now: a depth too late at it is too late everywhere."""
         room, send, receive = 0, 0.0, 0.0
         for n in self.live.values():  # once a decision: one loop, out_share() and in_share inlined
             state = n.state

@@ -69,7 +69,8 @@ def daemon_settings(cfg: ReplayConfig) -> dict[str, Any]:
 
 _SYNTH = SynthSpec()
 DEFAULT_RPC_MS = 1.5   # real ms per KV round trip (Lookup, Get, Put, Replicate) on the harness machine (--sim)
-LISTS = ("trace", "kill", "join", "kvstored_arg")  # repeatable flags: argparse appends to a list, the config keeps a tuple
+# repeatable flags: argparse appends to a list, the config keeps a tuple
+LISTS = ("trace", "kill", "join", "kvstored_arg")
 
 
 @dataclass(frozen=True)

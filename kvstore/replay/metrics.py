@@ -261,7 +261,8 @@ def after_join(records: Iterable[RequestRecord], node: str, t: float, span_s: fl
 
     own = [r for r in recs if r.node == node]
     first = min((r.t for r in own), default=None)
-    return {"node": node, "t": t, "span_s": span_s, "first_request_after_s": None if first is None else round(first - t, 3),
+    return {"node": node, "t": t, "span_s": span_s,
+            "first_request_after_s": None if first is None else round(first - t, 3),
             "joined": side(own), "serving": side([r for r in recs if r.node != node])}
 
 
