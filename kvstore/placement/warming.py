@@ -53,7 +53,7 @@ class Warming:
         """The live members now; returns the joiners whose copies are still to be planned (rule 1)."""
         if self._since is None:
             self._since = now
-        if now - self._since <= self.settle_s:
+        if not self.settled(now):
             self._known.update(live)
             return []
         if self.bound_s > 0:
@@ -112,15 +112,15 @@ def warm_copies(rows: Sequence[tuple[PrefixId, tuple[bytes, ...], int]], expecte
     left = dict(room)
     sends: Counter[str] = Counter()
     for (namespace, _), (_, chain, page) in sorted(groups.items(), key=lambda kv: (-kv[1][0], kv[0])):
-        held = holders(namespace, chain)
+        sources = {n: length for n, length in holders(namespace, chain).items() if n not in joiners}
+        if not sources:
+            continue
+        depth = max(sources.values())
+        deepest = [n for n, length in sources.items() if length == depth]
         for joiner in joiners:
-            sources = {n: length for n, length in held.items() if n not in joiners}
-            if not sources:
-                break
-            depth = max(sources.values())
             if depth * page > left.get(joiner, 0):
                 continue
-            source = min((n for n, length in sources.items() if length == depth), key=lambda n: (sends[n], n))
+            source = min(deepest, key=lambda n: (sends[n], n))
             sends[source] += 1
             left[joiner] -= depth * page
             out.append((namespace, chain[:depth], source, joiner))

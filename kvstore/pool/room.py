@@ -17,7 +17,7 @@ planner prices with. Pure: no I/O, no clock.
    forecast's probability times the requests each copy serves, exceed that price: it places nothing
    where displacing does not pay. What the copy pushes out goes down to the tier below as any eviction
    does (the tier's admission decides), or is gone on a node without one.
-3. **Sinking** (:func:`sinks`). A copy whose forecast ended (its expiry passed, or the planner dropped
+3. **Sinking.** A copy whose forecast ended (its expiry passed, or the planner dropped
    it as decayed or surplus) goes down to the tier below like an evicted page, read or not, and from
    there through the tiers to nothing by their own eviction; a quiet period holds fewer copies in the
    pool, and a prefix that comes back finds its copy one tier down. A copy never read before it left the
@@ -56,4 +56,3 @@ def copy_value(prob: float, demand: float, copies: int) -> float:
     where it lacks, times the forecast requests (``demand``, 0: unknown, then one) each of ``copies``
     replicas serves."""
     return prob * max(1.0, demand / max(1, copies))
-

@@ -28,7 +28,7 @@ from kvstore.replay.config import (POLICIES, TIER_POLICIES, ReplayConfig, add_da
                                    link_of)
 from kvstore.replay.costmodel import LINKS, PRESETS, CostModel
 from kvstore.replay.engine import Driver, RunConfig
-from kvstore.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum, replica_gib_s
+from kvstore.replay.metrics import after_kill, aggregate, check, cluster_summary, metric_sum, replica_fields
 from kvstore.replay.report import (capacity_summary, capacity_table, plot_capacity, plot_cdf, plot_timeline,
                                    ratios, render, sweep_table)
 from kvstore.replay.routers import ROUTERS
@@ -287,9 +287,7 @@ def run_policy(wl: Workload, policy: str, router_cfg: tuple[str, str, float], a:
         result.oracle.get("copied_pages", 0), result.placed_used_pages, link_bytes, link_of(a)[0]),
         slo_factor=a.slo_factor, gpus=cost.gpus, block_tokens=cost.block_tokens,
         slo_ttft=a.slo_ttft)
-    held = replica_gib_s(result.timeline, cost.page_bytes)
-    summary.update(replica_gib_s_speculative=round(held["speculative"], 3), replica_gib_s=round(held["replica"], 3),
-                   replica_gib_s_sunk=round(held["sunk"], 3))
+    summary.update(replica_fields(result.timeline, cost.page_bytes))
     summary.update(put_errors=result.put_errors, wall_s=round(result.wall_s, 2), oracle=result.oracle,
                    daemon_args=spec.args("nX"), router=router_cfg[0], network=network,
                    # the daemons' CPU over the replay (real s; n0 is the coordinator): a cost the simulator

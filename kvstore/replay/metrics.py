@@ -388,6 +388,13 @@ def cluster_summary(policy: str, node_stats: Sequence[object], coordinator_metri
     }
 
 
+def replica_fields(timeline: dict[str, Any], page_bytes: int) -> dict[str, float]:
+    """The summary's replica-seconds fields (:func:`replica_gib_s`), live and simulated alike."""
+    held = replica_gib_s(timeline, page_bytes)
+    return {"replica_gib_s_speculative": round(held["speculative"], 3), "replica_gib_s": round(held["replica"], 3),
+            "replica_gib_s_sunk": round(held["sunk"], 3)}
+
+
 def replica_gib_s(timeline: dict[str, Any], page_bytes: int) -> dict[str, float]:
     """Replica-seconds: GiB (unscaled ``page_bytes`` per slot) x trace seconds held, summed over nodes, of
     the speculative replicas, of the plain replicas (pages a node pulled or was copied and kept) and of

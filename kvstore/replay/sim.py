@@ -33,7 +33,7 @@ from kvstore.replay.serve import (EngineState, Get, Lookup, Op, Prefill, Put, Ru
 from kvstore.replay.config import DEFAULT_RPC_MS, ReplayConfig, cluster_and_router, link_of
 from kvstore.replay.costmodel import CostModel
 from kvstore.replay.metrics import (RequestRecord, after_join, after_kill, aggregate, cluster_summary,
-                                  replica_gib_s)
+                                  replica_fields)
 from kvstore.replay.oracle import RULES, Plan, Step, plan
 from kvstore.replay.routers import NodeView, Router, views_from_lookup
 from kvstore.replay.sim_cluster import PRIMARY, SPECULATIVE, ClusterParams, SimCluster
@@ -410,9 +410,7 @@ def _sim_run(wl: Workload, cfg: SimConfig, spec: Any, router_cfg: tuple[str, str
         slo_factor=a.slo_factor, gpus=cost.gpus, block_tokens=cost.block_tokens,
         slo_ttft=a.slo_ttft)
     network = driver.cluster.net.describe() if not free else {"kind": "none"}
-    held = replica_gib_s(result.timeline, cost.page_bytes)
-    summary.update(replica_gib_s_speculative=round(held["speculative"], 3), replica_gib_s=round(held["replica"], 3),
-                   replica_gib_s_sunk=round(held["sunk"], 3))
+    summary.update(replica_fields(result.timeline, cost.page_bytes))
     summary.update(put_errors=result.put_errors, wall_s=round(result.wall_s, 2), oracle=result.oracle,
                    daemon_args=spec.args("nX"), router=router_cfg[0], network=network, simulated=True,
                    sim={"rpc_ms": cfg.rpc_ms, "coordinator": result.coordinator})

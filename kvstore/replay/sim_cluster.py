@@ -143,9 +143,13 @@ class SimPool:
             self.reads.pop(k, None)
             changes[k] = _Page(k, kind, expires_at if kind == SPECULATIVE else 0.0)
             stored.append(k)
+        self._record(changes)
+        return [k for k in stored if self.in_pool(k)]
+
+    def _record(self, changes: dict[bytes, _Page | None]) -> None:
+        """Tell the directory the last change of each key (a page added or moved, or None: gone)."""
         self.outbox.record(self.ns, [p for p in changes.values() if p is not None],
                            [k for k, p in changes.items() if p is None])
-        return [k for k in stored if self.in_pool(k)]
 
     def _evict(self, changes: dict[bytes, _Page | None]) -> None:
         """Make room for one page (``room.victim``: the least recently used plain page, a speculative copy
@@ -153,11 +157,18 @@ class SimPool:
         queue, reason = victim(self.spec, self.lru)
         key, kind = queue.popitem(last=False)
         self.evictions[reason] += 1
-        self._down(key, REPLICA if queue is self.spec else kind, self.reads.pop(key, 0), changes)
         if queue is self.spec:
             self.spec_wasted_pages += 1
-            if key in self.disk:
-                self.sunk.add(key)
+            self._sink(key, changes)
+        else:
+            self._down(key, kind, self.reads.pop(key, 0), changes)
+
+    def _sink(self, key: bytes, changes: dict[bytes, _Page | None]) -> None:
+        """A speculative copy leaves the pool unread: down onto the disk as a replica (counted as sunk), if the
+        admission takes it."""
+        self._down(key, REPLICA, 0, changes)
+        if key in self.disk:
+            self.sunk.add(key)
 
     def _down(self, key: bytes, kind: int, reads: int, changes: dict[bytes, _Page | None]) -> None:
         """A page leaves the pool: onto the disk if the admission takes it (a copy already there is
@@ -239,12 +250,9 @@ class SimPool:
         self.spec_wasted_pages += len(gone)
         changes: dict[bytes, _Page | None] = {}
         for k in gone:
-            self._down(k, REPLICA, 0, changes)
-            if k in self.disk:
-                self.sunk.add(k)
+            self._sink(k, changes)
         if changes:
-            self.outbox.record(self.ns, [p for p in changes.values() if p is not None],
-                               [k for k, p in changes.items() if p is None])
+            self._record(changes)
         return len(gone)
 
     def clear(self) -> None:
